@@ -1,0 +1,3 @@
+from ckpt_cli.cli.app import main
+
+main()

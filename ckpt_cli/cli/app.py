@@ -1,0 +1,77 @@
+"""The typer application, and `main`, which maps errors to one line and an exit code."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+import typer
+
+from ckpt_cli import __version__
+from ckpt_cli.cli import convert_cmd, demo_cmd, inspect_cmd, verify_cmd
+from ckpt_cli.cli.output import error
+from ckpt_cli.errors import CkptError
+
+app = typer.Typer(
+    name="ckpt",
+    help="Inspect, verify and convert training checkpoints: DCP, DeepSpeed ZeRO, Hugging Face, safetensors, torch.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version and exit."),
+) -> None:
+    """Inspect, verify and convert training checkpoints."""
+
+
+app.command("inspect")(inspect_cmd.inspect)
+app.command("verify")(verify_cmd.verify)
+app.command("convert")(convert_cmd.convert)
+app.command("reshard")(convert_cmd.reshard)
+app.command("merge")(convert_cmd.merge)
+app.command("split")(convert_cmd.split)
+app.command("demo")(demo_cmd.demo)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; exit 0 on success, 1 when the data is wrong, 2 when the call is wrong."""
+    debug = bool(os.environ.get("CKPT_DEBUG"))
+    try:
+        code = app(args=argv, prog_name="ckpt", standalone_mode=False)
+    except CkptError as exc:
+        if debug:
+            raise
+        error(str(exc))
+        code = exc.exit_code
+    except click.UsageError as exc:
+        exc.show()
+        code = 2
+    except click.ClickException as exc:
+        exc.show()
+        code = exc.exit_code
+    except (KeyboardInterrupt, click.Abort):
+        error("interrupted; no destination was written")
+        code = 130
+    except OSError as exc:
+        if debug:
+            raise
+        error(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
+        code = 1
+    except Exception as exc:  # a bug in ckpt: still one line, the traceback on request
+        if debug:
+            raise
+        error(f"internal error: {type(exc).__name__}: {exc} (set CKPT_DEBUG=1 for the traceback)")
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,188 @@
+"""`ckpt convert`, `reshard`, `merge`, `split`: the writing commands, each a target layout."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckpt_cli.cli import output
+from ckpt_cli.cli.options import (
+    AddPrefix,
+    Dest,
+    DryRun,
+    DType,
+    Format,
+    Json,
+    MaxShardSize,
+    NumShards,
+    Overwrite,
+    Quiet,
+    Select,
+    Source,
+    StripPrefix,
+    Tag,
+    TrustPickle,
+    WeightsOnly,
+    WorldSize,
+)
+from ckpt_cli.core import dtypes
+from ckpt_cli.core.atomic import check_destination
+from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.core.sizes import human_bytes, parse_size
+from ckpt_cli.ops import convert as convert_op
+from ckpt_cli.ops.source import open_checkpoint
+from ckpt_cli.ops.transform import Transform
+
+
+def _transform(dtype: str, weights_only: bool, select: list[str] | None, strip: str | None, add: str | None) -> Transform:
+    cast = None if dtype == "keep" else dtypes.by_name(dtype)
+    return Transform(tuple(select or ()), strip, add, weights_only, cast)
+
+
+def _write_options(world_size: int | None, max_shard_size: str | None, num_shards: int | None) -> WriteOptions:
+    if max_shard_size and num_shards:
+        raise typer.BadParameter("give --max-shard-size or --num-shards, not both")
+    return WriteOptions(parse_size(max_shard_size) if max_shard_size else None, num_shards, world_size)
+
+
+def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, json_) -> None:  # noqa: ANN001
+    job = convert_op.prepare(src, dest, to, source, transform, write)
+    if dry_run:
+        if dest.exists() and not overwrite:
+            job.notes.append(f"{dest} exists: the real run needs --overwrite")
+        output.emit_json(convert_op.describe(job)) if json_ else output.emit(convert_op.describe_text(job))
+        return
+    check_destination(dest, overwrite)
+    for note in job.notes:
+        output.info(f"note: {note}", quiet)
+    with output.progress(job.plan.total_bytes, f"{to} -> {dest.name}", quiet) as bar:
+        convert_op.run(job, overwrite, bar)
+    output.info(f"wrote {job.plan.format} {dest} ({len(job.plan.files)} files, {human_bytes(job.plan.total_bytes)})", quiet)
+
+
+def convert(
+    src: Source,
+    dest: Dest,
+    to: Annotated[str, typer.Option("--to", help="Target format: hf, safetensors, torch.", show_default=False)],
+    world_size: WorldSize = None,
+    dtype: DType = "keep",
+    max_shard_size: MaxShardSize = None,
+    num_shards: NumShards = None,
+    weights_only: WeightsOnly = False,
+    select: Select = None,
+    strip_prefix: StripPrefix = None,
+    add_prefix: AddPrefix = None,
+    format_: Format = None,
+    tag: Tag = None,
+    trust_pickle: TrustPickle = False,
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+    json_: Json = False,
+) -> None:
+    """Convert any readable checkpoint to another format, streamed."""
+    _run(
+        src,
+        dest,
+        to,
+        convert_op.SourceOptions(format_, tag, trust_pickle),
+        _transform(dtype, weights_only, select, strip_prefix, add_prefix),
+        _write_options(world_size, max_shard_size, num_shards),
+        overwrite,
+        dry_run,
+        quiet,
+        json_,
+    )
+
+
+def reshard(
+    src: Source,
+    dest: Dest,
+    world_size: WorldSize = None,
+    num_shards: NumShards = None,
+    max_shard_size: MaxShardSize = None,
+    dtype: DType = "keep",
+    weights_only: WeightsOnly = False,
+    select: Select = None,
+    strip_prefix: StripPrefix = None,
+    add_prefix: AddPrefix = None,
+    format_: Format = None,
+    tag: Tag = None,
+    trust_pickle: TrustPickle = False,
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+    json_: Json = False,
+) -> None:
+    """Same format, new layout: --world-size N (dcp, deepspeed) or --num-shards/--max-shard-size (hf)."""
+    write = _write_options(world_size, max_shard_size, num_shards)
+    source = convert_op.SourceOptions(format_, tag, trust_pickle)
+    to = convert_op.reshard_target(open_checkpoint(src, format_, tag, trust_pickle).format, write)
+    _run(src, dest, to, source, _transform(dtype, weights_only, select, strip_prefix, add_prefix), write, overwrite, dry_run, quiet, json_)
+
+
+def merge(
+    src: Source,
+    dest: Dest,
+    dtype: DType = "keep",
+    all_: Annotated[
+        bool, typer.Option("--all/--weights-only", help="Keep optimizer and training state (torch .pt only); default: model weights.")
+    ] = False,
+    select: Select = None,
+    strip_prefix: StripPrefix = None,
+    add_prefix: AddPrefix = None,
+    format_: Format = None,
+    tag: Tag = None,
+    trust_pickle: TrustPickle = False,
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+    json_: Json = False,
+) -> None:
+    """All shards into one file: DST.safetensors or DST.pt (model weights unless --all)."""
+    to = convert_op.merge_target(dest, all_)
+    _run(
+        src,
+        dest,
+        to,
+        convert_op.SourceOptions(format_, tag, trust_pickle),
+        _transform(dtype, not all_, select, strip_prefix, add_prefix),
+        WriteOptions(),
+        overwrite,
+        dry_run,
+        quiet,
+        json_,
+    )
+
+
+def split(
+    src: Source,
+    dest: Dest,
+    max_shard_size: MaxShardSize = None,
+    num_shards: NumShards = None,
+    dtype: DType = "keep",
+    select: Select = None,
+    strip_prefix: StripPrefix = None,
+    add_prefix: AddPrefix = None,
+    format_: Format = None,
+    tag: Tag = None,
+    trust_pickle: TrustPickle = False,
+    overwrite: Overwrite = False,
+    dry_run: DryRun = False,
+    quiet: Quiet = False,
+    json_: Json = False,
+) -> None:
+    """One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB)."""
+    _run(
+        src,
+        dest,
+        "hf",
+        convert_op.SourceOptions(format_, tag, trust_pickle),
+        _transform(dtype, True, select, strip_prefix, add_prefix),
+        _write_options(None, max_shard_size, num_shards),
+        overwrite,
+        dry_run,
+        quiet,
+        json_,
+    )

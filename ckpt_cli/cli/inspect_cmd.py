@@ -1,0 +1,79 @@
+"""`ckpt inspect SRC`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ckpt_cli.cli import output
+from ckpt_cli.cli.options import Format, Json, Source, Tag, TrustPickle
+from ckpt_cli.core.sizes import human_bytes
+from ckpt_cli.ops import inspect as inspect_op
+from ckpt_cli.ops.source import open_checkpoint
+
+
+def inspect(
+    src: Source,
+    json_: Json = False,
+    yaml_: Annotated[bool, typer.Option("--yaml", help="YAML on stdout.")] = False,
+    tensors: Annotated[bool, typer.Option("--tensors", help="Add the table of tensors (name, dtype, shape, role).")] = False,
+    filter_: Annotated[Optional[list[str]], typer.Option("--filter", help="Only tensors matching this glob (repeatable).")] = None,
+    format_: Format = None,
+    tag: Tag = None,
+    trust_pickle: TrustPickle = False,
+) -> None:
+    """Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state."""
+    runs = inspect_op.run_folder(src) if tag is None and format_ is None else None
+    ckpt = open_checkpoint(src, format_, tag, trust_pickle)
+    doc = inspect_op.summary(ckpt, tuple(filter_ or ()))
+    if runs:
+        doc["tags"] = runs
+    if json_:
+        output.emit_json(doc)
+    elif yaml_:
+        output.emit_yaml(doc)
+    else:
+        output.emit(render(doc, tensors))
+
+
+def _state_line(value: Any) -> str:
+    if not value:
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" if not isinstance(v, list) else f"{k}=[{', '.join(map(str, v))}]" for k, v in value.items())
+    return str(value)
+
+
+def render(doc: dict[str, Any], with_tensors: bool) -> str:
+    roles: dict[str, int] = {}
+    for t in doc["tensors"]:
+        roles[t["role"]] = roles.get(t["role"], 0) + 1
+    lines = []
+    if doc.get("tags"):
+        lines.append(f"checkpoints in this folder ({len(doc['tags'])}):")
+        lines += [f"  {t['tag']:<24} {t['format']}" for t in doc["tags"]]
+        lines.append("")
+    rows = [
+        ("path", doc["path"]),
+        ("format", doc["format"]),
+        ("tag", doc["tag"] or "-"),
+        ("step", doc["step"] if doc["step"] is not None else "-"),
+        ("world size", doc["world_size"] or "-"),
+        ("tensors", f"{doc['num_tensors']} (" + ", ".join(f"{r} {n}" for r, n in roles.items()) + ")"),
+        ("parameters", f"{doc['num_params']:,}"),
+        ("bytes", f"{human_bytes(doc['total_bytes'])} (" + ", ".join(f"{k} {human_bytes(v)}" for k, v in doc["dtypes"].items()) + ")"),
+        ("files", f"{len(doc['files'])} ({human_bytes(sum(f['bytes'] for f in doc['files']))})"),
+    ]
+    lines += [f"{k:<12} {v}" for k, v in rows]
+    if doc["details"].get("tied"):
+        lines.append(f"{'tied':<12} " + "; ".join(" = ".join(g) for g in doc["details"]["tied"]))
+    lines.append("training state")
+    lines += [f"  {k:<14} {_state_line(v)}" for k, v in doc["training_state"].items()]
+    lines += [f"note: {n}" for n in doc.get("notes", [])]
+    if with_tensors:
+        width = max([len(t["name"]) for t in doc["tensors"]] + [4])
+        lines.append("")
+        lines.append(f"{'name':<{width}}  {'dtype':<10} {'shape':<18} role")
+        lines += [f"{t['name']:<{width}}  {t['dtype']:<10} {str(t['shape']):<18} {t['role']}" for t in doc["tensors"]]
+    return "\n".join(lines)

@@ -1,0 +1,28 @@
+"""Options shared by several commands, defined once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+Source = Annotated[Path, typer.Argument(help="Checkpoint file or folder (or a run folder holding several).", show_default=False)]
+Dest = Annotated[Path, typer.Argument(help="Destination (refused if it exists, unless --overwrite).", show_default=False)]
+Format = Annotated[Optional[str], typer.Option("--format", help="Source format (default: detected): hf, safetensors, torch.")]
+Tag = Annotated[Optional[str], typer.Option("--tag", help="Which checkpoint of a run folder (default: latest, else highest step).")]
+TrustPickle = Annotated[
+    bool, typer.Option("--trust-pickle", help="Allow pickled classes outside the allow list (runs code from the file).")
+]
+Json = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing destination.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan (files, sizes, placement, memory) and write nothing.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes on stderr.")]
+DType = Annotated[str, typer.Option("--dtype", help="keep, fp32, bf16 or fp16: cast floating-point tensors.")]
+MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", help="hf: largest shard, e.g. 5GB, 500MB, 2GiB.")]
+NumShards = Annotated[Optional[int], typer.Option("--num-shards", help="hf: exact number of shards.", min=1)]
+WorldSize = Annotated[Optional[int], typer.Option("--world-size", help="dcp, deepspeed: number of ranks to write for.", min=1)]
+WeightsOnly = Annotated[bool, typer.Option("--weights-only", help="Model weights only (no optimizer or training state).")]
+Select = Annotated[Optional[list[str]], typer.Option("--select", help="Keep tensors whose names match this glob (repeatable).")]
+StripPrefix = Annotated[Optional[str], typer.Option("--strip-prefix", help="Remove this prefix from tensor names.")]
+AddPrefix = Annotated[Optional[str], typer.Option("--add-prefix", help="Add this prefix to tensor names.")]

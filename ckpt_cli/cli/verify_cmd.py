@@ -1,0 +1,68 @@
+"""`ckpt verify SRC`: exit 0 when whole, 1 with one line per problem when not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ckpt_cli.cli import output
+from ckpt_cli.cli.options import Format, Json, Source, Tag, TrustPickle
+from ckpt_cli.ops.verify import VerifyOptions
+from ckpt_cli.ops.verify import verify as verify_op
+
+MAX_SHOWN = 20
+
+
+def verify(
+    src: Source,
+    deep: Annotated[bool, typer.Option("--deep", help="Read every byte: zip CRCs, per-tensor checksums, unreadable records.")] = False,
+    finite: Annotated[bool, typer.Option("--finite", help="Count NaN/Inf in floating-point tensors; any is a problem.")] = False,
+    write_manifest: Annotated[
+        Optional[Path], typer.Option("--write-manifest", help="Record per-file and per-tensor SHA-256 in FILE.")
+    ] = None,
+    manifest: Annotated[Optional[Path], typer.Option("--manifest", help="Check against a manifest from --write-manifest.")] = None,
+    against: Annotated[
+        Optional[Path], typer.Option("--against", help="Compare tensor by tensor with another checkpoint (any format).")
+    ] = None,
+    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance for --against (default: bit-exact).")] = 0.0,
+    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance for --against (default: bit-exact).")] = 0.0,
+    policy: Annotated[
+        Optional[Path], typer.Option("--policy", help="YAML: expected tensors, dtypes, shapes, tolerances, training state.")
+    ] = None,
+    json_: Json = False,
+    format_: Format = None,
+    tag: Tag = None,
+    trust_pickle: TrustPickle = False,
+) -> None:
+    """Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare."""
+    options = VerifyOptions(
+        format=format_,
+        tag=tag,
+        trust_pickle=trust_pickle,
+        deep=deep,
+        finite=finite,
+        write_manifest=write_manifest,
+        manifest=manifest,
+        against=against,
+        atol=atol,
+        rtol=rtol,
+        policy=policy,
+    )
+    report = verify_op(src, options)
+    if json_:
+        output.emit_json(report.to_json())
+    elif report.ok:
+        output.emit(
+            f"OK {report.path} ({report.format}): {', '.join(report.checks)}; "
+            f"{report.stats.get('tensors', 0)} tensors in {report.stats.get('files', 0)} files"
+        )
+    else:
+        output.emit(f"FAILED {report.path} ({report.format or 'unreadable'}): {len(report.problems)} problems")
+        shown = report.problems[:MAX_SHOWN]
+        output.emit("\n".join(f"  {p}" for p in shown))
+        if len(report.problems) > MAX_SHOWN:
+            output.emit(f"  ... and {len(report.problems) - MAX_SHOWN} more (--json lists all)")
+    if not report.ok:
+        raise typer.Exit(1)

@@ -1,0 +1,1 @@
+"""The format-independent core: dtypes, the tensor/piece model, plans and the streaming executor."""

@@ -1,0 +1,91 @@
+"""The dtype table shared by every format: names, sizes, safetensors codes, torch storage classes.
+
+Kept free of torch so that reading headers and pickles never pays for `import torch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_cli.errors import DataError, UsageError
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # torch's attribute name: torch.<name>
+    itemsize: int
+    safetensors: str  # the safetensors header code
+    storage_class: str | None  # legacy typed storage pickled by torch.save (None: UntypedStorage + v3)
+    order: int  # safetensors' Dtype enum order; files list larger values first
+    is_float: bool
+
+    def torch(self) -> Any:
+        import torch
+
+        return getattr(torch, self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_TABLE = [
+    DType("bool", 1, "BOOL", "BoolStorage", 0, False),
+    DType("uint8", 1, "U8", "ByteStorage", 1, False),
+    DType("int8", 1, "I8", "CharStorage", 2, False),
+    DType("float8_e5m2", 1, "F8_E5M2", None, 3, True),
+    DType("float8_e4m3fn", 1, "F8_E4M3", None, 4, True),
+    DType("int16", 2, "I16", "ShortStorage", 5, False),
+    DType("uint16", 2, "U16", None, 6, False),
+    DType("float16", 2, "F16", "HalfStorage", 7, True),
+    DType("bfloat16", 2, "BF16", "BFloat16Storage", 8, True),
+    DType("int32", 4, "I32", "IntStorage", 9, False),
+    DType("uint32", 4, "U32", None, 10, False),
+    DType("float32", 4, "F32", "FloatStorage", 11, True),
+    DType("complex64", 8, "C64", "ComplexFloatStorage", 12, False),
+    DType("float64", 8, "F64", "DoubleStorage", 13, True),
+    DType("int64", 8, "I64", "LongStorage", 14, False),
+    DType("uint64", 8, "U64", None, 15, False),
+]
+
+BY_NAME = {d.name: d for d in _TABLE}
+BY_SAFETENSORS = {d.safetensors: d for d in _TABLE}
+BY_STORAGE_CLASS = {d.storage_class: d for d in _TABLE if d.storage_class}
+
+# Aliases accepted on the command line and found in pickles (torch.float is float32, etc.).
+_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp64": "float64",
+    "double": "float64",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+    "cfloat": "complex64",
+    "complex32": "",
+}
+
+FLOAT32 = BY_NAME["float32"]
+
+
+def by_name(name: str) -> DType:
+    """The dtype called `name` (torch name or a common alias); UsageError if unknown."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key in BY_NAME:
+        return BY_NAME[key]
+    raise UsageError(f"unknown dtype '{name}' (known: {', '.join(BY_NAME)})")
+
+
+def from_safetensors(code: str, where: str) -> DType:
+    try:
+        return BY_SAFETENSORS[code]
+    except KeyError:
+        raise DataError(f"{where}: unsupported safetensors dtype '{code}'") from None
+
+
+def from_torch(dtype: Any) -> DType:
+    """Map a torch.dtype to the table."""
+    return by_name(str(dtype).removeprefix("torch."))

@@ -1,0 +1,209 @@
+"""The streaming executor: carries out a WritePlan with a bounded amount of tensor data in memory.
+
+Same-dtype contiguous data moves with copy_file_range (in the kernel, no user-space copy); data
+that needs a CRC or a cast goes through one reusable buffer of BLOCK_BYTES. Only a stored piece
+that is not contiguous (a transposed chunk) is materialised, one piece at a time.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.atomic import staged
+from ckpt_cli.core.model import StoredArray, TensorEntry
+from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
+from ckpt_cli.errors import DataError
+
+BLOCK_BYTES = 32 << 20
+Progress = Callable[[int], None]
+
+
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+class SourceFiles:
+    """Open file descriptors of the sources, and the one materialised non-contiguous piece."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+        self._materialised: tuple[StoredArray, Any] | None = None
+
+    def fd(self, path: str) -> int:
+        if path not in self.fds:
+            try:
+                self.fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
+        return self.fds[path]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def pread_into(self, path: str, offset: int, buf: bytearray) -> None:
+        """Fill `buf` with the bytes of `path` from `offset`; DataError if the file ends first."""
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            n = os.preadv(self.fd(path), [view[got:]], offset + got)
+            if n == 0:
+                raise DataError(f"{path}: truncated: expected {len(buf)} bytes at offset {offset}, file ends first")
+            got += n
+
+    def materialised(self, array: StoredArray) -> Any:
+        """The elements of a non-contiguous stored array as a flat contiguous torch tensor."""
+        if self._materialised is None or self._materialised[0] != array:
+            self._materialised = None
+            self._materialised = (array, materialise(array))
+        return self._materialised[1]
+
+
+def materialise(array: StoredArray) -> Any:
+    """Read a strided stored array through a private memory map into a flat contiguous tensor."""
+    import torch
+
+    start, end = array.extent()
+    base = array.offset
+    with open(array.path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if end > size:
+            raise DataError(f"{array.path}: truncated: data needs bytes up to {end}, file has {size}")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    storage_elems = (end - base) // array.dtype.itemsize
+    flat = torch.frombuffer(mm, dtype=array.dtype.torch(), count=storage_elems, offset=base)
+    view = flat.as_strided(array.shape, array.stride, array.storage_offset)
+    return view.contiguous().reshape(-1)
+
+
+def read_stored(array: StoredArray, start: int, count: int, sources: SourceFiles) -> Any:
+    """Elements [start, start+count) of a stored array (row-major order) as a 1-d torch tensor."""
+    import torch
+
+    if count == 0:
+        return torch.empty(0, dtype=array.dtype.torch())
+    if not array.is_contiguous:
+        return sources.materialised(array)[start : start + count]
+    itemsize = array.dtype.itemsize
+    raw = bytearray(count * itemsize)
+    sources.pread_into(array.path, array.offset + (array.storage_offset + start) * itemsize, raw)
+    return torch.frombuffer(raw, dtype=array.dtype.torch())
+
+
+def read_elements(entry: TensorEntry, start: int, count: int, sources: SourceFiles) -> Any:
+    """Elements [start, start+count) of a logical tensor, gathered from its pieces, as its dtype."""
+    import torch
+
+    out = torch.empty(count, dtype=entry.dtype.torch())
+    filled = 0
+    for gstart, length, piece, lstart in entry.runs():
+        lo, hi = max(gstart, start), min(gstart + length, start + count)
+        if lo < hi:
+            out[lo - start : hi - start] = read_stored(piece.data, lstart + lo - gstart, hi - lo, sources)
+            filled += hi - lo
+    if filled != count:
+        raise DataError(f"{entry.name}: {entry.tiling_problem() or 'pieces do not cover the tensor'}")
+    return out
+
+
+def element_windows(entry: TensorEntry, itemsize: int | None = None) -> Iterator[tuple[int, int]]:
+    """(start, count) windows of at most BLOCK_BYTES that walk a tensor in order."""
+    step = max(BLOCK_BYTES // (itemsize or entry.dtype.itemsize), 1)
+    for start in range(0, entry.numel, step):
+        yield start, min(step, entry.numel - start)
+
+
+def as_bytes(tensor: Any) -> Any:
+    import torch
+
+    return tensor.contiguous().view(torch.uint8).numpy()
+
+
+def _copy_range(src_fd: int, dst_fd: int, offset: int, nbytes: int, path: str) -> None:
+    while nbytes:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, min(nbytes, 1 << 30), offset)
+        except OSError:
+            n = -1
+        if n < 0:  # not supported here (other filesystems): fall back to read/write
+            os.lseek(src_fd, offset, os.SEEK_SET)
+            chunk = os.read(src_fd, min(nbytes, BLOCK_BYTES))
+            if not chunk:
+                raise DataError(f"{path}: truncated at offset {offset}")
+            _write_all(dst_fd, chunk)
+            n = len(chunk)
+        elif n == 0:
+            raise DataError(f"{path}: truncated: expected {nbytes} more bytes at offset {offset}")
+        offset += n
+        nbytes -= n
+
+
+def stream_tensor(seg: TensorData, fd: int, sources: SourceFiles, progress: Progress | None) -> int:
+    """Write the tensor's elements to `fd` in order; return their CRC32 (0 when not asked for)."""
+    entry, dst = seg.tensor, seg.dtype
+    runs = entry.runs()
+    fast = seg.crc_key is None and all(p.data.dtype == dst and p.data.is_contiguous for _, _, p, _ in runs)
+    if not fast:
+        crc = 0
+        for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
+            out = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
+            if seg.crc_key is not None:
+                crc = zlib.crc32(out, crc)
+            _write_all(fd, out)
+            if progress:
+                progress(len(out))
+        return crc
+    pos = 0
+    for gstart, length, piece, lstart in runs:
+        if gstart != pos:
+            break
+        array = piece.data
+        offset = array.offset + (array.storage_offset + lstart) * array.dtype.itemsize
+        _copy_range(sources.fd(array.path), fd, offset, length * dst.itemsize, array.path)
+        if progress:
+            progress(length * dst.itemsize)
+        pos = gstart + length
+    if pos != entry.numel:
+        raise DataError(f"{entry.name}: {entry.tiling_problem()}")
+    return 0
+
+
+def write_file(path: Path, out: OutputFile, sources: SourceFiles, progress: Progress | None) -> None:
+    crcs: dict[str, int] = {}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for seg in out.segments:
+            if isinstance(seg, Literal):
+                _write_all(fd, seg.data)
+            elif isinstance(seg, TensorData):
+                crc = stream_tensor(seg, fd, sources, progress)
+                if seg.crc_key is not None:
+                    crcs[seg.crc_key] = crc
+            elif isinstance(seg, Deferred):
+                data = seg.build(crcs)
+                assert len(data) == seg.size, "deferred segment size differs from its plan"
+                _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None = None) -> None:
+    """Write every file of `plan` into a temporary sibling of the destination, then rename it."""
+    sources = SourceFiles()
+    try:
+        with staged(plan.dest, plan.dest_is_dir, overwrite) as tmp:
+            for out in plan.files:
+                target = tmp / out.relpath if plan.dest_is_dir else tmp
+                target.parent.mkdir(parents=True, exist_ok=True)
+                write_file(target, out, sources, progress)
+    finally:
+        sources.close()

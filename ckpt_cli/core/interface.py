@@ -1,0 +1,48 @@
+"""The Reader and Writer protocols every format module implements, and their options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ckpt_cli.core.model import Checkpoint
+from ckpt_cli.core.plan import WritePlan
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    tag: str | None = None
+    trust_pickle: bool = False
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    max_shard_size: int | None = None  # hf: bytes per shard
+    num_shards: int | None = None  # hf: exact number of shards
+    world_size: int | None = None  # dcp, deepspeed: number of ranks to write for
+
+
+class Reader(Protocol):
+    name: str
+
+    def detect(self, path: Path) -> bool:
+        """Cheap test from names and magic bytes; no full parse."""
+        ...
+
+    def read(self, path: Path, options: ReadOptions) -> Checkpoint:
+        """Parse metadata into a Checkpoint (tensor data stays on disk); DataError on bad input."""
+        ...
+
+    def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
+        """Format-specific integrity problems beyond what `read` already refuses (one line each)."""
+        ...
+
+
+class Writer(Protocol):
+    name: str
+    dest_is_dir: bool
+
+    def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
+        """Lay out the destination from metadata alone."""
+        ...

@@ -1,0 +1,207 @@
+"""The logical model every format reads into and writes from.
+
+A checkpoint is a set of logical tensors (name, dtype, global shape, role) and non-tensor objects.
+Each tensor is stored as one or more *pieces*: an N-d box of the global tensor (DCP chunks, row
+shards) or a flat element range of it (DeepSpeed ZeRO partitions). A piece points at a
+`StoredArray`, a strided array at a byte offset of a file, so data is read lazily.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_cli.core.dtypes import DType
+
+ROLES = ("model", "optimizer", "other")
+PathKey = tuple[str | int, ...]
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class StoredArray:
+    """A strided array stored at `offset` (byte position of storage element 0) in `path`."""
+
+    path: str
+    offset: int
+    dtype: DType
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int = 0  # elements
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        if self.numel <= 1:
+            return True
+        return all(st == want for sz, st, want in zip(self.shape, self.stride, contiguous_strides(self.shape)) if sz != 1)
+
+    def extent(self) -> tuple[int, int]:
+        """Byte range [start, end) of the file that the elements occupy (empty arrays: start == end)."""
+        start = self.offset + self.storage_offset * self.dtype.itemsize
+        if self.numel == 0:
+            return start, start
+        last = sum((n - 1) * st for n, st in zip(self.shape, self.stride))
+        return start, start + (last + 1) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Box:
+    """An N-d box of the global tensor: `offsets` and `sizes` per dim."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """Elements [start, start + length) of the flattened (row-major) global tensor."""
+
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    region: Box | FlatRange
+    data: StoredArray
+
+    def runs(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+        """Contiguous runs (global flat start, length, local flat start) this piece covers, in order."""
+        if isinstance(self.region, FlatRange):
+            if self.region.length:
+                yield self.region.start, self.region.length, 0
+            return
+        yield from box_runs(self.region.offsets, self.region.sizes, shape)
+
+
+def box_runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """Row-major runs of a box: one run when the box spans whole trailing dims (FSDP row shards)."""
+    ndim = len(shape)
+    if ndim == 0:
+        yield 0, 1, 0
+        return
+    if 0 in sizes:
+        return
+    full_from = ndim  # dims [full_from, ndim) are covered whole
+    while full_from > 0 and offsets[full_from - 1] == 0 and sizes[full_from - 1] == shape[full_from - 1]:
+        full_from -= 1
+    if full_from == 0:
+        yield 0, math.prod(shape), 0
+        return
+    gstride = contiguous_strides(shape)
+    lstride = contiguous_strides(sizes)
+    run_dim = full_from - 1
+    run_len = sizes[run_dim] * gstride[run_dim]
+    for idx in itertools.product(*(range(sizes[d]) for d in range(run_dim))):
+        gstart = offsets[run_dim] * gstride[run_dim]
+        gstart += sum((offsets[d] + i) * gstride[d] for d, i in enumerate(idx))
+        lstart = sum(i * lstride[d] for d, i in enumerate(idx))
+        yield gstart, run_len, lstart
+
+
+@dataclass
+class TensorEntry:
+    """A logical tensor. `dtype` is what it presents; pieces whose stored dtype differs are cast."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    role: str
+    pieces: list[Piece]
+    path: PathKey = ()  # key path in the source's nesting (state-dict keys), for nested writers
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            self.path = (self.name,)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def runs(self) -> list[tuple[int, int, Piece, int]]:
+        """All (global start, length, piece, local start) runs sorted by global position."""
+        out = [(g, n, p, loc) for p in self.pieces for g, n, loc in p.runs(self.shape)]
+        out.sort(key=lambda r: (r[0], r[1]))
+        return out
+
+    def tiling_problem(self) -> str | None:
+        """Why the pieces do not cover the tensor exactly once (None when they do)."""
+        pos = 0
+        for start, length, _, _ in self.runs():
+            if start < pos:
+                return f"pieces overlap at element {start}"
+            if start > pos:
+                return f"no piece covers elements {pos}..{start - 1}"
+            pos = start + length
+        if pos != self.numel:
+            return f"no piece covers elements {pos}..{self.numel - 1}"
+        return None
+
+
+@dataclass
+class ObjectEntry:
+    """A non-tensor value (step, scheduler, RNG, dataloader, client state), already parsed safely."""
+
+    name: str
+    value: Any
+    role: str = "other"
+    path: PathKey = ()
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            self.path = (self.name,)
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str
+    bytes: int
+
+
+@dataclass
+class Checkpoint:
+    """What a reader returns: everything about a checkpoint, tensor data still on disk."""
+
+    format: str
+    path: str
+    tensors: dict[str, TensorEntry]
+    objects: dict[str, ObjectEntry] = field(default_factory=dict)
+    files: list[FileInfo] = field(default_factory=list)
+    tag: str | None = None
+    step: int | None = None
+    world_size: int | None = None
+    containers: dict[PathKey, str] = field(default_factory=dict)  # path prefix -> "list" | "tuple"
+    details: dict[str, Any] = field(default_factory=dict)
+    training_state: dict[str, Any] | None = None  # set by readers that know better than the heuristic
+    notes: list[str] = field(default_factory=list)  # what the reader chose (tag, ...), shown to the user
+
+    def tied_groups(self) -> list[list[str]]:
+        """Names whose data is the very same stored array (tied weights), each group in order."""
+        groups: dict[tuple[Any, ...], list[str]] = {}
+        for entry in self.tensors.values():
+            if len(entry.pieces) != 1 or entry.numel == 0:
+                continue
+            groups.setdefault((entry.pieces[0].data, entry.shape), []).append(entry.name)
+        return [names for names in groups.values() if len(names) > 1]

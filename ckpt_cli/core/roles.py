@@ -1,0 +1,99 @@
+"""Telling model weights from optimizer state and the rest, and describing the training state.
+
+Formats that know their layout (DeepSpeed) set roles themselves; for plain state dicts the top-level
+key decides, as the conventions of PyTorch, Lightning, Accelerate and torchtitan have it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt_cli.core.model import Checkpoint, PathKey
+
+OPTIMIZER_KEYS = {"optimizer", "optim", "optimizer_state_dict", "optimizer_states", "optimizers", "opt"}
+MODEL_KEYS = {"model", "module", "state_dict", "model_state_dict", "model_state", "weights", "params", "ema"}
+SCHEDULER_KEYS = {"lr_scheduler", "scheduler", "lr_schedulers", "lr_scheduler_state_dict", "scheduler_state_dict"}
+RNG_KEYS = {"rng", "rng_state", "rng_states", "random", "torch_rng_state", "cuda_rng_state", "numpy_rng_state", "python_rng_state"}
+DATALOADER_KEYS = {"dataloader", "data_loader", "dataloaders", "sampler", "data_state", "train_dataloader"}
+STEP_KEYS = ("global_step", "step", "iteration", "global_steps", "steps")
+NON_MODEL = OPTIMIZER_KEYS | SCHEDULER_KEYS | RNG_KEYS | DATALOADER_KEYS | {"client_state", "extra_state"}
+
+
+def _top(path: PathKey) -> str:
+    return str(path[0]).lower() if path else ""
+
+
+def tensor_role(path: PathKey) -> str:
+    top = _top(path)
+    if top in OPTIMIZER_KEYS:
+        return "optimizer"
+    if top in NON_MODEL:
+        return "other"
+    return "model"
+
+
+def object_role(path: PathKey) -> str:
+    return "optimizer" if _top(path) in OPTIMIZER_KEYS else "other"
+
+
+def find_step(ckpt: Checkpoint) -> int | None:
+    for key in STEP_KEYS:
+        for obj in ckpt.objects.values():
+            if len(obj.path) == 1 and str(obj.path[0]) == key and isinstance(obj.value, int) and not isinstance(obj.value, bool):
+                return obj.value
+    return None
+
+
+def describe_training_state(ckpt: Checkpoint) -> dict[str, Any]:
+    """What training state is present beyond the weights, from key names alone (no tensor reads)."""
+    if ckpt.training_state is not None:
+        return ckpt.training_state
+    state: dict[str, Any] = {"optimizer": None, "lr_scheduler": None, "rng": None, "dataloader": None, "client_state": None}
+    opt_tensors = [t for t in ckpt.tensors.values() if t.role == "optimizer"]
+    if opt_tensors:
+        kinds = sorted({str(t.path[-1]) for t in opt_tensors})
+        name = (
+            "Adam/AdamW" if {"exp_avg", "exp_avg_sq"} <= set(kinds) else ("SGD with momentum" if "momentum_buffer" in kinds else "unknown")
+        )
+        groups = [o.value for o in ckpt.objects.values() if str(o.path[-1]) == "param_groups" and isinstance(o.value, list)]
+        state["optimizer"] = {
+            "kind": name,
+            "states": kinds,
+            "tensors": len(opt_tensors),
+            "param_groups": len(groups[0]) if groups else None,
+        }
+    client: list[str] = []
+    for obj in ckpt.objects.values():
+        top = _top(obj.path)
+        if top in SCHEDULER_KEYS:
+            state["lr_scheduler"] = state["lr_scheduler"] or _scheduler_summary(ckpt, obj.path[0])
+        elif top in RNG_KEYS:
+            state["rng"] = state["rng"] or {"keys": [str(obj.path[0])]}
+        elif top in DATALOADER_KEYS:
+            state["dataloader"] = state["dataloader"] or _object_summary(ckpt, obj.path[0])
+        elif top not in OPTIMIZER_KEYS and top not in MODEL_KEYS and top not in STEP_KEYS:
+            client.append(obj.name)
+    for t in ckpt.tensors.values():
+        if _top(t.path) in RNG_KEYS and not state["rng"]:
+            state["rng"] = {"keys": [str(t.path[0])]}
+    if client:
+        state["client_state"] = {"keys": client[:20]}
+    return state
+
+
+def _object_summary(ckpt: Checkpoint, top: Any) -> dict[str, Any]:
+    return {
+        ".".join(map(str, o.path[1:])) or str(top): o.value
+        for o in ckpt.objects.values()
+        if o.path[0] == top and isinstance(o.value, (int, float, str, bool))
+    }
+
+
+def _scheduler_summary(ckpt: Checkpoint, top: Any) -> dict[str, Any]:
+    summary = _object_summary(ckpt, top)
+    keep = ("last_epoch", "_step_count", "_last_lr", "base_lrs")
+    picked = {k.split(".")[-1]: v for k, v in summary.items() if k.split(".")[-1] in keep}
+    for o in ckpt.objects.values():
+        if o.path[0] == top and str(o.path[-1]) in ("_last_lr", "base_lrs"):
+            picked[str(o.path[-1])] = o.value
+    return picked or summary

@@ -1,0 +1,88 @@
+"""Nested state dicts <-> flat entries with key paths.
+
+Dicts are always flattened; lists and tuples only when they hold a tensor somewhere inside (as DCP
+does), so `param_groups` stays one readable object. Key paths keep their Python types (optimizer
+state uses int keys); `containers` remembers which prefixes were lists or tuples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ckpt_cli.core.model import PathKey
+from ckpt_cli.errors import DataError
+
+
+def flatten(
+    tree: Any, is_tensor: Callable[[Any], bool], where: str
+) -> tuple[list[tuple[PathKey, Any]], list[tuple[PathKey, Any]], dict[PathKey, str]]:
+    """(tensor leaves, object leaves, container kinds) of a nested structure, in traversal order."""
+    tensors: list[tuple[PathKey, Any]] = []
+    objects: list[tuple[PathKey, Any]] = []
+    containers: dict[PathKey, str] = {}
+
+    def holds_tensor(value: Any) -> bool:
+        if is_tensor(value):
+            return True
+        if isinstance(value, dict):
+            return any(holds_tensor(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(holds_tensor(v) for v in value)
+        return False
+
+    def walk(value: Any, path: PathKey) -> None:
+        if is_tensor(value):
+            tensors.append((path, value))
+        elif isinstance(value, dict) and value and all(isinstance(k, (str, int)) for k in value):
+            for key, child in value.items():
+                walk(child, (*path, key))
+        elif isinstance(value, (list, tuple)) and path and holds_tensor(value):
+            containers[path] = "tuple" if isinstance(value, tuple) else "list"
+            for i, child in enumerate(value):
+                walk(child, (*path, i))
+        elif not path:
+            raise DataError(f"{where}: holds a {type(value).__name__}, not a state dict")
+        else:
+            objects.append((path, value))
+
+    walk(tree, ())
+    return tensors, objects, containers
+
+
+def path_name(path: PathKey) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def unique_names(paths: list[PathKey], where: str) -> list[str]:
+    names = [path_name(p) for p in paths]
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        dup = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        raise DataError(f"{where}: two entries flatten to the same name '{dup}'")
+    return names
+
+
+def unflatten(items: list[tuple[PathKey, Any]], containers: dict[PathKey, str]) -> dict[Any, Any]:
+    """Rebuild the nested structure from (path, leaf) pairs."""
+    root: dict[Any, Any] = {}
+    for path, leaf in items:
+        node = root
+        for key in path[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise DataError(f"cannot nest under '{path_name(path)}': its parent is a value")
+            node = child
+        node[path[-1]] = leaf
+
+    def finish(node: Any, prefix: PathKey) -> Any:
+        if not isinstance(node, dict):
+            return node
+        done = {k: finish(v, (*prefix, k)) for k, v in node.items()}
+        kind = containers.get(prefix)
+        if kind and all(isinstance(k, int) for k in done):
+            seq = [done[k] for k in sorted(done)]
+            return tuple(seq) if kind == "tuple" else seq
+        return done
+
+    return finish(root, ())

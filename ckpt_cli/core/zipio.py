@@ -1,0 +1,200 @@
+"""Zip archives as torch.save writes them: locate records for lazy reads, and lay them out for
+streaming writes (stored, 64-byte aligned payloads, data descriptors, zip64 when needed).
+
+Layout facts: ../shared/FORMATS.md §1.4 and §4.2 (torch/serialization.py, miniz).
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from ckpt_cli.errors import DataError
+
+ALIGNMENT = 64
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
+_U32_MAX = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored record: its payload is bytes [data_offset, data_offset + size) of the file."""
+
+    name: str  # without the archive's top folder ("data.pkl", "data/0")
+    data_offset: int
+    size: int
+    crc: int
+
+
+class _Window:
+    """A read-only file object over bytes [start, start + length) of `f` (a DCP byte range)."""
+
+    def __init__(self, f: BinaryIO, start: int, length: int) -> None:
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.length + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.length - self.pos if n < 0 else min(n, self.length - self.pos)
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(max(n, 0))
+        self.pos += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return True
+
+
+def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = None) -> dict[str, Record]:
+    """Records of the archive in bytes [start, start+length) of `f`, keyed by name minus top folder."""
+    if length is None:
+        length = f.seek(0, 2) - start
+    window = _Window(f, start, length)
+    try:
+        infos = zipfile.ZipFile(window).infolist()  # type: ignore[arg-type]
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error) as exc:
+        raise DataError(f"{where}: not a readable zip archive ({exc}); the file may be truncated") from exc
+    if not infos:
+        raise DataError(f"{where}: empty zip archive")
+    top = infos[0].filename.split("/", 1)[0] + "/"
+    records: dict[str, Record] = {}
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise DataError(f"{where}: record {info.filename} is compressed; torch archives are stored")
+        window.seek(info.header_offset)
+        header = window.read(_LOCAL_HEADER.size)
+        if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+            raise DataError(f"{where}: record {info.filename} has no local header (truncated or corrupt)")
+        name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
+        data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        if data_offset + info.file_size > length:
+            raise DataError(f"{where}: record {info.filename} runs past the end of the file (truncated)")
+        name = info.filename[len(top) :] if info.filename.startswith(top) else info.filename
+        records[name] = Record(name, start + data_offset, info.file_size, info.CRC)
+    return records
+
+
+def crc_problem(f: BinaryIO, record: Record, where: str, block: int = 1 << 24) -> str | None:
+    """Why `record`'s bytes do not match its CRC32 (None when they do, or the CRC is a 0 skeleton)."""
+    crc, done = 0, 0
+    f.seek(record.data_offset)
+    while done < record.size:
+        chunk = f.read(min(block, record.size - done))
+        if not chunk:
+            return f"{where}: record {record.name} is truncated"
+        crc = zlib.crc32(chunk, crc)
+        done += len(chunk)
+    if record.crc and crc != record.crc:
+        return f"{where}: record {record.name} fails its CRC32 check (stored {record.crc:08x}, data {crc:08x})"
+    return None
+
+
+@dataclass(frozen=True)
+class ZipEntryLayout:
+    """Where one record sits in an archive being written."""
+
+    name: str
+    header_offset: int
+    header: bytes
+    data_offset: int
+    size: int
+
+    @property
+    def zip64(self) -> bool:
+        return self.size >= _U32_MAX or self.header_offset >= _U32_MAX
+
+    @property
+    def descriptor_size(self) -> int:
+        return 24 if self.zip64 else 16
+
+    @property
+    def end(self) -> int:
+        return self.data_offset + self.size + self.descriptor_size
+
+
+def local_header(name: str, header_offset: int, size: int) -> bytes:
+    """A miniz-style local header (CRC and sizes deferred to the data descriptor), payload 64-aligned."""
+    encoded = name.encode()
+    zip64 = size >= _U32_MAX or header_offset >= _U32_MAX
+    extra = struct.pack("<HHQQ", 0x0001, 16, 0, 0) if zip64 else b""
+    base = header_offset + _LOCAL_HEADER.size + len(encoded) + len(extra) + 4
+    pad = (-base) % ALIGNMENT
+    extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # 'FB' padding field, as torch writes
+    sizes = _U32_MAX if zip64 else 0
+    head = _LOCAL_HEADER.pack(0x04034B50, 45 if zip64 else 0, 0x0808, 0, 0, 0, 0, sizes, sizes, len(encoded), len(extra))
+    return head + encoded + extra
+
+
+def layout_entry(name: str, header_offset: int, size: int) -> ZipEntryLayout:
+    header = local_header(name, header_offset, size)
+    return ZipEntryLayout(name, header_offset, header, header_offset + len(header), size)
+
+
+def data_descriptor(entry: ZipEntryLayout, crc: int) -> bytes:
+    if entry.zip64:
+        return struct.pack("<IIQQ", 0x08074B50, crc, entry.size, entry.size)
+    return struct.pack("<IIII", 0x08074B50, crc, entry.size, entry.size)
+
+
+def central_directory_size(entries: list[ZipEntryLayout]) -> int:
+    size = sum(46 + len(e.name.encode()) + (28 if e.zip64 else 0) for e in entries)
+    return size + (56 + 20 if _needs_zip64_end(entries, 0) else 0) + 22
+
+
+def _needs_zip64_end(entries: list[ZipEntryLayout], cd_offset: int) -> bool:
+    end = entries[-1].end if entries else 0
+    return len(entries) >= 0xFFFF or end >= _U32_MAX or cd_offset >= _U32_MAX
+
+
+def central_directory(entries: list[ZipEntryLayout], crcs: dict[str, int]) -> bytes:
+    """Central directory plus end records for `entries` written back to back from offset 0."""
+    cd_offset = entries[-1].end if entries else 0
+    parts = []
+    for e in entries:
+        encoded = e.name.encode()
+        extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.header_offset) if e.zip64 else b""
+        small = _U32_MAX if e.zip64 else e.size
+        offset = _U32_MAX if e.zip64 else e.header_offset
+        parts.append(
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                0,
+                45 if e.zip64 else 0,
+                0x0808,
+                0,
+                0,
+                0,
+                crcs[e.name],
+                small,
+                small,
+                len(encoded),
+                len(extra),
+                0,
+                0,
+                0,
+                0,
+                offset,
+            )
+            + encoded
+            + extra
+        )
+    cd = b"".join(parts)
+    tail = b""
+    count = len(entries)
+    if _needs_zip64_end(entries, cd_offset):
+        end64 = cd_offset + len(cd)
+        tail += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, len(cd), cd_offset)
+        tail += struct.pack("<IIQI", 0x07064B50, 0, end64, 1)
+        tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _U32_MAX, _U32_MAX, 0)
+    else:
+        tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(cd), cd_offset, 0)
+    return cd + tail

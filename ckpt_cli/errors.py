@@ -1,0 +1,32 @@
+"""Exceptions that carry their exit code: 1 when the data is wrong, 2 when the call is wrong."""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Base class: the message is the whole user-facing explanation."""
+
+    exit_code = 1
+
+
+class DataError(CkptError):
+    """The checkpoint is corrupt, incomplete or inconsistent (exit code 1)."""
+
+    exit_code = 1
+
+
+class UsageError(CkptError):
+    """The call is wrong: bad option, missing path, unknown format (exit code 2)."""
+
+    exit_code = 2
+
+
+class UnsafePickleError(DataError):
+    """A pickle names a global outside the allow list; nothing was executed."""
+
+    def __init__(self, path: str, global_name: str) -> None:
+        super().__init__(
+            f"{path}: refusing to load pickled global '{global_name}' (not on the allow list; "
+            "nothing was executed). If you trust this file, pass --trust-pickle."
+        )
+        self.global_name = global_name

@@ -1,0 +1,176 @@
+"""Hugging Face sharded checkpoints: `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`.
+
+Reads the legacy `pytorch_model.bin.index.json` with `.bin` shards too (read-only). Sharding
+follows huggingface_hub's `split_torch_state_dict_into_shards` (state-dict order, a new shard
+when the next tensor would pass the limit), so `--max-shard-size` gives the files the hub gives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.interface import ReadOptions, WriteOptions
+from ckpt_cli.core.model import Checkpoint, FileInfo, TensorEntry
+from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
+from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.formats import safetensors as st
+from ckpt_cli.formats import torch_save
+
+INDEX = "model.safetensors.index.json"
+LEGACY_INDEX = "pytorch_model.bin.index.json"
+SINGLE = "model.safetensors"
+DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+def find_index(folder: Path) -> Path | None:
+    for name in (INDEX, LEGACY_INDEX):
+        if (folder / name).is_file():
+            return folder / name
+    others = sorted(folder.glob("*.safetensors.index.json")) + sorted(folder.glob("*.bin.index.json"))
+    return others[0] if others else None
+
+
+def load_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """weight_map and metadata of an index file; DataError with the reason when malformed."""
+    try:
+        doc = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{index}: not a readable JSON index ({exc})") from exc
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise DataError(f"{index}: no 'weight_map' object mapping tensor names to files")
+    for file in set(weight_map.values()):
+        if Path(file).is_absolute() or ".." in Path(file).parts:
+            raise DataError(f"{index}: weight_map names a file outside the folder: {file}")
+    metadata = doc.get("metadata") or {}
+    return weight_map, metadata if isinstance(metadata, dict) else {}
+
+
+class HFReader:
+    name = "hf"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and (find_index(path) is not None or (path / SINGLE).is_file())
+
+    def read(self, path: Path, options: ReadOptions) -> Checkpoint:
+        index = find_index(path)
+        if index is None:  # a single-file folder as save_pretrained writes for small models
+            weight_map, metadata = {}, {}
+            shard_files = [SINGLE]
+        else:
+            weight_map, metadata = load_index(index)
+            shard_files = list(dict.fromkeys(weight_map.values()))
+        tensors: dict[str, TensorEntry] = {}
+        files = [FileInfo(str(index), index.stat().st_size)] if index else []
+        objects = {}
+        for file in shard_files:
+            shard_path = path / file
+            if not shard_path.is_file():
+                raise DataError(f"{index}: names shard {file}, which is missing")
+            shard = self._read_shard(shard_path, options)
+            files.append(FileInfo(str(shard_path), shard_path.stat().st_size))
+            for name, entry in shard.tensors.items():
+                if index is not None and weight_map.get(name) != file:
+                    continue  # not in the index: reported by check(), ignored by loaders
+                tensors[name] = entry
+            objects.update(shard.objects)
+        for name, file in weight_map.items():
+            if name not in tensors:
+                raise DataError(f"{path / file}: tensor '{name}' is listed in {index.name if index else ''} but absent from the shard")
+        if index is not None:  # keep the index order, as loaders see it
+            tensors = {name: tensors[name] for name in weight_map}
+        return Checkpoint(
+            format=self.name,
+            path=str(path),
+            tensors=tensors,
+            objects=objects,
+            files=files,
+            details={"index": index.name if index else None, "index_metadata": metadata, "shards": len(shard_files)},
+        )
+
+    def _read_shard(self, shard_path: Path, options: ReadOptions) -> Checkpoint:
+        if shard_path.suffix == ".safetensors":
+            return st.READER.read(shard_path, options)
+        return torch_save.READER.read(shard_path, options)
+
+    def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
+        problems: list[str] = []
+        folder = Path(ckpt.path)
+        index = find_index(folder)
+        weight_map, metadata = load_index(index) if index else ({}, {})
+        for info in ckpt.files:
+            shard = Path(info.path)
+            if shard == index:
+                continue
+            if shard.suffix == ".safetensors":
+                header = st.parse_header(shard)
+                problems += header.problems
+                extra = [n for n in header.tensors if index and weight_map.get(n) != shard.name]
+                if extra:
+                    problems.append(f"{shard}: {len(extra)} tensors not in the index (e.g. '{extra[0]}'); loaders will ignore them")
+        total = metadata.get("total_size")
+        actual = sum(t.nbytes for t in ckpt.tensors.values())
+        if isinstance(total, int) and index and index.name != LEGACY_INDEX and total != actual:
+            problems.append(f"{index}: metadata.total_size is {total} but the tensors hold {actual} bytes")
+        return problems
+
+
+def shard_groups(tensors: list[TensorEntry], max_shard_size: int | None, num_shards: int | None) -> list[list[TensorEntry]]:
+    """Split tensors (kept in order) into shards: by a byte limit as the hub does, or into N balanced parts."""
+    if num_shards is not None:
+        if num_shards < 1:
+            raise UsageError("--num-shards must be at least 1")
+        if num_shards > max(len(tensors), 1):
+            raise UsageError(f"--num-shards {num_shards} is more than the {len(tensors)} tensors to place")
+        total = sum(t.nbytes for t in tensors)
+        groups: list[list[TensorEntry]] = [[] for _ in range(num_shards)]
+        done, k = 0, 0
+        for i, t in enumerate(tensors):
+            # Shard k takes the tensors that start in its 1/N of the bytes, never skips a shard,
+            # and leaves at least one tensor for each shard after it.
+            want = done * num_shards // total if total else i * num_shards // len(tensors)
+            k = min(max(k, want, num_shards - (len(tensors) - i)), k + 1 if i else 0, num_shards - 1)
+            groups[k].append(t)
+            done += t.nbytes
+        return groups
+    limit = max_shard_size or DEFAULT_MAX_SHARD
+    shards: list[list[TensorEntry]] = []
+    current: list[TensorEntry] = []
+    size = 0
+    for t in tensors:
+        if t.nbytes > limit:
+            shards.append([t])
+            continue
+        if size + t.nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+class HFWriter:
+    name = "hf"
+    dest_is_dir = True
+
+    def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
+        notes: list[str] = []
+        tensors = st.model_tensors(ckpt, notes)
+        groups = shard_groups(tensors, options.max_shard_size, options.num_shards)
+        n = len(groups)
+        files, weight_map = [], {}
+        for k, group in enumerate(groups, start=1):
+            name = f"model-{k:05d}-of-{n:05d}.safetensors"
+            files.append(OutputFile(name, list(st.file_segments(group, {"format": "pt"}))))
+            weight_map.update({t.name: name for t in group})
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
+        files.append(OutputFile(INDEX, [Literal(json.dumps(index, indent=2).encode())]))
+        return WritePlan(self.name, dest, True, files, notes)
+
+
+READER = HFReader()
+WRITER = HFWriter()

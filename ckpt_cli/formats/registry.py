@@ -1,0 +1,94 @@
+"""The one table of formats, used by detection, `--format`, `--to`, and the docs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpt_cli.core.interface import Reader, Writer
+from ckpt_cli.errors import UsageError
+from ckpt_cli.formats import hf, safetensors, torch_save
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    reader: Reader
+    writer: Writer | None
+    summary: str
+
+
+# Detection order: the most specific layouts first.
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json"),
+        Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file"),
+        Format("torch", torch_save.READER, torch_save.WRITER, "one torch.save file (.pt/.pth/.bin)"),
+    )
+}
+PENDING = {"dcp": "PyTorch Distributed Checkpoint", "deepspeed": "DeepSpeed ZeRO"}
+
+
+def get(name: str) -> Format:
+    if name in FORMATS:
+        return FORMATS[name]
+    if name in PENDING:
+        raise UsageError(f"format '{name}' ({PENDING[name]}) is not supported yet by this version of ckpt")
+    raise UsageError(f"unknown format '{name}' (known: {', '.join(FORMATS)})")
+
+
+def writer(name: str) -> Writer:
+    w = get(name).writer
+    if w is None:
+        raise UsageError(f"format '{name}' can be read but not written")
+    return w
+
+
+def detect(path: Path) -> Format | None:
+    return next((f for f in FORMATS.values() if f.reader.detect(path)), None)
+
+
+def _step_of(name: str) -> int:
+    digits = re.findall(r"\d+", name)
+    return int(digits[-1]) if digits else -1
+
+
+def list_tags(folder: Path) -> list[str]:
+    """Sub-checkpoints of a run folder (`step_1000/`, `checkpoint-500/`, ...), lowest step first."""
+    if not folder.is_dir():
+        return []
+    tags = [p.name for p in folder.iterdir() if not p.name.startswith(".") and detect(p) is not None]
+    return sorted(tags, key=lambda t: (_step_of(t), t))
+
+
+@dataclass(frozen=True)
+class Resolved:
+    path: Path
+    format: Format
+    tag: str | None
+    note: str | None  # which tag was chosen and why, to tell the user
+
+
+def resolve(path: Path, format_name: str | None = None, tag: str | None = None) -> Resolved:
+    """Find the checkpoint at `path`: its format, or the chosen tag of a run folder."""
+    if not path.exists():
+        raise UsageError(f"{path}: no such file or folder")
+    fmt = get(format_name) if format_name else detect(path)
+    if fmt is not None and (tag is None or format_name):
+        return Resolved(path, fmt, tag, None)
+    tags = list_tags(path)
+    if tag is not None:
+        if tag not in tags:
+            raise UsageError(f"{path}: no checkpoint tag '{tag}' (found: {', '.join(tags) or 'none'})")
+        inner = path / tag
+        return Resolved(inner, get(format_name) if format_name else detect(inner), tag, None)  # type: ignore[arg-type]
+    if fmt is not None:
+        return Resolved(path, fmt, None, None)
+    if not tags:
+        raise UsageError(f"{path}: not a checkpoint in any known format ({', '.join(FORMATS)}); use --format to say which")
+    chosen = tags[-1]
+    inner = path / chosen
+    note = f"{path}: {len(tags)} checkpoints; using '{chosen}' (highest step); pass --tag to choose" if len(tags) > 1 else None
+    return Resolved(inner, detect(inner), chosen, note)  # type: ignore[arg-type]

@@ -1,0 +1,252 @@
+"""One `torch.save` file (`.pt`, `.pth`, `.bin`) holding a (nested) state dict.
+
+Reading unpickles only `data.pkl`, through the allow list, and points each tensor at its
+`data/<key>` record: nothing is loaded, nothing runs. Writing lays out a torch-compatible zip
+(64-byte aligned records, CRCs in data descriptors) and streams each storage into it; tensors
+that share data stay shared, and a view writes only the bytes it sees.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import pickle
+import zlib
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ckpt_cli.core import roles, zipio
+from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.interface import ReadOptions, WriteOptions
+from ckpt_cli.core.model import (
+    Box,
+    Checkpoint,
+    FileInfo,
+    ObjectEntry,
+    Piece,
+    StoredArray,
+    TensorEntry,
+    contiguous_strides,
+)
+from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
+from ckpt_cli.core.safe_pickle import TensorRef, safe_loads
+from ckpt_cli.core.tree import flatten, unflatten, unique_names
+from ckpt_cli.errors import DataError
+
+ZIP_MAGIC = b"PK\x03\x04"
+EXTENSIONS = {".pt", ".pth", ".bin", ".ckpt", ".tar"}
+
+
+def load_archive(
+    f: BinaryIO,
+    where: str,
+    options: ReadOptions,
+    start: int = 0,
+    length: int | None = None,
+    extra_globals: dict[tuple[str, str], Any] | None = None,
+) -> tuple[Any, dict[str, zipio.Record]]:
+    """The unpickled `data.pkl` (tensors as TensorRef) and the records of one torch.save archive."""
+    records = zipio.read_records(f, where, start, length)
+    if "data.pkl" not in records:
+        raise DataError(f"{where}: zip archive without data.pkl; not a torch.save file")
+    rec = records["data.pkl"]
+    f.seek(rec.data_offset)
+    obj = safe_loads(f.read(rec.size), where, extra_globals, options.trust_pickle)
+    return obj, records
+
+
+def stored_array(ref: TensorRef, records: dict[str, zipio.Record], path: str) -> StoredArray:
+    """Where a pickled tensor's elements are; DataError when its storage record is missing or short."""
+    rec = records.get(f"data/{ref.storage.key}")
+    if rec is None:
+        raise DataError(f"{path}: storage record data/{ref.storage.key} is missing")
+    needed = ref.storage.numel * ref.dtype.itemsize
+    if rec.size != needed:
+        raise DataError(f"{path}: storage data/{ref.storage.key} has {rec.size} bytes, its header says {needed}")
+    array = StoredArray(path, rec.data_offset, ref.dtype, ref.shape, ref.stride, ref.storage_offset)
+    start, end = array.extent()
+    if end > rec.data_offset + rec.size:
+        raise DataError(f"{path}: a tensor view runs past the end of storage data/{ref.storage.key}")
+    return array
+
+
+def entries_from_tree(
+    tree: Any, records: dict[str, zipio.Record], path: str
+) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry], dict[Any, str]]:
+    """Flatten an unpickled state dict into tensor and object entries with roles."""
+    tensor_leaves, object_leaves, containers = flatten(tree, lambda v: isinstance(v, TensorRef), path)
+    names = unique_names([p for p, _ in tensor_leaves] + [p for p, _ in object_leaves], path)
+    tensors: dict[str, TensorEntry] = {}
+    for name, (key_path, ref) in zip(names, tensor_leaves):
+        array = stored_array(ref, records, path)
+        piece = Piece(Box((0,) * len(ref.shape), ref.shape), array)
+        tensors[name] = TensorEntry(name, ref.dtype, ref.shape, roles.tensor_role(key_path), [piece], key_path)
+    objects = {
+        name: ObjectEntry(name, value, roles.object_role(key_path), key_path)
+        for name, (key_path, value) in zip(names[len(tensor_leaves) :], object_leaves)
+    }
+    return tensors, objects, containers
+
+
+def is_torch_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return False
+    return magic == ZIP_MAGIC or (path.suffix in EXTENSIONS and magic[:1] == b"\x80")
+
+
+class TorchReader:
+    name = "torch"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_file() and is_torch_file(path)
+
+    def read(self, path: Path, options: ReadOptions) -> Checkpoint:
+        where = str(path)
+        try:
+            f = open(path, "rb")
+        except OSError as exc:
+            raise DataError(f"{where}: cannot open ({exc.strerror})") from exc
+        with f:
+            if f.read(4) != ZIP_MAGIC:
+                raise DataError(
+                    f"{where}: legacy (pre-1.6, non-zip) torch.save format; it cannot be read lazily. "
+                    "Re-save it with a current torch (torch.save(torch.load(f), f))."
+                )
+            tree, records = load_archive(f, where, options)
+        tensors, objects, containers = entries_from_tree(tree, records, where)
+        ckpt = Checkpoint(
+            format=self.name,
+            path=where,
+            tensors=tensors,
+            objects=objects,
+            files=[FileInfo(where, path.stat().st_size)],
+            containers=containers,
+            details={"records": len(records)},
+        )
+        ckpt.step = roles.find_step(ckpt)
+        return ckpt
+
+    def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
+        if not deep:
+            return []
+        with open(ckpt.path, "rb") as f:
+            records = zipio.read_records(f, ckpt.path)
+            return [p for rec in records.values() if (p := zipio.crc_problem(f, rec, ckpt.path))]
+
+
+class _Storage:
+    """Placeholder pickled as a persistent storage id."""
+
+    def __init__(self, key: str, dtype: DType, numel: int) -> None:
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _Tensor:
+    """Placeholder pickled exactly as torch pickles a contiguous tensor over `storage`."""
+
+    def __init__(self, storage: _Storage, shape: tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, shape
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import torch
+
+        args = (self.storage, 0, self.shape, contiguous_strides(self.shape), False, collections.OrderedDict())
+        if self.storage.dtype.storage_class:
+            return torch._utils._rebuild_tensor_v2, args
+        return torch._utils._rebuild_tensor_v3, (*args, self.storage.dtype.torch())
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, _Storage):
+            return None
+        import torch
+
+        if obj.dtype.storage_class:
+            return ("storage", getattr(torch, obj.dtype.storage_class), obj.key, "cpu", obj.numel)
+        return ("storage", torch.storage.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
+
+
+def _torch_values(value: Any) -> Any:
+    """Replace dtype stand-ins in non-tensor values by real torch dtypes before pickling."""
+    if isinstance(value, DType):
+        return value.torch()
+    if isinstance(value, dict):
+        return type(value)((k, _torch_values(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_torch_values(v) for v in value)
+    return value
+
+
+def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]]:
+    """`data.pkl` for the checkpoint, and (storage key, tensor whose data fills it) in key order."""
+    storages: dict[Any, _Storage] = {}
+    owners: list[tuple[str, TensorEntry]] = []
+    items: list[tuple[Any, Any]] = []
+    for entry in ckpt.tensors.values():
+        # Tensors with the very same stored data (tied weights) share one storage, as in the source.
+        same = (entry.pieces[0].data, entry.dtype) if len(entry.pieces) == 1 and entry.numel else id(entry)
+        if same not in storages:
+            storages[same] = _Storage(str(len(storages)), entry.dtype, entry.numel)
+            owners.append((storages[same].key, entry))
+        items.append((entry.path, _Tensor(storages[same], entry.shape)))
+    items += [(obj.path, _torch_values(obj.value)) for obj in ckpt.objects.values()]
+    tree = unflatten(items, ckpt.containers)
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(tree)
+    return buf.getvalue(), owners
+
+
+def archive_segments(records: list[tuple[str, bytes | TensorData]], prefix: str = "archive") -> list[Any]:
+    """Segments of a torch.save zip whose records are literal bytes or streamed tensor data."""
+    segments: list[Any] = []
+    layouts: list[zipio.ZipEntryLayout] = []
+    crcs: dict[str, int] = {}
+    pos = 0
+    for name, payload in records:
+        full = f"{prefix}/{name}"
+        size = len(payload) if isinstance(payload, bytes) else payload.size
+        entry = zipio.layout_entry(full, pos, size)
+        layouts.append(entry)
+        segments.append(Literal(entry.header))
+        if isinstance(payload, bytes):
+            segments.append(Literal(payload))
+            crcs[full] = zlib.crc32(payload)
+            segments.append(Literal(zipio.data_descriptor(entry, crcs[full])))
+        else:
+            segments.append(TensorData(payload.tensor, payload.dtype, crc_key=full))
+            segments.append(Deferred(entry.descriptor_size, lambda got, e=entry: zipio.data_descriptor(e, got[e.name])))
+        pos = entry.end
+    segments.append(Deferred(zipio.central_directory_size(layouts), lambda got: zipio.central_directory(layouts, {**crcs, **got})))
+    return segments
+
+
+def torch_file_segments(ckpt: Checkpoint) -> list[Any]:
+    data_pkl, owners = pickle_state(ckpt)
+    records: list[tuple[str, bytes | TensorData]] = [
+        ("data.pkl", data_pkl),
+        (".format_version", b"1"),
+        (".storage_alignment", b"64"),
+        ("byteorder", b"little"),
+    ]
+    records += [(f"data/{key}", TensorData(entry, entry.dtype)) for key, entry in owners]
+    # A deterministic serialization id (torch draws a random one) keeps outputs reproducible.
+    serial = str(int(hashlib.sha1(data_pkl).hexdigest(), 16))[:40].rjust(40, "0")
+    records += [("version", b"3\n"), (".data/serialization_id", serial.encode())]
+    return archive_segments(records)
+
+
+class TorchWriter:
+    name = "torch"
+    dest_is_dir = False
+
+    def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
+        return WritePlan(self.name, dest, False, [OutputFile("", torch_file_segments(ckpt))])
+
+
+READER = TorchReader()
+WRITER = TorchWriter()

@@ -1,0 +1,1 @@
+"""Operations behind the commands: inspect, verify, convert (and its layouts), demo."""

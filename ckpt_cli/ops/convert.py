@@ -1,0 +1,130 @@
+"""`convert`, `reshard`, `merge`, `split`: one streamed copy from a reader to a writer.
+
+The commands differ only in the target format and layout they choose; each builds a WritePlan
+from metadata (shown by --dry-run) and hands it to the executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.executor import BLOCK_BYTES, Progress, execute
+from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.core.model import Checkpoint
+from ckpt_cli.core.plan import TensorData, WritePlan
+from ckpt_cli.core.sizes import human_bytes
+from ckpt_cli.errors import UsageError
+from ckpt_cli.formats import registry
+from ckpt_cli.ops import transform
+from ckpt_cli.ops.source import open_checkpoint
+
+# Python + torch + the CLI, measured: the floor under any conversion's resident memory.
+BASE_RSS = 260 * 10**6
+
+
+@dataclass
+class SourceOptions:
+    format: str | None = None
+    tag: str | None = None
+    trust_pickle: bool = False
+
+
+@dataclass
+class Job:
+    """A prepared write: the source as seen through the transform, and the plan for the target."""
+
+    source: Checkpoint
+    plan: WritePlan
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare(
+    src: str | Path,
+    dest: str | Path,
+    to: str,
+    source: SourceOptions,
+    t: transform.Transform,
+    write: WriteOptions,
+) -> Job:
+    ckpt = open_checkpoint(src, source.format, source.tag, source.trust_pickle)
+    view = transform.apply(ckpt, t)
+    writer = registry.writer(to)
+    if write.world_size is not None and to not in ("dcp", "deepspeed"):
+        raise UsageError(f"--world-size applies to dcp and deepspeed targets, not {to}")
+    if (write.num_shards or write.max_shard_size) and to != "hf":
+        raise UsageError(f"--num-shards/--max-shard-size apply to hf targets, not {to}")
+    plan = writer.plan(view, Path(dest), write)
+    return Job(ckpt, plan, list(ckpt.notes) + plan.notes)
+
+
+def reshard_target(ckpt_format: str, write: WriteOptions) -> str:
+    """`reshard` keeps the format; say plainly what each format can be resharded by."""
+    if ckpt_format == "hf":
+        if write.world_size is not None:
+            raise UsageError("hf checkpoints are resharded by --num-shards or --max-shard-size, not --world-size")
+        if not (write.num_shards or write.max_shard_size):
+            raise UsageError("reshard of an hf checkpoint needs --num-shards N or --max-shard-size SIZE")
+        return "hf"
+    if ckpt_format in ("dcp", "deepspeed"):
+        raise UsageError(f"reshard --world-size for {ckpt_format} is not supported yet by this version of ckpt")
+    raise UsageError(f"a {ckpt_format} checkpoint is one file; use 'ckpt split' to shard it")
+
+
+def merge_target(dest: Path, keep_all: bool) -> str:
+    suffix = dest.suffix
+    if suffix == ".safetensors":
+        if keep_all:
+            raise UsageError("--all keeps optimizer and training state, which safetensors cannot hold; use a .pt destination")
+        return "safetensors"
+    if suffix in (".pt", ".pth", ".bin"):
+        return "torch"
+    raise UsageError(f"{dest}: merge writes DST.safetensors or DST.pt (.pth, .bin); got '{suffix or 'no extension'}'")
+
+
+def estimate_peak(plan: WritePlan) -> int:
+    """Peak resident memory the executor needs: the runtime plus bounded buffers."""
+    buffers = 0
+    for f in plan.files:
+        for s in f.segments:
+            if not isinstance(s, TensorData):
+                continue
+            streamed = s.crc_key is not None or any(p.data.dtype != s.dtype for p in s.tensor.pieces)
+            if streamed:
+                buffers = max(buffers, 3 * min(BLOCK_BYTES, s.size))
+            for p in s.tensor.pieces:
+                if not p.data.is_contiguous:
+                    buffers = max(buffers, 2 * p.data.nbytes)
+    return BASE_RSS + buffers
+
+
+def describe(job: Job) -> dict[str, Any]:
+    """The plan as data: what --dry-run prints."""
+    plan = job.plan
+    return {
+        "format": plan.format,
+        "destination": str(plan.dest),
+        "files": [{"path": f.relpath or plan.dest.name, "bytes": f.size, "tensors": len(f.tensor_names)} for f in plan.files],
+        "total_bytes": plan.total_bytes,
+        "tensor_bytes": plan.data_bytes,
+        "largest_tensor_bytes": plan.largest_tensor_bytes(),
+        "estimated_peak_rss": estimate_peak(plan),
+        "notes": job.notes,
+        "placement": {name: f.relpath or plan.dest.name for f in plan.files for name in f.tensor_names},
+    }
+
+
+def describe_text(job: Job) -> str:
+    d = describe(job)
+    lines = [f"plan: write {d['format']} to {d['destination']} ({len(d['files'])} files, {human_bytes(d['total_bytes'])})"]
+    lines += [f"  {f['path']}  {human_bytes(f['bytes'])}  {f['tensors']} tensors" for f in d["files"]]
+    lines.append(
+        f"estimated peak memory: {human_bytes(d['estimated_peak_rss'])} (largest tensor {human_bytes(d['largest_tensor_bytes'])}, streamed)"
+    )
+    lines += [f"note: {n}" for n in d["notes"]]
+    return "\n".join(lines)
+
+
+def run(job: Job, overwrite: bool, progress: Progress | None = None) -> None:
+    execute(job.plan, overwrite=overwrite, progress=progress)

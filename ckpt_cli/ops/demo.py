@@ -1,0 +1,90 @@
+"""`demo DIR`: small, real sample checkpoints in every format, written by the real producers.
+
+A tiny language model (tied embedding, two blocks) trains three AdamW steps with a warmup schedule;
+then torch.save writes the full training state, safetensors writes the weights, ckpt's own hf
+writer shards them, and a run folder holds two steps. Every command can be tried on the result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.atomic import staged
+from ckpt_cli.core.executor import execute
+from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.formats import hf
+
+VOCAB, DIM, LAYERS, STEPS = 96, 32, 2, 3
+
+
+def _model() -> Any:
+    import torch
+    from torch import nn
+
+    class TinyLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM)) for _ in range(LAYERS)
+            )
+            self.norm = nn.LayerNorm(DIM)
+            self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+            self.lm_head.weight = self.embed.weight  # tied, as most LMs are
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed(ids)
+            for block in self.blocks:
+                x = x + block(x)
+            return self.lm_head(self.norm(x))
+
+    return TinyLM()
+
+
+def _train() -> tuple[Any, Any, Any, dict[str, Any]]:
+    import torch
+
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (4, 16))
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, opt, sched, {"epoch": 0, "samples_seen": STEPS * 4}
+
+
+def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
+    """Write the samples into `folder` (atomically); return the checkpoints written."""
+    import torch
+    from safetensors.torch import save_model
+
+    from ckpt_cli.ops.source import open_checkpoint
+
+    model, opt, sched, loader = _train()
+    with staged(folder, True, overwrite) as tmp:
+        state = {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "lr_scheduler": sched.state_dict(),
+            "step": STEPS,
+            "rng": {"torch": torch.get_rng_state()},
+            "dataloader": loader,
+        }
+        torch.save(state, tmp / "training_state.pt")
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        weights = open_checkpoint(tmp / "model.safetensors")
+        execute(hf.WRITER.plan(weights, tmp / "hf", WriteOptions(num_shards=3)))
+        (tmp / "run").mkdir()
+        for step in (100, 200):  # a run folder: `--tag` picks one, the highest step by default
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+            save_model(model, str(tmp / "run" / f"step_{step}.safetensors"), metadata={"format": "pt"})
+    names = ["training_state.pt", "model.safetensors", "hf", "run"]
+    return [folder / n for n in names]

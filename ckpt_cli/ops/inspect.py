@@ -1,0 +1,60 @@
+"""`inspect`: a summary of a checkpoint from its metadata alone (no tensor data is read)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core import roles
+from ckpt_cli.core.model import Checkpoint
+from ckpt_cli.formats import registry
+from ckpt_cli.ops.transform import matches
+
+
+def tensor_rows(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    return [
+        {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape), "role": t.role, "pieces": len(t.pieces)}
+        for t in ckpt.tensors.values()
+        if matches(t.name, filters)
+    ]
+
+
+def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The stable `inspect --json` document (SPEC §3)."""
+    chosen = [t for t in ckpt.tensors.values() if matches(t.name, filters)]
+    dtypes: dict[str, int] = {}
+    for t in chosen:
+        dtypes[t.dtype.name] = dtypes.get(t.dtype.name, 0) + t.nbytes
+    # Tied weights count once, as the parameters of the model they are.
+    tied = {name for group in ckpt.tied_groups() for name in group[1:]}
+    return {
+        "path": ckpt.path,
+        "format": ckpt.format,
+        "tag": ckpt.tag,
+        "step": ckpt.step,
+        "world_size": ckpt.world_size,
+        "num_tensors": len(chosen),
+        "num_params": sum(math.prod(t.shape) for t in chosen if t.role == "model" and t.name not in tied),
+        "total_bytes": sum(t.nbytes for t in chosen),
+        "dtypes": dtypes,
+        "files": [{"path": f.path, "bytes": f.bytes} for f in ckpt.files],
+        "training_state": roles.describe_training_state(ckpt),
+        "tensors": tensor_rows(ckpt, filters),
+        "details": {**ckpt.details, "objects": len(ckpt.objects), "tied": ckpt.tied_groups()},
+        "notes": ckpt.notes,
+    }
+
+
+def run_folder(path: Path) -> list[dict[str, Any]] | None:
+    """For a folder holding several checkpoints, one line each (tag, format); None otherwise."""
+    if registry.detect(path) is not None:
+        return None
+    tags = registry.list_tags(path)
+    if len(tags) < 1:
+        return None
+    out = []
+    for tag in tags:
+        fmt = registry.detect(path / tag)
+        out.append({"tag": tag, "format": fmt.name if fmt else None, "path": str(path / tag)})
+    return out

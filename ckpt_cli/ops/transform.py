@@ -1,0 +1,76 @@
+"""Views of a checkpoint for writing: select names, rename prefixes, keep weights only, cast dtypes.
+
+A view is a new Checkpoint over the same stored pieces; nothing is read. A logical tensor whose
+dtype differs from its pieces' stored dtype is cast by the executor as it streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass
+
+from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
+from ckpt_cli.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Transform:
+    select: tuple[str, ...] = ()  # shell globs over tensor names; empty keeps all
+    strip_prefix: str | None = None
+    add_prefix: str | None = None
+    weights_only: bool = False
+    dtype: DType | None = None  # cast floating-point model weights (optimizer state keeps its precision)
+
+
+def matches(name: str, globs: tuple[str, ...]) -> bool:
+    return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def _strip(name: str, path: PathKey, prefix: str) -> tuple[str, PathKey]:
+    if not name.startswith(prefix):
+        return name, path
+    rest = name[len(prefix) :]
+    joined = ""
+    for k, key in enumerate(path):  # drop whole leading path items when the prefix ends on one
+        joined += f"{key}."
+        if joined == prefix or joined[:-1] == prefix:
+            return rest, path[k + 1 :] if path[k + 1 :] else (rest,)
+    return rest, (rest,)
+
+
+def _add(name: str, path: PathKey, prefix: str) -> tuple[str, PathKey]:
+    if prefix.endswith("."):
+        return prefix + name, (prefix[:-1], *path)
+    return prefix + name, (prefix + str(path[0]), *path[1:])
+
+
+def _rename(name: str, path: PathKey, t: Transform) -> tuple[str, PathKey]:
+    if t.strip_prefix:
+        name, path = _strip(name, path, t.strip_prefix)
+    if t.add_prefix:
+        name, path = _add(name, path, t.add_prefix)
+    return name, path
+
+
+def apply(ckpt: Checkpoint, t: Transform) -> Checkpoint:
+    """The checkpoint as the writer should see it under transform `t`."""
+    tensors: dict[str, TensorEntry] = {}
+    for entry in ckpt.tensors.values():
+        if (t.weights_only and entry.role != "model") or not matches(entry.name, t.select):
+            continue
+        name, path = _rename(entry.name, entry.path, t)
+        dtype = t.dtype if t.dtype is not None and entry.dtype.is_float and entry.role == "model" else entry.dtype
+        if name in tensors:
+            raise UsageError(f"two tensors are both renamed to '{name}'; adjust --strip-prefix/--add-prefix")
+        tensors[name] = dataclasses.replace(entry, name=name, path=path, dtype=dtype)
+    objects: dict[str, ObjectEntry] = {}
+    if not t.weights_only and not t.select:
+        for obj in ckpt.objects.values():
+            name, path = _rename(obj.name, obj.path, t)
+            objects[name] = dataclasses.replace(obj, name=name, path=path)
+    if t.select and not tensors:
+        raise UsageError(f"--select {' '.join(t.select)} matches no tensor")
+    containers = ckpt.containers if not (t.strip_prefix or t.add_prefix) else {}
+    return dataclasses.replace(ckpt, tensors=tensors, objects=objects, containers=containers, notes=list(ckpt.notes))

@@ -1,0 +1,275 @@
+"""`verify`: integrity of one checkpoint, as a structured report the CLI renders.
+
+Structure (always): files present with their recorded sizes, every tensor's pieces tile it, every
+piece's bytes inside its file, plus the format's own checks. `deep`: every byte read (zip CRCs,
+checksums); `finite`: NaN/Inf counts; manifests; `against`: tensor-by-tensor comparison.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.executor import SourceFiles, as_bytes, element_windows, read_elements
+from ckpt_cli.core.model import Checkpoint, TensorEntry
+from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.formats import registry
+from ckpt_cli.ops import policy as policy_mod
+from ckpt_cli.ops.source import open_checkpoint
+
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class VerifyOptions:
+    format: str | None = None
+    tag: str | None = None
+    trust_pickle: bool = False
+    deep: bool = False
+    finite: bool = False
+    write_manifest: Path | None = None
+    manifest: Path | None = None
+    against: Path | None = None
+    atol: float = 0.0
+    rtol: float = 0.0
+    policy: Path | None = None
+
+
+@dataclass
+class Report:
+    path: str
+    format: str | None = None
+    checks: list[str] = field(default_factory=list)  # what was checked
+    problems: list[str] = field(default_factory=list)  # one line each, naming the file
+    nonfinite: dict[str, dict[str, int]] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "ok": self.ok,
+            "checks": self.checks,
+            "problems": self.problems,
+            "nonfinite": self.nonfinite,
+            "stats": self.stats,
+        }
+
+
+def _root(ckpt: Checkpoint) -> Path:
+    p = Path(ckpt.path)
+    return p if p.is_dir() else p.parent
+
+
+def check_structure(ckpt: Checkpoint, report: Report) -> None:
+    """Files present at their recorded sizes; pieces tile tensors; pieces inside their files."""
+    sizes: dict[str, int] = {}
+    for info in ckpt.files:
+        try:
+            sizes[info.path] = os.path.getsize(info.path)
+        except OSError:
+            report.problems.append(f"{info.path}: missing")
+            continue
+        if sizes[info.path] != info.bytes:
+            report.problems.append(f"{info.path}: size {sizes[info.path]} differs from the {info.bytes} bytes recorded")
+    for t in ckpt.tensors.values():
+        problem = t.tiling_problem()
+        if problem:
+            report.problems.append(f"{ckpt.path}: tensor '{t.name}': {problem}")
+        for piece in t.pieces:
+            array = piece.data
+            size = sizes.get(array.path)
+            if size is None:
+                size = os.path.getsize(array.path) if os.path.exists(array.path) else -1
+                sizes[array.path] = size
+            _, end = array.extent()
+            if size < 0:
+                report.problems.append(f"{array.path}: missing (holds tensor '{t.name}')")
+            elif end > size:
+                report.problems.append(f"{array.path}: tensor '{t.name}' needs bytes up to {end} but the file has {size} (truncated)")
+    report.checks.append("structure")
+
+
+def file_sha256(path: str, block: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def scan_tensor(t: TensorEntry, sources: SourceFiles, want_hash: bool, want_finite: bool) -> tuple[str, int, int]:
+    """(sha256 of the logical little-endian bytes, NaN count, Inf count), streamed window by window."""
+    import torch
+
+    digest = hashlib.sha256()
+    nan = inf = 0
+    check = want_finite and t.dtype.is_float
+    for start, count in element_windows(t):
+        values = read_elements(t, start, count, sources)
+        if want_hash:
+            digest.update(as_bytes(values))
+        if check:
+            wide = values if t.dtype.itemsize >= 2 else values.to(torch.float32)
+            nan += int(torch.isnan(wide).sum())
+            inf += int(torch.isinf(wide).sum())
+    return digest.hexdigest(), nan, inf
+
+
+def build_manifest(ckpt: Checkpoint, tensor_hashes: dict[str, str]) -> dict[str, Any]:
+    root = _root(ckpt)
+    return {
+        "ckpt_manifest": MANIFEST_VERSION,
+        "format": ckpt.format,
+        "files": {os.path.relpath(f.path, root): {"bytes": f.bytes, "sha256": file_sha256(f.path)} for f in ckpt.files},
+        "tensors": {
+            n: {"dtype": ckpt.tensors[n].dtype.name, "shape": list(ckpt.tensors[n].shape), "sha256": h} for n, h in tensor_hashes.items()
+        },
+    }
+
+
+def load_manifest(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: manifest not found") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a readable manifest ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("ckpt_manifest") != MANIFEST_VERSION:
+        raise UsageError(f"{path}: not a ckpt manifest (written by verify --write-manifest)")
+    return doc
+
+
+def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], hashes: dict[str, str], report: Report, where: Path) -> None:
+    root = _root(ckpt)
+    if manifest.get("format") == ckpt.format:
+        for rel, want in manifest.get("files", {}).items():
+            path = root / rel
+            if not path.exists():
+                report.problems.append(f"{path}: missing (listed in manifest {where})")
+            elif file_sha256(str(path)) != want["sha256"]:
+                report.problems.append(f"{path}: checksum differs from manifest {where} (bytes changed)")
+    for name, want in manifest.get("tensors", {}).items():
+        t = ckpt.tensors.get(name)
+        if t is None:
+            report.problems.append(f"{ckpt.path}: tensor '{name}' from manifest {where} is missing")
+        elif hashes.get(name) != want["sha256"] and (t.dtype.name == want["dtype"]):
+            file = t.pieces[0].data.path if t.pieces else ckpt.path
+            report.problems.append(f"{file}: tensor '{name}' differs from manifest {where} (data changed)")
+        elif t.dtype.name != want["dtype"] or list(t.shape) != want["shape"]:
+            report.problems.append(
+                f"{ckpt.path}: tensor '{name}' is {t.dtype.name}{list(t.shape)}, manifest says {want['dtype']}{want['shape']}"
+            )
+    report.checks.append("manifest")
+
+
+def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Report) -> None:
+    """Tensor-by-tensor comparison across formats (names, dtypes, shapes, values)."""
+    import torch
+
+    sources = SourceFiles()
+    try:
+        for name in a.tensors.keys() - b.tensors.keys():
+            report.problems.append(f"{b.path}: tensor '{name}' is missing (present in {a.path})")
+        for name in b.tensors.keys() - a.tensors.keys():
+            report.problems.append(f"{a.path}: tensor '{name}' is missing (present in {b.path})")
+        exact = atol == 0 and rtol == 0
+        for name in [n for n in a.tensors if n in b.tensors]:
+            x, y = a.tensors[name], b.tensors[name]
+            if x.shape != y.shape:
+                report.problems.append(f"{b.path}: tensor '{name}' has shape {list(y.shape)}, {a.path} has {list(x.shape)}")
+                continue
+            if x.dtype != y.dtype and exact:
+                report.problems.append(
+                    f"{b.path}: tensor '{name}' is {y.dtype}, {a.path} has {x.dtype} (give --atol/--rtol to compare values)"
+                )
+                continue
+            worst = 0.0
+            for start, count in element_windows(x, 8):
+                u, v = read_elements(x, start, count, sources), read_elements(y, start, count, sources)
+                if exact:
+                    if not torch.equal(u.view(torch.uint8), v.view(torch.uint8)):
+                        worst = float("inf")
+                        break
+                    continue
+                u64, v64 = u.to(torch.float64), v.to(torch.float64)
+                same_nan = torch.isnan(u64) == torch.isnan(v64)
+                close = torch.isclose(u64, v64, rtol=rtol, atol=atol, equal_nan=True) & same_nan
+                if not bool(close.all()):
+                    diff = (u64 - v64).abs().nan_to_num(nan=float("inf"))
+                    worst = max(worst, float(diff.max()))
+            if worst:
+                how = "values differ" if exact else f"max |diff| {worst:.3g} exceeds atol={atol} rtol={rtol}"
+                report.problems.append(f"{b.path}: tensor '{name}': {how}")
+    finally:
+        sources.close()
+    report.checks.append(f"against {b.path}")
+
+
+def verify(path: str | Path, options: VerifyOptions) -> Report:
+    report = Report(str(path))
+    try:
+        ckpt = open_checkpoint(path, options.format, options.tag, options.trust_pickle)
+    except DataError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.path, report.format = ckpt.path, ckpt.format
+    report.stats = {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": sum(f.bytes for f in ckpt.files)}
+    check_structure(ckpt, report)
+    fmt = registry.get(ckpt.format)
+    try:
+        report.problems += fmt.reader.check(ckpt, options.deep)
+    except DataError as exc:
+        report.problems.append(str(exc))
+    if report.problems:  # reading data of a broken checkpoint would only repeat the problems
+        return report
+    rules = policy_mod.load(options.policy) if options.policy else None
+    finite = options.finite or bool(rules and rules.finite)
+    want_hash = options.deep or options.manifest is not None or options.write_manifest is not None
+    hashes: dict[str, str] = {}
+    if want_hash or finite:
+        sources = SourceFiles()
+        try:
+            for t in ckpt.tensors.values():
+                digest, nan, inf = scan_tensor(t, sources, want_hash, finite)
+                hashes[t.name] = digest
+                if nan or inf:
+                    report.nonfinite[t.name] = {"nan": nan, "inf": inf}
+        except DataError as exc:
+            report.problems.append(str(exc))
+            return report
+        finally:
+            sources.close()
+        report.checks += (["deep"] if options.deep else []) + (["finite"] if finite else [])
+        if finite:
+            for name, counts in report.nonfinite.items():
+                report.problems.append(
+                    f"{ckpt.tensors[name].pieces[0].data.path}: tensor '{name}' has {counts['nan']} NaN and {counts['inf']} Inf values"
+                )
+    if options.manifest:
+        check_manifest(ckpt, load_manifest(options.manifest), hashes, report, options.manifest)
+    if options.against:
+        other = open_checkpoint(options.against, None, None, options.trust_pickle)
+        atol, rtol = options.atol, options.rtol
+        if rules and rules.atol is not None and not atol:
+            atol = rules.atol
+        if rules and rules.rtol is not None and not rtol:
+            rtol = rules.rtol
+        compare(ckpt, other, atol, rtol, report)
+    if rules:
+        report.problems += policy_mod.check(ckpt, rules)
+        report.checks.append(f"policy {options.policy}")
+    if options.write_manifest and report.ok:
+        manifest = build_manifest(ckpt, hashes)
+        options.write_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
+        report.checks.append(f"wrote manifest {options.write_manifest}")
+    report.stats["dtype_names"] = sorted({t.dtype.name for t in ckpt.tensors.values()})
+    return report
