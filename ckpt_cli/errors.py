@@ -30,3 +30,9 @@ class UnsafePickleError(DataError):
             "nothing was executed). If you trust this file, pass --trust-pickle."
         )
         self.global_name = global_name
+
+
+class Interrupted(CkptError):
+    """Ctrl-C during a write: the temporary output was removed (exit code 130, as shells expect)."""
+
+    exit_code = 130

@@ -5,13 +5,17 @@ from __future__ import annotations
 import os
 import sys
 
-import click
 import typer
 
 from ckpt_cli import __version__
 from ckpt_cli.cli import convert_cmd, demo_cmd, inspect_cmd, verify_cmd
 from ckpt_cli.cli.output import error
 from ckpt_cli.errors import CkptError
+
+try:  # typer >= 0.29 vendors click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors  # type: ignore[no-redef]
 
 app = typer.Typer(
     name="ckpt",
@@ -55,14 +59,14 @@ def main(argv: list[str] | None = None) -> None:
             raise
         error(str(exc))
         code = exc.exit_code
-    except click.UsageError as exc:
+    except click_errors.UsageError as exc:
         exc.show()
         code = 2
-    except click.ClickException as exc:
+    except click_errors.ClickException as exc:
         exc.show()
         code = exc.exit_code
-    except (KeyboardInterrupt, click.Abort):
-        error("interrupted; no destination was written")
+    except (KeyboardInterrupt, typer.Abort):
+        error("interrupted")
         code = 130
     except OSError as exc:
         if debug:

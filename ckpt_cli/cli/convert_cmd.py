@@ -30,6 +30,7 @@ from ckpt_cli.core import dtypes
 from ckpt_cli.core.atomic import check_destination
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.sizes import human_bytes, parse_size
+from ckpt_cli.errors import Interrupted, UsageError
 from ckpt_cli.ops import convert as convert_op
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.transform import Transform
@@ -42,7 +43,7 @@ def _transform(dtype: str, weights_only: bool, select: list[str] | None, strip: 
 
 def _write_options(world_size: int | None, max_shard_size: str | None, num_shards: int | None) -> WriteOptions:
     if max_shard_size and num_shards:
-        raise typer.BadParameter("give --max-shard-size or --num-shards, not both")
+        raise UsageError("give --max-shard-size or --num-shards, not both")
     return WriteOptions(parse_size(max_shard_size) if max_shard_size else None, num_shards, world_size)
 
 
@@ -57,7 +58,10 @@ def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, jso
     for note in job.notes:
         output.info(f"note: {note}", quiet)
     with output.progress(job.plan.total_bytes, f"{to} -> {dest.name}", quiet) as bar:
-        convert_op.run(job, overwrite, bar)
+        try:
+            convert_op.run(job, overwrite, bar)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted; nothing was written to {dest}") from None
     output.info(f"wrote {job.plan.format} {dest} ({len(job.plan.files)} files, {human_bytes(job.plan.total_bytes)})", quiet)
 
 

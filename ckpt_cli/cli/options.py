@@ -18,7 +18,9 @@ Json = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on std
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing destination.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan (files, sizes, placement, memory) and write nothing.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes on stderr.")]
-DType = Annotated[str, typer.Option("--dtype", help="keep, fp32, bf16 or fp16: cast floating-point tensors.")]
+DType = Annotated[
+    str, typer.Option("--dtype", help="keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision).")
+]
 MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", help="hf: largest shard, e.g. 5GB, 500MB, 2GiB.")]
 NumShards = Annotated[Optional[int], typer.Option("--num-shards", help="hf: exact number of shards.", min=1)]
 WorldSize = Annotated[Optional[int], typer.Option("--world-size", help="dcp, deepspeed: number of ranks to write for.", min=1)]

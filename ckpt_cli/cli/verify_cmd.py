@@ -59,7 +59,8 @@ def verify(
             f"{report.stats.get('tensors', 0)} tensors in {report.stats.get('files', 0)} files"
         )
     else:
-        output.emit(f"FAILED {report.path} ({report.format or 'unreadable'}): {len(report.problems)} problems")
+        count = len(report.problems)
+        output.emit(f"FAILED {report.path} ({report.format or 'unreadable'}): {count} problem{'s' if count > 1 else ''}")
         shown = report.problems[:MAX_SHOWN]
         output.emit("\n".join(f"  {p}" for p in shown))
         if len(report.problems) > MAX_SHOWN:

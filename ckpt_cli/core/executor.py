@@ -191,6 +191,13 @@ def write_file(path: Path, out: OutputFile, sources: SourceFiles, progress: Prog
                 data = seg.build(crcs)
                 assert len(data) == seg.size, "deferred segment size differs from its plan"
                 _write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -205,5 +212,9 @@ def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None 
                 target = tmp / out.relpath if plan.dest_is_dir else tmp
                 target.parent.mkdir(parents=True, exist_ok=True)
                 write_file(target, out, sources, progress)
+            # Flush once all files are written (the kernel writes back while we produce the next
+            # file), and before the rename makes the destination visible.
+            for out in plan.files:
+                fsync_path(tmp / out.relpath if plan.dest_is_dir else tmp)
     finally:
         sources.close()

@@ -166,6 +166,9 @@ _BASE = _base_globals()
 _LAZY = {key for key, value in _BASE.items() if getattr(value, "__name__", "") == "load"}
 
 
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
 class SafeUnpickler(pickle.Unpickler):
     """Resolves globals through the allow list; `extra` adds format-specific stand-ins."""
 
@@ -178,6 +181,7 @@ class SafeUnpickler(pickle.Unpickler):
             self.table.update(extra)
 
     def find_class(self, module: str, name: str) -> Any:
+        module = _PY2_MODULES.get(module, module)  # protocol-2 pickles name Python 2 modules
         key = (module, name)
         if key in self.table:
             value = self.table[key]

@@ -145,7 +145,7 @@ def dedupe_tied(ckpt: Checkpoint, tensors: list[TensorEntry], notes: list[str]) 
         names = [n for n in group if n in selected]
         if len(names) > 1:
             dropped.update(names[1:])
-            notes.append(f"tied: {', '.join(names[1:])} share data with {names[0]}; written once as {names[0]}")
+            notes.append(f"tied: {', '.join(names[1:])} = {names[0]} (same data); written once as {names[0]}")
     return [t for t in tensors if t.name not in dropped]
 
 

@@ -1,0 +1,122 @@
+"""Shared fixtures. Checkpoints come from the real producers (torch.save, safetensors,
+huggingface_hub, transformers), made once per session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def ckpt(capsys):
+    """Run the CLI in-process (fast: torch is already imported) and return code, stdout, stderr."""
+    from ckpt_cli.cli.app import main
+
+    def run(*args: str | Path) -> Result:
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        captured = capsys.readouterr()
+        return Result(code, captured.out, captured.err)
+
+    return run
+
+
+def run_subprocess(*args: str | Path, env: dict[str, str] | None = None) -> Result:
+    """The real entry point in a fresh process, as a user runs it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpt_cli", *map(str, args)], capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
+    return Result(proc.returncode, proc.stdout, proc.stderr)
+
+
+def mixed_state_dict() -> dict[str, torch.Tensor]:
+    """Every dtype the formats share, plus 0-d, empty and odd-shaped tensors."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "fp32": torch.randn(7, 5, generator=g),
+        "bf16": torch.randn(3, 11, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(13, generator=g).to(torch.float16),
+        "fp64": torch.randn(2, 2, generator=g, dtype=torch.float64),
+        "int64": torch.randint(-(2**40), 2**40, (4, 3), generator=g),
+        "int32": torch.randint(-1000, 1000, (5,), generator=g, dtype=torch.int32),
+        "int8": torch.randint(-128, 127, (6,), generator=g, dtype=torch.int8),
+        "uint8": torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8),
+        "bool": torch.rand(3, 4, generator=g) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "scalar_int": torch.tensor(7),
+        "empty": torch.empty(0, 4),
+        "empty_bf16": torch.empty(2, 0, dtype=torch.bfloat16),
+        "layer.0.weight": torch.randn(4, 4, 2, generator=g),
+    }
+
+
+@pytest.fixture(scope="session")
+def mixed_files(tmp_path_factory) -> dict[str, Path]:
+    """The mixed state dict written by safetensors.save_file, torch.save and the hub's sharder."""
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("mixed")
+    sd = mixed_state_dict()
+    save_file(sd, root / "mixed.safetensors", metadata={"format": "pt"})
+    torch.save(sd, root / "mixed.pt")
+    (root / "hf").mkdir()
+    save_torch_state_dict(sd, root / "hf", max_shard_size=200)
+    return {"safetensors": root / "mixed.safetensors", "torch": root / "mixed.pt", "hf": root / "hf"}
+
+
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny Llama with tied embeddings, built from a config (no download), saved by transformers."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    root = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(root / "single")  # one model.safetensors
+    model.save_pretrained(root / "sharded", max_shard_size="20KB")
+    return model, root
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Same names, dtypes, shapes and bytes."""
+    assert sorted(a) == sorted(b)
+    for name in a:
+        x, y = a[name], b[name]
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), name

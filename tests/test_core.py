@@ -1,0 +1,154 @@
+"""Unit tests of the core: piece geometry, tiling, sizes, sharding, the safe unpickler, the executor.
+
+Hand-made inputs here are extra unit tests; the proofs use files from the real producers."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpt_cli.core import dtypes
+from ckpt_cli.core.executor import execute
+from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.core.model import Box, Checkpoint, FlatRange, Piece, StoredArray, TensorEntry, box_runs, contiguous_strides
+from ckpt_cli.core.safe_pickle import safe_loads
+from ckpt_cli.core.sizes import parse_size
+from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
+from ckpt_cli.formats import safetensors, torch_save
+from ckpt_cli.formats.hf import shard_groups
+
+F32 = dtypes.FLOAT32
+
+
+def test_box_runs_row_shards_are_single_runs():
+    # FSDP2 on 4 ranks of a (5, 6) tensor: torch.chunk rows, an empty chunk at the end (FORMATS §1.6).
+    chunks = [((0, 0), (2, 6)), ((2, 0), (2, 6)), ((4, 0), (1, 6)), ((5, 0), (0, 6))]
+    runs = [list(box_runs(o, s, (5, 6))) for o, s in chunks]
+    assert runs == [[(0, 12, 0)], [(12, 12, 0)], [(24, 6, 0)], []]
+
+
+def test_box_runs_column_blocks_and_scalars():
+    assert list(box_runs((1, 2), (2, 2), (4, 5))) == [(7, 2, 0), (12, 2, 2)]
+    assert list(box_runs((), (), ())) == [(0, 1, 0)]
+    assert list(box_runs((0, 0, 0), (2, 3, 4), (2, 3, 4))) == [(0, 24, 0)]
+
+
+def _entry(pieces, shape=(10,)):
+    return TensorEntry("t", F32, shape, "model", pieces)
+
+
+def _array(n):
+    return StoredArray("/dev/null", 0, F32, (n,), (1,))
+
+
+def test_tiling_problems():
+    ok = _entry([Piece(FlatRange(0, 4), _array(4)), Piece(FlatRange(4, 6), _array(6))])
+    assert ok.tiling_problem() is None
+    gap = _entry([Piece(FlatRange(0, 4), _array(4)), Piece(FlatRange(5, 5), _array(5))])
+    assert "no piece covers elements 4..4" in gap.tiling_problem()
+    overlap = _entry([Piece(FlatRange(0, 6), _array(6)), Piece(FlatRange(4, 6), _array(6))])
+    assert "overlap" in overlap.tiling_problem()
+    short = _entry([Piece(FlatRange(0, 4), _array(4))])
+    assert "4..9" in short.tiling_problem()
+
+
+def test_executor_assembles_flat_and_box_pieces_with_casts(tmp_path):
+    """A tensor stored as out-of-order flat ranges (ZeRO-like) and one stored as 2-d blocks (DCP-like)."""
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    raw = tmp_path / "raw.bin"
+    flat = full.reshape(-1)
+    blocks = [full[:2, :3], full[:2, 3:], full[2:, :3].t().contiguous().t(), full[2:, 3:].to(torch.bfloat16)]
+    payload = [flat[12:], flat[:12]] + [b.contiguous() if i != 2 else b.t().contiguous() for i, b in enumerate(blocks)]
+    offsets, pos = [], 0
+    with open(raw, "wb") as f:
+        for t in payload:
+            offsets.append(pos)
+            data = t.view(torch.uint8).numpy().tobytes()
+            f.write(data)
+            pos += len(data)
+    p = str(raw)
+    zero = TensorEntry(
+        "zero",
+        F32,
+        (4, 6),
+        "optimizer",
+        [
+            Piece(FlatRange(12, 12), StoredArray(p, offsets[0], F32, (12,), (1,))),
+            Piece(FlatRange(0, 12), StoredArray(p, offsets[1], F32, (12,), (1,))),
+        ],
+    )
+    boxes = [((0, 0), F32, (1, 3)), ((0, 3), F32, (3, 1)), ((2, 0), F32, None), ((2, 3), dtypes.by_name("bf16"), (3, 1))]
+    pieces = []
+    for i, (origin, dt, stride) in enumerate(boxes):
+        shape = (2, 3)
+        stride = contiguous_strides(shape) if stride != (1, 3) or i != 2 else stride
+        if i == 2:
+            stride = (1, 2)  # stored transposed: column-major
+        else:
+            stride = contiguous_strides(shape)
+        pieces.append(Piece(Box(origin, shape), StoredArray(p, offsets[2 + i], dt, shape, stride)))
+    dcp_like = TensorEntry("blocks", F32, (4, 6), "model", pieces)
+    ckpt = Checkpoint("test", p, {"zero": zero, "blocks": dcp_like})
+    execute(safetensors.WRITER.plan(ckpt, tmp_path / "out.safetensors", WriteOptions()))
+    out = load_file(tmp_path / "out.safetensors")
+    assert torch.equal(out["zero"], full)
+    expected = full.clone()
+    expected[2:, 3:] = full[2:, 3:].to(torch.bfloat16).float()
+    assert torch.equal(out["blocks"], expected)
+    execute(torch_save.WRITER.plan(ckpt, tmp_path / "out.pt", WriteOptions()))
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["zero"], full)
+
+
+def test_executor_refuses_a_gap(tmp_path):
+    (tmp_path / "raw").write_bytes(bytes(40))
+    entry = TensorEntry("t", F32, (10,), "model", [Piece(FlatRange(0, 4), StoredArray(str(tmp_path / "raw"), 0, F32, (4,), (1,)))])
+    with pytest.raises(DataError, match="no piece covers"):
+        execute(safetensors.WRITER.plan(Checkpoint("x", "x", {"t": entry}), tmp_path / "o.safetensors", WriteOptions()))
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("5GB", 5 * 10**9), ("5GiB", 5 * 2**30), ("500MB", 500 * 10**6), ("1048576", 1048576), ("1.5kb", 1500), ("2 MiB", 2 * 2**20)],
+)
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["5XB", "", "GB", "-1", "0"])
+def test_parse_size_rejects(text):
+    with pytest.raises(UsageError):
+        parse_size(text)
+
+
+def test_num_shards_balances_and_never_leaves_a_shard_empty():
+    def tensors(sizes):
+        return [TensorEntry(f"t{i}", F32, (n,), "model", []) for i, n in enumerate(sizes)]
+
+    for sizes, n in [([1] * 10, 3), ([1000, 1, 1, 1], 4), ([1, 1, 1, 1000], 2), ([5, 5], 2), ([100] * 7, 7)]:
+        groups = shard_groups(tensors(sizes), None, n)
+        assert len(groups) == n and all(groups), (sizes, n, groups)
+        assert [t.name for g in groups for t in g] == [f"t{i}" for i in range(len(sizes))]
+    even = shard_groups(tensors([10] * 12), None, 4)
+    assert [len(g) for g in even] == [3, 3, 3, 3]
+    with pytest.raises(UsageError):
+        shard_groups(tensors([1, 1]), None, 3)
+
+
+class Boom:
+    def __reduce__(self):
+        return (print, ("ran",))
+
+
+def test_safe_unpickler_refuses_globals_and_reads_plain_values():
+    with pytest.raises(UnsafePickleError, match="builtins.print.*nothing was executed"):
+        safe_loads(pickle.dumps({"x": Boom()}, protocol=2), "f.pt")
+    value = {"a": [1, 2.5, "s", b"bytes", (1, 2)], "arr": np.arange(3, dtype=np.uint32), "o": {1: None}}
+    loaded = safe_loads(pickle.dumps(value, protocol=2), "f.pt")
+    assert loaded["a"] == value["a"] and np.array_equal(loaded["arr"], value["arr"])
+    with pytest.raises(DataError, match="unreadable pickle"):
+        safe_loads(b"\x80\x02}q\x00(X", "f.pt")

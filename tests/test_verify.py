@@ -1,0 +1,196 @@
+"""verify catches broken checkpoints with exit 1 and a one-line reason naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckpt_cli.core.zipio import read_records
+
+
+@pytest.fixture
+def hf_copy(mixed_files, tmp_path):
+    dest = tmp_path / "hf"
+    shutil.copytree(mixed_files["hf"], dest)
+    return dest
+
+
+def shards(folder):
+    return sorted(folder.glob("*.safetensors"))
+
+
+def assert_fails(res, *needles):
+    assert res.code == 1, (res.out, res.err)
+    text = res.out + res.err
+    assert "Traceback" not in text
+    for needle in needles:
+        assert needle in text, (needle, text)
+
+
+def test_clean_checkpoints_pass(ckpt, mixed_files):
+    for path in mixed_files.values():
+        res = ckpt("verify", path, "--deep", "--finite")
+        assert res.code == 0, res.out + res.err
+        assert res.out.startswith("OK")
+
+
+def test_truncated_shard(ckpt, hf_copy):
+    shard = shards(hf_copy)[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 3)
+    assert_fails(ckpt("verify", hf_copy), shard.name, "truncated")
+
+
+def test_flipped_byte_found_with_manifest(ckpt, hf_copy, tmp_path):
+    manifest = tmp_path / "manifest.json"
+    assert ckpt("verify", hf_copy, "--deep", "--write-manifest", manifest).code == 0
+    doc = json.loads(manifest.read_text())
+    assert len(doc["files"]) == len(shards(hf_copy)) + 1 and "fp32" in doc["tensors"]
+    shard = next(s for s in shards(hf_copy) if b'"fp32"' in s.read_bytes()[:4096])
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01  # inside the last tensor's bytes
+    shard.write_bytes(bytes(data))
+    assert ckpt("verify", hf_copy).code == 0  # structure alone cannot see it
+    assert_fails(ckpt("verify", hf_copy, "--deep", "--manifest", manifest), shard.name, "differs from manifest")
+
+
+def test_index_names_missing_file(ckpt, hf_copy):
+    shard = shards(hf_copy)[1]
+    shard.unlink()
+    assert_fails(ckpt("verify", hf_copy), shard.name, "missing")
+
+
+def test_index_points_at_wrong_shard(ckpt, hf_copy):
+    index_path = hf_copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    files = sorted(set(index["weight_map"].values()))
+    name = next(n for n, f in index["weight_map"].items() if f == files[0])
+    index["weight_map"][name] = files[1]
+    index_path.write_text(json.dumps(index))
+    assert_fails(ckpt("verify", hf_copy), files[1], f"'{name}'", "absent from the shard")
+
+
+def test_malformed_index_json(ckpt, hf_copy):
+    (hf_copy / "model.safetensors.index.json").write_text("{ not json")
+    assert_fails(ckpt("verify", hf_copy), "model.safetensors.index.json", "JSON")
+    assert_fails(ckpt("inspect", hf_copy), "model.safetensors.index.json")
+
+
+def write_raw_safetensors(path, header: dict, data: bytes) -> None:
+    """A hand-made file for malformed-header cases (the real writer cannot produce them)."""
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_overlapping_offsets(ckpt, tmp_path):
+    path = tmp_path / "bad.safetensors"
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    write_raw_safetensors(path, header, bytes(12))
+    assert_fails(ckpt("verify", path), "bad.safetensors", "overlaps")
+
+
+def test_offsets_past_the_end(ckpt, tmp_path):
+    path = tmp_path / "bad.safetensors"
+    write_raw_safetensors(path, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8))
+    assert_fails(ckpt("verify", path), "bad.safetensors", "past the end")
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"{garbage",
+        b'{"a": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}',
+        b'["x"]',
+        b'{"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 4]}}',
+    ],
+)
+def test_malformed_headers(ckpt, tmp_path, header):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    assert_fails(ckpt("verify", path), "bad.safetensors")
+    assert_fails(ckpt("convert", path, tmp_path / "out.pt", "--to", "torch"), "bad.safetensors")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_header_length_beyond_file(ckpt, tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", 10**6) + b"{}")
+    assert_fails(ckpt("inspect", path, "--format", "safetensors"), "bad.safetensors", "header length")
+
+
+def test_torch_file_flipped_byte_fails_crc(ckpt, mixed_files, tmp_path):
+    path = tmp_path / "mixed.pt"
+    with open(mixed_files["torch"], "rb") as f:
+        record = read_records(f, "mixed.pt")["data/3"]
+    data = bytearray(mixed_files["torch"].read_bytes())
+    data[record.data_offset + record.size // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert_fails(ckpt("verify", path, "--deep"), "mixed.pt", "CRC32")
+
+
+def test_truncated_torch_file(ckpt, mixed_files, tmp_path):
+    path = tmp_path / "mixed.pt"
+    path.write_bytes(mixed_files["torch"].read_bytes()[:-300])
+    assert_fails(ckpt("verify", path), "mixed.pt")
+    assert_fails(ckpt("merge", path, tmp_path / "m.safetensors"), "mixed.pt")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_malicious_pickle_is_refused_and_never_runs(ckpt, tmp_path):
+    marker = tmp_path / "pwned"
+    torch.save({"w": torch.ones(2), "payload": Evil(marker)}, tmp_path / "evil.pt")
+    for command in (["inspect"], ["verify", "--deep"], ["merge"]):
+        args = [*command, tmp_path / "evil.pt"] + ([tmp_path / "x.safetensors"] if command == ["merge"] else [])
+        assert_fails(ckpt(*args), "evil.pt", "posix.system", "--trust-pickle")
+    assert not marker.exists()
+
+
+def test_finite_counts_nan_and_inf(ckpt, tmp_path):
+    save_file({"ok": torch.ones(3), "bad": torch.tensor([1.0, float("nan"), float("inf"), float("-inf")])}, tmp_path / "n.safetensors")
+    assert ckpt("verify", tmp_path / "n.safetensors").code == 0
+    res = ckpt("verify", tmp_path / "n.safetensors", "--finite", "--json")
+    assert res.code == 1
+    report = json.loads(res.out)
+    assert report["nonfinite"] == {"bad": {"nan": 1, "inf": 2}}
+
+
+def test_against_across_formats_with_tolerances(ckpt, mixed_files, tmp_path):
+    assert ckpt("verify", mixed_files["hf"], "--against", mixed_files["torch"]).code == 0
+    sd = {"w": torch.arange(10.0)}
+    save_file(sd, tmp_path / "a.safetensors")
+    torch.save({"w": torch.arange(10.0) + 1e-4}, tmp_path / "b.pt")
+    assert_fails(ckpt("verify", tmp_path / "a.safetensors", "--against", tmp_path / "b.pt"), "'w'", "differ")
+    assert ckpt("verify", tmp_path / "a.safetensors", "--against", tmp_path / "b.pt", "--atol", "1e-3").code == 0
+    torch.save({"w": torch.arange(10.0), "extra": torch.ones(1)}, tmp_path / "c.pt")
+    assert_fails(ckpt("verify", tmp_path / "a.safetensors", "--against", tmp_path / "c.pt"), "'extra'", "missing")
+
+
+def test_policy(ckpt, tmp_path):
+    torch.save({"model": {"w": torch.ones(2, 2), "b": torch.ones(2).half()}, "optimizer": {"state": {}}, "step": 1}, tmp_path / "c.pt")
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        "tensors:\n  required: ['model.w']\n  dtypes: {'model.w': [float32]}\n  shapes: {'model.w': [2, 2]}\nfinite: true\nmin_params: 4\n"
+    )
+    assert ckpt("verify", tmp_path / "c.pt", "--policy", good).code == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tensors:\n  required: ['lm_head.*']\n  dtypes: {'model.*': bf16}\ntraining_state: [lr_scheduler]\nmax_params: 3\n")
+    res = ckpt("verify", tmp_path / "c.pt", "--policy", bad)
+    assert_fails(res, "lm_head.*", "model.b", "lr_scheduler", "max_params")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tensor: {}\n")
+    res = ckpt("verify", tmp_path / "c.pt", "--policy", broken)
+    assert res.code == 2 and "unknown policy keys" in res.err
