@@ -150,3 +150,16 @@ def test_merge_weights_only_and_all(ckpt, tmp_path):
     assert out["step"] == 5 and torch.equal(out["optimizer"]["state"][0]["exp_avg"], torch.zeros(2))
     res = ckpt("merge", tmp_path / "in.pt", tmp_path / "all.safetensors", "--all")
     assert res.code == 2 and "safetensors cannot hold" in res.err
+
+
+def test_legacy_bin_index_is_read(ckpt, tmp_path):
+    """huggingface_hub's pickle sharding (pytorch_model-0000k-of-0000n.bin + pytorch_model.bin.index.json)."""
+    sd = mixed_state_dict()
+    (tmp_path / "legacy").mkdir()
+    save_torch_state_dict(sd, tmp_path / "legacy", max_shard_size=200, safe_serialization=False)
+    assert (tmp_path / "legacy" / "pytorch_model.bin.index.json").exists()
+    doc = json.loads(ckpt("inspect", tmp_path / "legacy", "--json").out)
+    assert doc["format"] == "hf" and doc["num_tensors"] == len(sd)
+    assert ckpt("verify", tmp_path / "legacy", "--deep").code == 0
+    assert ckpt("merge", tmp_path / "legacy", tmp_path / "m.safetensors", "-q").code == 0
+    assert_same_tensors(load_file(tmp_path / "m.safetensors"), sd)
