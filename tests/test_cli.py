@@ -41,7 +41,7 @@ def test_usage_errors_exit_2(ckpt, small, tmp_path):
     assert ckpt("frobnicate").code == 2
     res = ckpt("reshard", small, tmp_path / "o", "--world-size", "2")
     assert res.code == 2 and "split" in res.err
-    res = ckpt("convert", small, tmp_path / "o", "--to", "dcp", "--world-size", "2")
+    res = ckpt("convert", small, tmp_path / "o", "--to", "deepspeed", "--world-size", "2")
     assert res.code == 2 and "not supported yet" in res.err
 
 

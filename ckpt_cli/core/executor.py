@@ -35,6 +35,7 @@ class SourceFiles:
 
     def __init__(self) -> None:
         self.fds: dict[str, int] = {}
+        self._buffer: bytearray | None = None
         self._materialised: tuple[StoredArray, Any] | None = None
 
     def fd(self, path: str) -> int:
@@ -52,12 +53,23 @@ class SourceFiles:
 
     def pread_into(self, path: str, offset: int, buf: bytearray) -> None:
         """Fill `buf` with the bytes of `path` from `offset`; DataError if the file ends first."""
-        view, got = memoryview(buf), 0
-        while got < len(buf):
+        self._pread(path, offset, memoryview(buf))
+
+    def _pread(self, path: str, offset: int, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
             n = os.preadv(self.fd(path), [view[got:]], offset + got)
             if n == 0:
-                raise DataError(f"{path}: truncated: expected {len(buf)} bytes at offset {offset}, file ends first")
+                raise DataError(f"{path}: truncated: expected {len(view)} bytes at offset {offset}, file ends first")
             got += n
+
+    def read_block(self, path: str, offset: int, nbytes: int) -> memoryview:
+        """Bytes of `path` in a buffer reused from call to call (nbytes <= BLOCK_BYTES)."""
+        if self._buffer is None:
+            self._buffer = bytearray(BLOCK_BYTES)
+        view = memoryview(self._buffer)[:nbytes]
+        self._pread(path, offset, view)
+        return view
 
     def materialised(self, array: StoredArray) -> Any:
         """The elements of a non-contiguous stored array as a flat contiguous torch tensor."""
@@ -146,34 +158,63 @@ def _copy_range(src_fd: int, dst_fd: int, offset: int, nbytes: int, path: str) -
         nbytes -= n
 
 
-def stream_tensor(seg: TensorData, fd: int, sources: SourceFiles, progress: Progress | None) -> int:
-    """Write the tensor's elements to `fd` in order; return their CRC32 (0 when not asked for)."""
-    entry, dst = seg.tensor, seg.dtype
-    runs = entry.runs()
-    fast = seg.crc_key is None and all(p.data.dtype == dst and p.data.is_contiguous for _, _, p, _ in runs)
-    if not fast:
-        crc = 0
-        for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
-            out = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
-            if seg.crc_key is not None:
-                crc = zlib.crc32(out, crc)
-            _write_all(fd, out)
-            if progress:
-                progress(len(out))
-        return crc
+def _check_tiling(entry: TensorEntry, runs: list[tuple[int, int, Any, int]]) -> None:
     pos = 0
-    for gstart, length, piece, lstart in runs:
+    for gstart, length, _, _ in runs:
         if gstart != pos:
             break
+        pos += length
+    if pos != entry.numel or len(runs) and runs[-1][0] + runs[-1][1] != entry.numel:
+        raise DataError(f"{entry.name}: {entry.tiling_problem() or 'pieces do not cover the tensor'}")
+
+
+def stream_tensor(seg: TensorData, fd: int, sources: SourceFiles, progress: Progress | None) -> int:
+    """Write the tensor's elements to `fd` in order; return their CRC32 (0 when not asked for).
+
+    Stored bytes that are already what the output needs are copied as bytes: in the kernel when no
+    CRC is wanted, else through one reusable buffer. Anything else (casts, strided pieces) goes
+    through torch, one window at a time.
+    """
+    entry, dst = seg.tensor, seg.dtype
+    runs = entry.runs()
+    _check_tiling(entry, runs)
+    if not all(p.data.dtype == dst and p.data.is_contiguous for _, _, p, _ in runs):
+        return _stream_converted(seg, fd, sources, progress)
+    crc = 0
+    for _, length, piece, lstart in runs:
         array = piece.data
-        offset = array.offset + (array.storage_offset + lstart) * array.dtype.itemsize
-        _copy_range(sources.fd(array.path), fd, offset, length * dst.itemsize, array.path)
+        offset = array.offset + (array.storage_offset + lstart) * dst.itemsize
+        nbytes = length * dst.itemsize
+        if seg.crc_key is None:
+            _copy_range(sources.fd(array.path), fd, offset, nbytes, array.path)
+        else:
+            crc = _copy_with_crc(sources, array.path, offset, nbytes, fd, crc)
         if progress:
-            progress(length * dst.itemsize)
-        pos = gstart + length
-    if pos != entry.numel:
-        raise DataError(f"{entry.name}: {entry.tiling_problem()}")
-    return 0
+            progress(nbytes)
+    return crc
+
+
+def _copy_with_crc(sources: SourceFiles, path: str, offset: int, nbytes: int, fd: int, crc: int) -> int:
+    while nbytes:
+        view = sources.read_block(path, offset, min(nbytes, BLOCK_BYTES))
+        crc = zlib.crc32(view, crc)
+        _write_all(fd, view)
+        offset += len(view)
+        nbytes -= len(view)
+    return crc
+
+
+def _stream_converted(seg: TensorData, fd: int, sources: SourceFiles, progress: Progress | None) -> int:
+    entry, dst = seg.tensor, seg.dtype
+    crc = 0
+    for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
+        out = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
+        if seg.crc_key is not None:
+            crc = zlib.crc32(out, crc)
+        _write_all(fd, out)
+        if progress:
+            progress(len(out))
+    return crc
 
 
 def write_file(path: Path, out: OutputFile, sources: SourceFiles, progress: Progress | None) -> None:

@@ -80,14 +80,21 @@ class FlatRange:
 
 @dataclass(frozen=True)
 class Piece:
+    """Part of a logical tensor: `region` of the global tensor is held by `data`.
+
+    For a flat range, its elements are those of `data` (row-major) from `data_start` on, which
+    lets a piece be a slice of a larger stored array (a DeepSpeed partition, a resharded chunk).
+    """
+
     region: Box | FlatRange
     data: StoredArray
+    data_start: int = 0
 
     def runs(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
         """Contiguous runs (global flat start, length, local flat start) this piece covers, in order."""
         if isinstance(self.region, FlatRange):
             if self.region.length:
-                yield self.region.start, self.region.length, 0
+                yield self.region.start, self.region.length, self.data_start
             return
         yield from box_runs(self.region.offsets, self.region.sizes, shape)
 
@@ -160,14 +167,29 @@ class TensorEntry:
         return None
 
 
+@dataclass(frozen=True)
+class Opaque:
+    """A value that could not be parsed safely: its pickle needs a class outside the allow list."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return f"<unparsed: {self.reason}>"
+
+
 @dataclass
 class ObjectEntry:
-    """A non-tensor value (step, scheduler, RNG, dataloader, client state), already parsed safely."""
+    """A non-tensor value (step, scheduler, RNG, dataloader, client state), already parsed safely.
+
+    `raw` locates the value's own serialised bytes (path, offset, length) when a writer of the
+    same format can copy them verbatim (DCP BYTE_IO items) instead of re-pickling.
+    """
 
     name: str
     value: Any
     role: str = "other"
     path: PathKey = ()
+    raw: tuple[str, int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -203,5 +225,16 @@ class Checkpoint:
         for entry in self.tensors.values():
             if len(entry.pieces) != 1 or entry.numel == 0:
                 continue
-            groups.setdefault((entry.pieces[0].data, entry.shape), []).append(entry.name)
+            groups.setdefault((entry.pieces[0], entry.shape), []).append(entry.name)
         return [names for names in groups.values() if len(names) > 1]
+
+
+def sub_tensor(entry: TensorEntry, name: str, start: int, shape: tuple[int, ...]) -> TensorEntry:
+    """The elements [start, start + prod(shape)) of `entry` as a tensor of its own (a row range)."""
+    count = math.prod(shape)
+    pieces = []
+    for gstart, length, piece, lstart in entry.runs():
+        lo, hi = max(gstart, start), min(gstart + length, start + count)
+        if lo < hi:
+            pieces.append(Piece(FlatRange(lo - start, hi - lo), piece.data, lstart + lo - gstart))
+    return TensorEntry(name, entry.dtype, shape, entry.role, pieces, entry.path)

@@ -15,6 +15,7 @@ from typing import BinaryIO
 from ckpt_cli.errors import DataError
 
 ALIGNMENT = 64
+ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _U32_MAX = 0xFFFFFFFF
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ckpt_cli.core.interface import Reader, Writer
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats import hf, safetensors, torch_save
+from ckpt_cli.formats import dcp, dcp_writer, hf, safetensors, torch_save
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,13 @@ class Format:
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
+        Format("dcp", dcp.READER, dcp_writer.WRITER, "PyTorch Distributed Checkpoint: .metadata + __R_I.distcp"),
         Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json"),
         Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file"),
         Format("torch", torch_save.READER, torch_save.WRITER, "one torch.save file (.pt/.pth/.bin)"),
     )
 }
-PENDING = {"dcp": "PyTorch Distributed Checkpoint", "deepspeed": "DeepSpeed ZeRO"}
+PENDING = {"deepspeed": "DeepSpeed ZeRO"}
 
 
 def get(name: str) -> Format:

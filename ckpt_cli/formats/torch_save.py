@@ -34,7 +34,7 @@ from ckpt_cli.core.safe_pickle import TensorRef, safe_loads
 from ckpt_cli.core.tree import flatten, unflatten, unique_names
 from ckpt_cli.errors import DataError
 
-ZIP_MAGIC = b"PK\x03\x04"
+ZIP_MAGIC = zipio.ZIP_MAGIC
 EXTENSIONS = {".pt", ".pth", ".bin", ".ckpt", ".tar"}
 
 
@@ -189,7 +189,7 @@ def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]
     items: list[tuple[Any, Any]] = []
     for entry in ckpt.tensors.values():
         # Tensors with the very same stored data (tied weights) share one storage, as in the source.
-        same = (entry.pieces[0].data, entry.dtype) if len(entry.pieces) == 1 and entry.numel else id(entry)
+        same = (entry.pieces[0], entry.shape, entry.dtype) if len(entry.pieces) == 1 and entry.numel else id(entry)
         if same not in storages:
             storages[same] = _Storage(str(len(storages)), entry.dtype, entry.numel)
             owners.append((storages[same].key, entry))
@@ -201,8 +201,11 @@ def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]
     return buf.getvalue(), owners
 
 
-def archive_segments(records: list[tuple[str, bytes | TensorData]], prefix: str = "archive") -> list[Any]:
-    """Segments of a torch.save zip whose records are literal bytes or streamed tensor data."""
+def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str = "", prefix: str = "archive") -> list[Any]:
+    """Segments of a torch.save zip whose records are literal bytes or streamed tensor data.
+
+    `scope` keeps the CRC keys of several archives in one file apart (DCP files concatenate them).
+    """
     segments: list[Any] = []
     layouts: list[zipio.ZipEntryLayout] = []
     crcs: dict[str, int] = {}
@@ -218,26 +221,47 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], prefix: str 
             crcs[full] = zlib.crc32(payload)
             segments.append(Literal(zipio.data_descriptor(entry, crcs[full])))
         else:
-            segments.append(TensorData(payload.tensor, payload.dtype, crc_key=full))
-            segments.append(Deferred(entry.descriptor_size, lambda got, e=entry: zipio.data_descriptor(e, got[e.name])))
+            key = f"{scope}/{full}"
+            segments.append(TensorData(payload.tensor, payload.dtype, crc_key=key))
+            segments.append(Deferred(entry.descriptor_size, lambda got, e=entry, k=key: zipio.data_descriptor(e, got[k])))
         pos = entry.end
-    segments.append(Deferred(zipio.central_directory_size(layouts), lambda got: zipio.central_directory(layouts, {**crcs, **got})))
+
+    def directory(got: dict[str, int]) -> bytes:
+        return zipio.central_directory(layouts, {**crcs, **{e.name: got[f"{scope}/{e.name}"] for e in layouts if e.name not in crcs}})
+
+    segments.append(Deferred(zipio.central_directory_size(layouts), directory))
     return segments
+
+
+def _archive(data_pkl: bytes, storages: list[tuple[str, TensorEntry]], scope: str) -> list[Any]:
+    records: list[tuple[str, bytes | TensorData]] = [
+        ("data.pkl", data_pkl), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"),
+    ]
+    records += [(f"data/{key}", TensorData(entry, entry.dtype)) for key, entry in storages]
+    # A deterministic serialization id (torch draws a random one) keeps outputs reproducible.
+    serial = str(int(hashlib.sha1(data_pkl).hexdigest(), 16))[:40].rjust(40, "0")
+    records += [("version", b"3\n"), (".data/serialization_id", serial.encode())]
+    return archive_segments(records, scope)
 
 
 def torch_file_segments(ckpt: Checkpoint) -> list[Any]:
     data_pkl, owners = pickle_state(ckpt)
-    records: list[tuple[str, bytes | TensorData]] = [
-        ("data.pkl", data_pkl),
-        (".format_version", b"1"),
-        (".storage_alignment", b"64"),
-        ("byteorder", b"little"),
-    ]
-    records += [(f"data/{key}", TensorData(entry, entry.dtype)) for key, entry in owners]
-    # A deterministic serialization id (torch draws a random one) keeps outputs reproducible.
-    serial = str(int(hashlib.sha1(data_pkl).hexdigest(), 16))[:40].rjust(40, "0")
-    records += [("version", b"3\n"), (".data/serialization_id", serial.encode())]
-    return archive_segments(records)
+    return _archive(data_pkl, owners, "")
+
+
+def tensor_archive(entry: TensorEntry, scope: str) -> list[Any]:
+    """The archive `torch.save(tensor)` writes for one contiguous tensor (a DCP chunk)."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(_Tensor(_Storage("0", entry.dtype, entry.numel), entry.shape))
+    return _archive(buf.getvalue(), [("0", entry)], scope)
+
+
+def object_archive(value: Any) -> bytes:
+    """`torch.save(value)` of a plain (non-tensor) value, as DCP stores BYTE_IO items."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(_torch_values(value))
+    segments = _archive(buf.getvalue(), [], "")
+    return b"".join(s.data if isinstance(s, Literal) else s.build({}) for s in segments)
 
 
 class TorchWriter:

@@ -1,0 +1,372 @@
+"""PyTorch Distributed Checkpoint: `.metadata` + `__{rank}_{i}.distcp` files (reader and checks).
+
+`.metadata` is unpickled through inert stand-ins of DCP's dataclasses, never with torch's raw
+`pickle.load`. Each `storage_data` byte range is one complete `torch.save` archive; a tensor
+chunk is located by the zip local header of its `data/0` record, so chunks are read (or copied)
+as byte ranges. Facts: ../shared/FORMATS.md §1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, BinaryIO
+
+from ckpt_cli.core import roles, zipio
+from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.interface import ReadOptions
+from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Opaque, Piece, TensorEntry
+from ckpt_cli.core.safe_pickle import TensorRef, safe_loads
+from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
+from ckpt_cli.formats.torch_save import load_archive, stored_array
+
+METADATA = ".metadata"
+DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
+RANK_METADATA = re.compile(r"__(\d+)\.metadata$")
+
+
+# Inert stand-ins for the pickled classes of dcp/metadata.py and dcp/filesystem.py.
+class _Record:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
+            state = {**(state[0] or {}), **state[1]}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self._state = state
+
+
+class MetadataRec(_Record):
+    state_dict_metadata: dict[str, Any]
+    planner_data: Any = None
+    storage_data: Any = None
+    storage_meta: Any = None
+    version: str | None = None
+
+
+class TensorStorageRec(_Record):
+    properties: Any
+    size: tuple[int, ...]
+    chunks: list[Any]
+
+
+class BytesStorageRec(_Record):
+    pass
+
+
+class ChunkRec(_Record):
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+class TensorPropertiesRec(_Record):
+    dtype: DType
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and state and isinstance(state[0], DType):  # the 5-tuple __getstate__
+            self.dtype = state[0]
+        else:
+            super().__setstate__(state)
+
+
+class IndexRec(_Record):
+    fqn: str
+    offset: tuple[int, ...] | None = None
+    index: int | None = None
+
+    def key(self) -> tuple[str, tuple[int, ...] | None]:
+        return self.fqn, None if self.offset is None else tuple(self.offset)
+
+
+class StorageInfoRec(_Record):
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: Any = None
+
+
+class StorageMetaRec(_Record):
+    checkpoint_id: Any = None
+    save_id: str | None = None
+    load_id: str | None = None
+    modules: list[str] = []  # noqa: RUF012 - absent before torch 2.7
+
+
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    classes = {
+        "Metadata": MetadataRec, "TensorStorageMetadata": TensorStorageRec, "BytesStorageMetadata": BytesStorageRec,
+        "ChunkStorageMetadata": ChunkRec, "TensorProperties": TensorPropertiesRec, "MetadataIndex": IndexRec,
+        "StorageMeta": StorageMetaRec, "_MEM_FORMAT_ENCODING": lambda v: v, "MEM_FORMAT_ENCODING": lambda v: v,
+    }
+    table: dict[tuple[str, str], Any] = {}
+    for module in ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.checkpoint.metadata",
+                   "torch.distributed._shard.sharded_tensor.metadata"):
+        table.update({(module, name): cls for name, cls in classes.items()})
+    for module in ("torch.distributed.checkpoint.filesystem", "torch.distributed._shard.checkpoint.filesystem"):
+        table[(module, "_StorageInfo")] = StorageInfoRec
+    for module in ("pathlib", "pathlib._local"):
+        for name in ("PosixPath", "PurePosixPath"):
+            table[(module, name)] = PurePosixPath
+        for name in ("WindowsPath", "PureWindowsPath"):
+            table[(module, name)] = PureWindowsPath
+    return table
+
+
+METADATA_GLOBALS = _metadata_globals()
+
+
+def load_metadata(path: Path, trust: bool) -> MetadataRec:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
+    meta = safe_loads(data, str(path), METADATA_GLOBALS, trust)
+    if not isinstance(meta, MetadataRec) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
+        raise DataError(f"{path}: not a DCP Metadata pickle")
+    if not isinstance(getattr(meta, "storage_data", None), dict):
+        raise DataError(f"{path}: no storage_data; written by a storage writer ckpt does not know")
+    return meta
+
+
+@dataclass
+class _Files:
+    """Open data files of one checkpoint, with their sizes."""
+
+    folder: Path
+    handles: dict[str, BinaryIO] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    def open(self, relative: str) -> BinaryIO:
+        if relative not in self.handles:
+            path = self.folder / relative
+            if Path(relative).is_absolute() or ".." in Path(relative).parts:
+                raise DataError(f"{self.folder / METADATA}: storage path '{relative}' points outside the checkpoint")
+            try:
+                self.handles[relative] = open(path, "rb")
+            except FileNotFoundError:
+                raise DataError(f"{path}: missing (named by {METADATA})") from None
+            self.sizes[relative] = os.fstat(self.handles[relative].fileno()).st_size
+        return self.handles[relative]
+
+    def close(self) -> None:
+        for f in self.handles.values():
+            f.close()
+
+
+def _range(files: _Files, info: StorageInfoRec, fqn: str) -> tuple[BinaryIO, str]:
+    if getattr(info, "transform_descriptors", None):
+        raise UsageError(f"{files.folder}: '{fqn}' is stored with stream extensions {list(info.transform_descriptors)} "
+                         "(e.g. zstd compression); ckpt reads uncompressed DCP checkpoints only")
+    f = files.open(info.relative_path)
+    where = str(files.folder / info.relative_path)
+    if info.offset < 0 or info.length <= 0 or info.offset + info.length > files.sizes[info.relative_path]:
+        raise DataError(f"{where}: '{fqn}' needs bytes {info.offset}..{info.offset + info.length} but the file has "
+                        f"{files.sizes[info.relative_path]} (truncated?)")
+    f.seek(info.offset)
+    if f.read(4) != zipio.ZIP_MAGIC:
+        raise UsageError(f"{where}: '{fqn}' is not a torch.save archive; checkpoints written with "
+                         "SerializationFormat.SAFETENSORS are not supported")
+    return f, where
+
+
+def _tensor_pieces(files: _Files, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec],
+                   options: ReadOptions) -> list[Piece]:
+    pieces = []
+    dtype = meta.properties.dtype
+    for chunk in meta.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        info = storage.get((fqn, offsets))
+        if info is None:
+            raise DataError(f"{files.folder / METADATA}: chunk {list(offsets)} of '{fqn}' has no storage entry")
+        f, where = _range(files, info, fqn)
+        obj, records = load_archive(f, f"{where} ('{fqn}' at {info.offset})", options, info.offset, info.length)
+        if not isinstance(obj, TensorRef):
+            raise DataError(f"{where}: '{fqn}' chunk at offset {info.offset} does not hold a tensor")
+        if obj.dtype != dtype or obj.shape != sizes:
+            raise DataError(f"{where}: '{fqn}' chunk holds {obj.dtype}{list(obj.shape)}; metadata says {dtype}{list(sizes)}")
+        pieces.append(Piece(Box(offsets, sizes), stored_array(obj, records, where)))
+    return pieces
+
+
+def _object(files: _Files, fqn: str, info: StorageInfoRec, options: ReadOptions) -> tuple[Any, tuple[str, int, int]]:
+    f, where = _range(files, info, fqn)
+    raw = (str(files.folder / info.relative_path), info.offset, info.length)
+    try:
+        value, _ = load_archive(f, f"{where} ('{fqn}')", options, info.offset, info.length)
+    except UnsafePickleError as exc:
+        return Opaque(f"needs {exc.global_name}; --trust-pickle to parse"), raw
+    if _holds_tensor(value):
+        return Opaque("holds tensors inside a pickled value"), raw
+    return value, raw
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, TensorRef):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def key_layout(paths: list[tuple[Any, ...]]) -> str:
+    """`get_state_dict` nests under model/optim; torchtitan keeps model keys at the top, optimizer under `optimizer`."""
+    tops = {str(p[0]) for p in paths if p}
+    if "model" in tops or "optim" in tops:
+        return "get_state_dict"
+    if "optimizer" in tops:
+        return "torchtitan"
+    return "flat"
+
+
+def world_size_of(storage: dict[Any, StorageInfoRec]) -> int:
+    ranks = {int(m.group(1)) for info in storage.values() if (m := DATA_FILE.search(info.relative_path))}
+    return max(ranks) + 1 if ranks else 1
+
+
+class DCPReader:
+    name = "dcp"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and ((path / METADATA).is_file() or any(RANK_METADATA.match(p.name) for p in path.iterdir()))
+
+    def read(self, path: Path, options: ReadOptions) -> Checkpoint:
+        if not (path / METADATA).is_file():
+            ranks = sorted(p.name for p in path.iterdir() if RANK_METADATA.match(p.name))
+            raise UsageError(f"{path}: per-rank metadata ({', '.join(ranks[:3])}...) and no global .metadata: saved with "
+                             "use_collectives=False, which loads only at the same world size; ckpt does not read it yet")
+        meta = load_metadata(path / METADATA, options.trust_pickle)
+        storage = {}
+        for index, info in meta.storage_data.items():
+            if not isinstance(index, IndexRec) or not isinstance(info, StorageInfoRec):
+                raise DataError(f"{path / METADATA}: storage_data entry of an unknown kind")
+            storage[index.key()] = info
+        planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
+        files = _Files(path)
+        tensors: dict[str, TensorEntry] = {}
+        objects: dict[str, ObjectEntry] = {}
+        containers: dict[tuple[Any, ...], str] = {}
+        try:
+            for fqn, item in meta.state_dict_metadata.items():
+                key_path = tuple(planner.get(fqn, (fqn,)))
+                for i, part in enumerate(key_path):
+                    if isinstance(part, int) and i:  # int path items are list positions in DCP
+                        containers[key_path[:i]] = "list"
+                if isinstance(item, TensorStorageRec):
+                    size = tuple(item.size)
+                    pieces = _tensor_pieces(files, fqn, item, storage, options)
+                    tensors[fqn] = TensorEntry(fqn, item.properties.dtype, size, roles.tensor_role(key_path), pieces, key_path)
+                elif isinstance(item, BytesStorageRec):
+                    info = storage.get((fqn, None))
+                    if info is None:
+                        raise DataError(f"{path / METADATA}: '{fqn}' has no storage entry")
+                    value, raw = _object(files, fqn, info, options)
+                    objects[fqn] = ObjectEntry(fqn, value, roles.object_role(key_path), key_path, raw)
+                else:
+                    raise DataError(f"{path / METADATA}: '{fqn}' has an unknown storage type")
+        finally:
+            files.close()
+        data_files = sorted({info.relative_path for info in storage.values()})
+        ckpt = Checkpoint(
+            format=self.name,
+            path=str(path),
+            tensors=tensors,
+            objects=objects,
+            files=[FileInfo(str(path / METADATA), (path / METADATA).stat().st_size)]
+            + [FileInfo(str(path / f), files.sizes.get(f, 0)) for f in data_files],
+            world_size=world_size_of(storage),
+            containers=containers,
+            details=self._details(meta, tensors, data_files, planner),
+        )
+        ckpt.step = roles.find_step(ckpt)
+        return ckpt
+
+    def _details(self, meta: MetadataRec, tensors: dict[str, TensorEntry], data_files: list[str], planner: dict) -> dict:
+        storage_meta = getattr(meta, "storage_meta", None)
+        chunk_counts = [len(t.pieces) for t in tensors.values()]
+        return {
+            "dcp_version": getattr(meta, "version", None),
+            "key_layout": key_layout(list(planner.values()) or [(k,) for k in meta.state_dict_metadata]),
+            "planner_data": bool(planner),
+            "data_files": len(data_files),
+            "chunks": sum(chunk_counts),
+            "max_chunks_per_tensor": max(chunk_counts, default=0),
+            "sharded_tensors": sum(1 for n in chunk_counts if n > 1),
+            "save_id": getattr(storage_meta, "save_id", None),
+        }
+
+    def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
+        folder = Path(ckpt.path)
+        problems = []
+        leftovers = sorted(p.name for p in folder.iterdir() if p.name.endswith(".metadata.tmp"))
+        if leftovers:
+            problems.append(f"{folder / leftovers[0]}: leftover of a save that crashed before it committed")
+        meta_path = folder / METADATA
+        meta = load_metadata(meta_path, True)
+        referenced = {info.relative_path for info in meta.storage_data.values()}
+        for p in sorted(folder.glob("*.distcp")):
+            if p.name not in referenced:
+                problems.append(f"{p}: not referenced by {METADATA} (a leftover of another save?)")
+        meta_mtime = meta_path.stat().st_mtime_ns
+        for rel in sorted(referenced):
+            data = folder / rel
+            if data.exists() and data.stat().st_mtime_ns > meta_mtime:
+                problems.append(f"{data}: newer than {METADATA}; an interrupted re-save may have mixed old metadata "
+                                "with new data")
+        problems += _overlaps(folder, list(meta.storage_data.values()))
+        problems += _bounds(ckpt)
+        if deep:
+            problems += _crc_problems(folder, meta)
+        return problems
+
+
+def _overlaps(folder: Path, infos: list[StorageInfoRec]) -> list[str]:
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for info in infos:
+        by_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+    problems = []
+    for rel, spans in by_file.items():
+        spans.sort()
+        for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+            if b0 < a1:
+                problems.append(f"{folder / rel}: byte ranges {a0}..{a1} and {b0}.. overlap")
+                break
+    return problems
+
+
+def _bounds(ckpt: Checkpoint) -> list[str]:
+    problems = []
+    for t in ckpt.tensors.values():
+        for p in t.pieces:
+            if isinstance(p.region, Box) and any(
+                o < 0 or o + s > n for o, s, n in zip(p.region.offsets, p.region.sizes, t.shape)
+            ):
+                problems.append(f"{ckpt.path}: chunk {list(p.region.offsets)}+{list(p.region.sizes)} of '{t.name}' lies "
+                                f"outside its shape {list(t.shape)}")
+    return problems
+
+
+def _crc_problems(folder: Path, meta: MetadataRec) -> list[str]:
+    files = _Files(folder)
+    problems = []
+    try:
+        for index, info in meta.storage_data.items():
+            f, where = _range(files, info, index.fqn)
+            for rec in zipio.read_records(f, where, info.offset, info.length).values():
+                problem = zipio.crc_problem(f, rec, f"{where} ('{index.fqn}')")
+                if problem:
+                    problems.append(problem)
+    except DataError as exc:
+        problems.append(str(exc))
+    finally:
+        files.close()
+    return problems
+
+
+READER = DCPReader()

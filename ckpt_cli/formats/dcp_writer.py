@@ -1,0 +1,194 @@
+"""Writing a Distributed Checkpoint laid out as FSDP2 (`fully_shard`, Shard(0)) on N ranks saves it.
+
+Every model weight and optimizer moment of rank >= 1 is cut along dim 0 with `torch.chunk`
+semantics (ranks past the end keep an empty chunk, listed once); 0-d tensors, buffers and other
+replicated tensors are one whole chunk; non-tensor values are BYTE_IO items (copied verbatim from
+a DCP source). Replicated items go to the rank file chosen the way `dedup_save_plans` chooses.
+`.metadata` is built from DCP's own classes and written last. Facts: ../shared/FORMATS.md §1.5-1.9.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import pickle
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Opaque, PathKey, TensorEntry, sub_tensor
+from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
+from ckpt_cli.errors import UsageError
+from ckpt_cli.formats import torch_save
+
+
+def fsdp2_rows(n0: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows [start, end) of dim 0 that `rank` holds under Shard(0): torch.chunk, ceil(n0/W) rows each."""
+    per = -(-n0 // world_size)
+    return min(rank * per, n0), min((rank + 1) * per, n0)
+
+
+def is_sharded(entry: TensorEntry, ckpt: Checkpoint) -> bool:
+    """FSDP2 shards parameters (and their optimizer moments); buffers, RNG and 0-d values are replicated."""
+    if not entry.shape:
+        return False
+    if ckpt.format == "dcp" and (ckpt.world_size or 1) > 1:
+        whole = len(entry.pieces) == 1 and entry.pieces[0].region == Box((0,) * len(entry.shape), entry.shape)
+        return not whole
+    return entry.role in ("model", "optimizer")
+
+
+def dcp_path(path: PathKey, containers: dict[PathKey, str]) -> tuple[str | int, ...]:
+    """DCP's key path: dict keys as str, list positions as int (dcp/_traverse.py)."""
+    return tuple(p if containers.get(path[:i]) in ("list", "tuple") and isinstance(p, int) else str(p)
+                 for i, p in enumerate(path))
+
+
+@dataclass
+class Item:
+    """One write item of one rank's plan, as DCP's planner would make it."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None  # None for BYTE_IO
+    planned_bytes: int  # what dedup_save_plans counts: tensor bytes, or 1 for a non-tensor
+    tensor: TensorEntry | None = None
+    obj: ObjectEntry | None = None
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...] | None]:
+        return self.fqn, self.offsets
+
+
+def rank_plans(ckpt: Checkpoint, world_size: int) -> tuple[list[list[Item]], dict[str, Any], dict[str, Any]]:
+    """Each rank's items, the per-tensor chunk lists (offsets, sizes) and planner_data."""
+    plans: list[list[Item]] = [[] for _ in range(world_size)]
+    chunks: dict[str, Any] = {}
+    planner: dict[str, Any] = {}
+    for entry in ckpt.tensors.values():
+        path = dcp_path(entry.path, ckpt.containers)
+        fqn = ".".join(map(str, path))
+        planner[fqn] = path
+        rest = entry.shape[1:]
+        inner = math.prod(rest)
+        listed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for r in range(world_size):
+            if is_sharded(entry, ckpt):
+                start, end = fsdp2_rows(entry.shape[0], world_size, r)
+                offsets, sizes = (start, *(0 for _ in rest)), (end - start, *rest)
+                part = sub_tensor(entry, fqn, start * inner, sizes)
+            else:
+                offsets, sizes, part = (0,) * len(entry.shape), entry.shape, entry
+            if (offsets, sizes) not in listed:
+                listed.append((offsets, sizes))
+            plans[r].append(Item(fqn, offsets, part.nbytes, tensor=part))
+        chunks[fqn] = (entry, listed)
+    for obj in ckpt.objects.values():
+        path = dcp_path(obj.path, ckpt.containers)
+        fqn = ".".join(map(str, path))
+        planner[fqn] = path
+        for r in range(world_size):
+            plans[r].append(Item(fqn, None, 1, obj=obj))
+    return plans, chunks, planner
+
+
+def dedup(plans: list[list[Item]]) -> list[list[Item]]:
+    """Keep each item in one plan: the one with the fewest planned bytes so far, ties to the lowest rank
+    (dcp/_dedup_save_plans.py)."""
+    holders: dict[Any, list[int]] = {}
+    first: dict[Any, Item] = {}
+    for r, plan in enumerate(plans):
+        for item in plan:
+            holders.setdefault(item.key, []).append(r)
+            first.setdefault(item.key, item)
+    sizes = [0] * len(plans)
+    chosen: dict[Any, int] = {}
+    for key, ranks in holders.items():
+        r = min(ranks, key=lambda i: (sizes[i], i))
+        chosen[key] = r
+        sizes[r] += first[key].planned_bytes
+    return [[item for item in plan if chosen[item.key] == r] for r, plan in enumerate(plans)]
+
+
+def _object_bytes(obj: ObjectEntry) -> bytes:
+    if obj.raw is not None:  # a DCP source: the archive as torch wrote it
+        path, offset, length = obj.raw
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+    return torch_save.object_archive(obj.value)
+
+
+class DCPWriter:
+    name = "dcp"
+    dest_is_dir = True
+
+    def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
+        world_size = options.world_size or ckpt.world_size
+        if not world_size:
+            raise UsageError("writing dcp needs --world-size N (the number of FSDP2 ranks to lay it out for)")
+        notes = []
+        opaque = [o.name for o in ckpt.objects.values() if isinstance(o.value, Opaque) and o.raw is None]
+        if opaque:
+            raise UsageError(f"cannot write non-tensor values that were not parsed: {', '.join(opaque[:3])} (try --trust-pickle)")
+        plans, chunks, planner = rank_plans(ckpt, world_size)
+        kept = dedup(plans)
+        files, storage = [], {}
+        for r, items in enumerate(kept):
+            name = f"__{r}_0.distcp"
+            segments: list[Any] = []
+            pos = 0
+            # BYTE_IO items first, then tensors, as FileSystemWriter orders a rank's file.
+            for item in [i for i in items if i.obj is not None] + [i for i in items if i.tensor is not None]:
+                if item.obj is not None:
+                    parts = [Literal(_object_bytes(item.obj))]
+                else:
+                    parts = torch_save.tensor_archive(item.tensor, f"{item.fqn}@{item.offsets}")  # type: ignore[arg-type]
+                length = sum(p.size for p in parts)
+                storage[item.key] = (name, pos, length)
+                segments += parts
+                pos += length
+            files.append(OutputFile(name, segments))
+        files.append(OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, storage, ckpt, dest))]))
+        sharded = sum(1 for entry, listed in chunks.values() if len(listed) > 1 or is_sharded(entry, ckpt))
+        notes.append(f"layout: FSDP2 Shard(0) on {world_size} ranks; {sharded} tensors sharded by rows, "
+                     f"{len(chunks) - sharded} replicated, {len(ckpt.objects)} non-tensor values")
+        return WritePlan(self.name, dest, True, files, notes)
+
+
+def metadata_bytes(chunks: dict[str, Any], planner: dict[str, Any], storage: dict[Any, tuple[str, int, int]],
+                   ckpt: Checkpoint, dest: Path) -> bytes:
+    """`.metadata` pickled from DCP's own classes, as FileSystemWriter.finish writes it."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    sdm: dict[str, Any] = {}
+    storage_data: dict[Any, Any] = {}
+    for fqn, (entry, listed) in chunks.items():
+        sdm[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=entry.dtype.torch()), torch.Size(entry.shape),
+            [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in listed],
+        )
+        for i, (offsets, _) in enumerate(listed):
+            storage_data[MetadataIndex(fqn, offsets, index=i)] = _StorageInfo(*storage[(fqn, offsets)])
+    for obj in ckpt.objects.values():
+        fqn = ".".join(map(str, dcp_path(obj.path, ckpt.containers)))
+        sdm[fqn] = BytesStorageMetadata()
+        storage_data[MetadataIndex(fqn)] = _StorageInfo(*storage[(fqn, None)])
+    body = pickle.dumps((sorted(storage.items()), sorted(planner)))
+    save_id = str(uuid.UUID(bytes=hashlib.sha256(body).digest()[:16], version=4))  # reproducible, unlike uuid4()
+    meta = Metadata(sdm, planner, storage_data, StorageMeta(checkpoint_id=dest, save_id=save_id), version="1.0.0")
+    return pickle.dumps(meta)
+
+
+WRITER = DCPWriter()
