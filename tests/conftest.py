@@ -120,3 +120,45 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         x, y = a[name], b[name]
         assert x.dtype == y.dtype and x.shape == y.shape, name
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), name
+
+
+PRODUCERS = Path(__file__).parent / "producers"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, script: str, *args: str | Path, timeout: int = 600, env: dict[str, str] | None = None) -> str:
+    """Run a producer/consumer script under torchrun on the CPU (gloo); fail with its output."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        str(PRODUCERS / script),
+        *map(str, args),
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} {' '.join(map(str, args))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def fsdp2_saves(tmp_path_factory) -> dict[int, Path]:
+    """Real FSDP2 + dcp.save checkpoints at world sizes 1-4 (one torchrun each); W=2 also saves a tiny Llama."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    out = {}
+    for world in (1, 2, 3, 4):
+        out[world] = root / f"w{world}"
+        torchrun(world, "fsdp2.py", "save", out[world], *(["llama"] if world == 2 else []))
+    return out

@@ -31,6 +31,7 @@ from ckpt_cli.core.atomic import check_destination
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.sizes import human_bytes, parse_size
 from ckpt_cli.errors import Interrupted, UsageError
+from ckpt_cli.formats.registry import FORMATS
 from ckpt_cli.ops import convert as convert_op
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.transform import Transform
@@ -68,7 +69,9 @@ def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, jso
 def convert(
     src: Source,
     dest: Dest,
-    to: Annotated[str, typer.Option("--to", help="Target format: hf, safetensors, torch.", show_default=False)],
+    to: Annotated[
+        str, typer.Option("--to", help=f"Target format: {', '.join(n for n, f in FORMATS.items() if f.writer)}.", show_default=False)
+    ],
     world_size: WorldSize = None,
     dtype: DType = "keep",
     max_shard_size: MaxShardSize = None,

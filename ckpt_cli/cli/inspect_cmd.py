@@ -66,6 +66,9 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         ("files", f"{len(doc['files'])} ({human_bytes(sum(f['bytes'] for f in doc['files']))})"),
     ]
     lines += [f"{k:<12} {v}" for k, v in rows]
+    details = {k: v for k, v in doc["details"].items() if isinstance(v, (int, str)) and not isinstance(v, bool) and v != ""}
+    if details:
+        lines.append(f"{'details':<12} " + ", ".join(f"{k}={v}" for k, v in details.items()))
     if doc["details"].get("tied"):
         lines.append(f"{'tied':<12} " + "; ".join(" = ".join(g) for g in doc["details"]["tied"]))
     lines.append("training state")

@@ -55,12 +55,11 @@ def describe_training_state(ckpt: Checkpoint) -> dict[str, Any]:
         name = (
             "Adam/AdamW" if {"exp_avg", "exp_avg_sq"} <= set(kinds) else ("SGD with momentum" if "momentum_buffer" in kinds else "unknown")
         )
-        groups = [o.value for o in ckpt.objects.values() if str(o.path[-1]) == "param_groups" and isinstance(o.value, list)]
         state["optimizer"] = {
             "kind": name,
             "states": kinds,
             "tensors": len(opt_tensors),
-            "param_groups": len(groups[0]) if groups else None,
+            "param_groups": param_group_count(ckpt),
         }
     client: list[str] = []
     for obj in ckpt.objects.values():
@@ -79,6 +78,18 @@ def describe_training_state(ckpt: Checkpoint) -> dict[str, Any]:
     if client:
         state["client_state"] = {"keys": client[:20]}
     return state
+
+
+def param_group_count(ckpt: Checkpoint) -> int | None:
+    """Param groups as one pickled list (torch files) or flattened per hyper-parameter (DCP)."""
+    positions = set()
+    for o in ckpt.objects.values():
+        if str(o.path[-1]) == "param_groups" and isinstance(o.value, list):
+            return len(o.value)
+        for i, part in enumerate(o.path[:-1]):
+            if part == "param_groups" and isinstance(o.path[i + 1], int):
+                positions.add(o.path[i + 1])
+    return len(positions) or None
 
 
 def _object_summary(ckpt: Checkpoint, top: Any) -> dict[str, Any]:

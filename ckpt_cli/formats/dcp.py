@@ -99,13 +99,22 @@ class StorageMetaRec(_Record):
 
 def _metadata_globals() -> dict[tuple[str, str], Any]:
     classes = {
-        "Metadata": MetadataRec, "TensorStorageMetadata": TensorStorageRec, "BytesStorageMetadata": BytesStorageRec,
-        "ChunkStorageMetadata": ChunkRec, "TensorProperties": TensorPropertiesRec, "MetadataIndex": IndexRec,
-        "StorageMeta": StorageMetaRec, "_MEM_FORMAT_ENCODING": lambda v: v, "MEM_FORMAT_ENCODING": lambda v: v,
+        "Metadata": MetadataRec,
+        "TensorStorageMetadata": TensorStorageRec,
+        "BytesStorageMetadata": BytesStorageRec,
+        "ChunkStorageMetadata": ChunkRec,
+        "TensorProperties": TensorPropertiesRec,
+        "MetadataIndex": IndexRec,
+        "StorageMeta": StorageMetaRec,
+        "_MEM_FORMAT_ENCODING": lambda v: v,
+        "MEM_FORMAT_ENCODING": lambda v: v,
     }
     table: dict[tuple[str, str], Any] = {}
-    for module in ("torch.distributed.checkpoint.metadata", "torch.distributed._shard.checkpoint.metadata",
-                   "torch.distributed._shard.sharded_tensor.metadata"):
+    for module in (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed._shard.checkpoint.metadata",
+        "torch.distributed._shard.sharded_tensor.metadata",
+    ):
         table.update({(module, name): cls for name, cls in classes.items()})
     for module in ("torch.distributed.checkpoint.filesystem", "torch.distributed._shard.checkpoint.filesystem"):
         table[(module, "_StorageInfo")] = StorageInfoRec
@@ -160,22 +169,28 @@ class _Files:
 
 def _range(files: _Files, info: StorageInfoRec, fqn: str) -> tuple[BinaryIO, str]:
     if getattr(info, "transform_descriptors", None):
-        raise UsageError(f"{files.folder}: '{fqn}' is stored with stream extensions {list(info.transform_descriptors)} "
-                         "(e.g. zstd compression); ckpt reads uncompressed DCP checkpoints only")
+        raise UsageError(
+            f"{files.folder}: '{fqn}' is stored with stream extensions {list(info.transform_descriptors)} "
+            "(e.g. zstd compression); ckpt reads uncompressed DCP checkpoints only"
+        )
     f = files.open(info.relative_path)
     where = str(files.folder / info.relative_path)
     if info.offset < 0 or info.length <= 0 or info.offset + info.length > files.sizes[info.relative_path]:
-        raise DataError(f"{where}: '{fqn}' needs bytes {info.offset}..{info.offset + info.length} but the file has "
-                        f"{files.sizes[info.relative_path]} (truncated?)")
+        raise DataError(
+            f"{where}: '{fqn}' needs bytes {info.offset}..{info.offset + info.length} but the file has "
+            f"{files.sizes[info.relative_path]} (truncated?)"
+        )
     f.seek(info.offset)
     if f.read(4) != zipio.ZIP_MAGIC:
-        raise UsageError(f"{where}: '{fqn}' is not a torch.save archive; checkpoints written with "
-                         "SerializationFormat.SAFETENSORS are not supported")
+        raise UsageError(
+            f"{where}: '{fqn}' is not a torch.save archive; checkpoints written with SerializationFormat.SAFETENSORS are not supported"
+        )
     return f, where
 
 
-def _tensor_pieces(files: _Files, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec],
-                   options: ReadOptions) -> list[Piece]:
+def _tensor_pieces(
+    files: _Files, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec], options: ReadOptions
+) -> list[Piece]:
     pieces = []
     dtype = meta.properties.dtype
     for chunk in meta.chunks:
@@ -239,8 +254,10 @@ class DCPReader:
     def read(self, path: Path, options: ReadOptions) -> Checkpoint:
         if not (path / METADATA).is_file():
             ranks = sorted(p.name for p in path.iterdir() if RANK_METADATA.match(p.name))
-            raise UsageError(f"{path}: per-rank metadata ({', '.join(ranks[:3])}...) and no global .metadata: saved with "
-                             "use_collectives=False, which loads only at the same world size; ckpt does not read it yet")
+            raise UsageError(
+                f"{path}: per-rank metadata ({', '.join(ranks[:3])}...) and no global .metadata: saved with "
+                "use_collectives=False, which loads only at the same world size; ckpt does not read it yet"
+            )
         meta = load_metadata(path / METADATA, options.trust_pickle)
         storage = {}
         for index, info in meta.storage_data.items():
@@ -317,8 +334,7 @@ class DCPReader:
         for rel in sorted(referenced):
             data = folder / rel
             if data.exists() and data.stat().st_mtime_ns > meta_mtime:
-                problems.append(f"{data}: newer than {METADATA}; an interrupted re-save may have mixed old metadata "
-                                "with new data")
+                problems.append(f"{data}: newer than {METADATA}; an interrupted re-save may have mixed old metadata with new data")
         problems += _overlaps(folder, list(meta.storage_data.values()))
         problems += _bounds(ckpt)
         if deep:
@@ -344,11 +360,11 @@ def _bounds(ckpt: Checkpoint) -> list[str]:
     problems = []
     for t in ckpt.tensors.values():
         for p in t.pieces:
-            if isinstance(p.region, Box) and any(
-                o < 0 or o + s > n for o, s, n in zip(p.region.offsets, p.region.sizes, t.shape)
-            ):
-                problems.append(f"{ckpt.path}: chunk {list(p.region.offsets)}+{list(p.region.sizes)} of '{t.name}' lies "
-                                f"outside its shape {list(t.shape)}")
+            if isinstance(p.region, Box) and any(o < 0 or o + s > n for o, s, n in zip(p.region.offsets, p.region.sizes, t.shape)):
+                problems.append(
+                    f"{ckpt.path}: chunk {list(p.region.offsets)}+{list(p.region.sizes)} of '{t.name}' lies "
+                    f"outside its shape {list(t.shape)}"
+                )
     return problems
 
 

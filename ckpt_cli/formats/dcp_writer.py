@@ -42,8 +42,7 @@ def is_sharded(entry: TensorEntry, ckpt: Checkpoint) -> bool:
 
 def dcp_path(path: PathKey, containers: dict[PathKey, str]) -> tuple[str | int, ...]:
     """DCP's key path: dict keys as str, list positions as int (dcp/_traverse.py)."""
-    return tuple(p if containers.get(path[:i]) in ("list", "tuple") and isinstance(p, int) else str(p)
-                 for i, p in enumerate(path))
+    return tuple(p if containers.get(path[:i]) in ("list", "tuple") and isinstance(p, int) else str(p) for i, p in enumerate(path))
 
 
 @dataclass
@@ -61,8 +60,39 @@ class Item:
         return self.fqn, self.offsets
 
 
-def rank_plans(ckpt: Checkpoint, world_size: int) -> tuple[list[list[Item]], dict[str, Any], dict[str, Any]]:
-    """Each rank's items, the per-tensor chunk lists (offsets, sizes) and planner_data."""
+def _is_leaf(value: Any) -> bool:
+    """DCP's _is_terminal: mappings never are; a list is unless it holds a mapping or a non-leaf list."""
+    if isinstance(value, dict):
+        return False
+    if not isinstance(value, list):
+        return True
+    return all(_is_leaf(v) or not isinstance(v, (dict, list)) for v in value)
+
+
+def _leaves(path: tuple[str | int, ...], value: Any) -> list[tuple[tuple[str | int, ...], Any]]:
+    """A non-tensor value flattened into DCP's BYTE_IO leaves (dcp/_traverse.py); empty dicts vanish."""
+    if isinstance(value, dict):
+        return [leaf for k, v in value.items() for leaf in _leaves((*path, str(k)), v)]
+    if not _is_leaf(value):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves((*path, i), v)]
+    return [(path, value)]
+
+
+def byte_items(ckpt: Checkpoint) -> list[ObjectEntry]:
+    """The checkpoint's non-tensor values as DCP leaves; values read from DCP stay as they were saved."""
+    out = []
+    for obj in ckpt.objects.values():
+        path = dcp_path(obj.path, ckpt.containers)
+        if obj.raw is not None:
+            out.append(ObjectEntry(".".join(map(str, path)), obj.value, obj.role, path, obj.raw))
+            continue
+        for leaf_path, value in _leaves(path, obj.value):
+            out.append(ObjectEntry(".".join(map(str, leaf_path)), value, obj.role, leaf_path))
+    return out
+
+
+def rank_plans(ckpt: Checkpoint, world_size: int) -> tuple[list[list[Item]], dict[str, Any], dict[str, Any], list[ObjectEntry]]:
+    """Each rank's items, the per-tensor chunk lists (offsets, sizes), planner_data and the BYTE_IO leaves."""
     plans: list[list[Item]] = [[] for _ in range(world_size)]
     chunks: dict[str, Any] = {}
     planner: dict[str, Any] = {}
@@ -84,13 +114,12 @@ def rank_plans(ckpt: Checkpoint, world_size: int) -> tuple[list[list[Item]], dic
                 listed.append((offsets, sizes))
             plans[r].append(Item(fqn, offsets, part.nbytes, tensor=part))
         chunks[fqn] = (entry, listed)
-    for obj in ckpt.objects.values():
-        path = dcp_path(obj.path, ckpt.containers)
-        fqn = ".".join(map(str, path))
-        planner[fqn] = path
+    objects = byte_items(ckpt)
+    for obj in objects:
+        planner[obj.name] = obj.path
         for r in range(world_size):
-            plans[r].append(Item(fqn, None, 1, obj=obj))
-    return plans, chunks, planner
+            plans[r].append(Item(obj.name, None, 1, obj=obj))
+    return plans, chunks, planner, objects
 
 
 def dedup(plans: list[list[Item]]) -> list[list[Item]]:
@@ -132,7 +161,7 @@ class DCPWriter:
         opaque = [o.name for o in ckpt.objects.values() if isinstance(o.value, Opaque) and o.raw is None]
         if opaque:
             raise UsageError(f"cannot write non-tensor values that were not parsed: {', '.join(opaque[:3])} (try --trust-pickle)")
-        plans, chunks, planner = rank_plans(ckpt, world_size)
+        plans, chunks, planner, objects = rank_plans(ckpt, world_size)
         kept = dedup(plans)
         files, storage = [], {}
         for r, items in enumerate(kept):
@@ -150,15 +179,18 @@ class DCPWriter:
                 segments += parts
                 pos += length
             files.append(OutputFile(name, segments))
-        files.append(OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, storage, ckpt, dest))]))
+        files.append(OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, storage, objects, dest))]))
         sharded = sum(1 for entry, listed in chunks.values() if len(listed) > 1 or is_sharded(entry, ckpt))
-        notes.append(f"layout: FSDP2 Shard(0) on {world_size} ranks; {sharded} tensors sharded by rows, "
-                     f"{len(chunks) - sharded} replicated, {len(ckpt.objects)} non-tensor values")
+        notes.append(
+            f"layout: FSDP2 Shard(0) on {world_size} ranks; {sharded} tensors sharded by rows, "
+            f"{len(chunks) - sharded} replicated, {len(ckpt.objects)} non-tensor values"
+        )
         return WritePlan(self.name, dest, True, files, notes)
 
 
-def metadata_bytes(chunks: dict[str, Any], planner: dict[str, Any], storage: dict[Any, tuple[str, int, int]],
-                   ckpt: Checkpoint, dest: Path) -> bytes:
+def metadata_bytes(
+    chunks: dict[str, Any], planner: dict[str, Any], storage: dict[Any, tuple[str, int, int]], objects: list[ObjectEntry], dest: Path
+) -> bytes:
     """`.metadata` pickled from DCP's own classes, as FileSystemWriter.finish writes it."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -176,15 +208,15 @@ def metadata_bytes(chunks: dict[str, Any], planner: dict[str, Any], storage: dic
     storage_data: dict[Any, Any] = {}
     for fqn, (entry, listed) in chunks.items():
         sdm[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=entry.dtype.torch()), torch.Size(entry.shape),
+            TensorProperties(dtype=entry.dtype.torch()),
+            torch.Size(entry.shape),
             [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in listed],
         )
         for i, (offsets, _) in enumerate(listed):
             storage_data[MetadataIndex(fqn, offsets, index=i)] = _StorageInfo(*storage[(fqn, offsets)])
-    for obj in ckpt.objects.values():
-        fqn = ".".join(map(str, dcp_path(obj.path, ckpt.containers)))
-        sdm[fqn] = BytesStorageMetadata()
-        storage_data[MetadataIndex(fqn)] = _StorageInfo(*storage[(fqn, None)])
+    for obj in objects:
+        sdm[obj.name] = BytesStorageMetadata()
+        storage_data[MetadataIndex(obj.name)] = _StorageInfo(*storage[(obj.name, None)])
     body = pickle.dumps((sorted(storage.items()), sorted(planner)))
     save_id = str(uuid.UUID(bytes=hashlib.sha256(body).digest()[:16], version=4))  # reproducible, unlike uuid4()
     meta = Metadata(sdm, planner, storage_data, StorageMeta(checkpoint_id=dest, save_id=save_id), version="1.0.0")

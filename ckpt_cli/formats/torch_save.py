@@ -235,7 +235,10 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
 
 def _archive(data_pkl: bytes, storages: list[tuple[str, TensorEntry]], scope: str) -> list[Any]:
     records: list[tuple[str, bytes | TensorData]] = [
-        ("data.pkl", data_pkl), (".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"),
+        ("data.pkl", data_pkl),
+        (".format_version", b"1"),
+        (".storage_alignment", b"64"),
+        ("byteorder", b"little"),
     ]
     records += [(f"data/{key}", TensorData(entry, entry.dtype)) for key, entry in storages]
     # A deterministic serialization id (torch draws a random one) keeps outputs reproducible.

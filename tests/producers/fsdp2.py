@@ -1,7 +1,10 @@
 """Real FSDP2 (fully_shard) + torch.distributed.checkpoint runs on the CPU, under torchrun (gloo).
 
-    torchrun --nproc-per-node W fsdp2.py save OUT      train 3 steps, dcp.save, write references
-    torchrun --nproc-per-node M fsdp2.py load CKPT REF load with set_state_dict, check, take one step, check
+    torchrun --nproc-per-node W fsdp2.py save OUT [llama]   train 3 steps, dcp.save, write references
+                                                            (llama: also a tiny transformers Llama)
+    torchrun --nproc-per-node M fsdp2.py check TASK...      each TASK is load:CKPT:REF (model + AdamW
+                                                            with set_state_dict, one more step) or
+                                                            finetune:CKPT:WEIGHTS.safetensors (model only)
 
 The model's parameter sizes do not divide by 2, 3 or 4; the state holds AdamW moments, an int step,
 a dataloader dict and an RNG state. References are full (unsharded) tensors gathered on rank 0.
@@ -16,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
 STEPS = 3
@@ -64,34 +67,94 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
 def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     """Unsharded params and Adam state, keyed like get_state_dict."""
     msd, osd = get_state_dict(model, opt)
-    out = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
+    out = {f"model.{k}": v.full_tensor().clone() for k, v in msd.items()}  # at W=1 full_tensor() aliases the param
     for fqn, state in osd["state"].items():
         for key, value in state.items():
-            out[f"optim.state.{fqn}.{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
+            out[f"optim.state.{fqn}.{key}"] = (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
     out["lr"] = [g["lr"] for g in osd["param_groups"]]
     return out
 
 
-def save(out: str) -> None:
+def save_llama(out: str) -> None:
+    """A tiny transformers Llama trained under FSDP2, saved the way a training script saves it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "step": 2}, checkpoint_id=os.path.join(out, "llama"))
+    if dist.get_rank() == 0:
+        config.save_pretrained(os.path.join(out, "llama_config"))
+
+
+def save(out: str, *extra: str) -> None:
     model, opt = build()
     for step in range(STEPS):
         train_step(model, opt, step)
     msd, osd = get_state_dict(model, opt)
     torch.manual_seed(1234)
-    state = {"model": msd, "optim": osd, "step": STEPS, "dataloader": {"epoch": 0, "offset": STEPS * 4},
-             "rng": torch.get_rng_state()}
+    state = {"model": msd, "optim": osd, "step": STEPS, "dataloader": {"epoch": 0, "offset": STEPS * 4}, "rng": torch.get_rng_state()}
     dcp.save(state, checkpoint_id=os.path.join(out, "ckpt"))
     before = full_state(model, opt)
     train_step(model, opt, STEPS)
     after = full_state(model, opt)
     if dist.get_rank() == 0:
         torch.save({"before": before, "after": after}, os.path.join(out, "reference.pt"))
+    if "llama" in extra:
+        save_llama(out)
+
+
+def check(*tasks: str) -> None:
+    for task in tasks:
+        kind, ckpt, reference = task.split(":")
+        {"load": load, "finetune": finetune}[kind](ckpt, reference)
+
+
+def finetune(ckpt: str, weights: str) -> None:
+    """Start from released weights: load only the model from a DCP checkpoint into FSDP2."""
+    from safetensors.torch import load_file
+
+    model, _ = build()
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    want = load_file(weights)
+    for name, param in get_model_state_dict(model).items():
+        if not torch.equal(param.full_tensor(), want[name]):
+            raise SystemExit(f"rank {dist.get_rank()}: {name} differs from {weights}")
+    if dist.get_rank() == 0:
+        print("FINETUNE-OK")
 
 
 def load(ckpt: str, reference: str) -> None:
     model, opt = build()
     msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd, "step": -1, "dataloader": {"epoch": -1, "offset": -1}, "rng": torch.empty(0, dtype=torch.uint8)}
+    state = {
+        "model": msd,
+        "optim": osd,
+        "step": -1,
+        "dataloader": {"epoch": -1, "offset": -1},
+        "rng": torch.zeros_like(torch.get_rng_state()),
+    }
     dcp.load(state, checkpoint_id=ckpt)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     ref = torch.load(reference, weights_only=True)
@@ -104,6 +167,9 @@ def load(ckpt: str, reference: str) -> None:
             problems.append(f"{key} differs after load")
     if state["step"] != STEPS or state["dataloader"] != {"epoch": 0, "offset": STEPS * 4}:
         problems.append(f"step/dataloader wrong: {state['step']} {state['dataloader']}")
+    torch.manual_seed(1234)
+    if not torch.equal(state["rng"], torch.get_rng_state()):
+        problems.append("rng state differs")
     train_step(model, opt, STEPS)
     after = full_state(model, opt)
     for key, want in ref["after"].items():
@@ -121,7 +187,7 @@ def load(ckpt: str, reference: str) -> None:
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     try:
-        {"save": save, "load": load}[sys.argv[1]](*sys.argv[2:])
+        {"save": save, "check": check}[sys.argv[1]](*sys.argv[2:])
         dist.barrier()
     finally:
         dist.destroy_process_group()
