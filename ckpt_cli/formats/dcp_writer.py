@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-import pickle
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli.core import pickler
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Opaque, PathKey, TensorEntry, sub_tensor
+from ckpt_cli.core.pickler import Global, Instance, Reduce, size
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import torch_save
@@ -188,39 +189,58 @@ class DCPWriter:
         return WritePlan(self.name, dest, True, files, notes)
 
 
+_META = "torch.distributed.checkpoint.metadata"
+
+
+def _cls(name: str, module: str = _META) -> Global:
+    return Global(module, name)
+
+
+def _properties(entry: TensorEntry) -> Instance:
+    """TensorProperties as its __getstate__ pickles it: (dtype, layout, requires_grad, memory format, pinned)."""
+    layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))
+    contiguous = Reduce(_cls("_MEM_FORMAT_ENCODING"), (0,))
+    return Instance(_cls("TensorProperties"), (entry.dtype, layout, False, contiguous, False))
+
+
 def metadata_bytes(
     chunks: dict[str, Any], planner: dict[str, Any], storage: dict[Any, tuple[str, int, int]], objects: list[ObjectEntry], dest: Path
 ) -> bytes:
-    """`.metadata` pickled from DCP's own classes, as FileSystemWriter.finish writes it."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
+    """`.metadata` as FileSystemWriter.finish pickles DCP's dataclasses (written without importing torch)."""
     sdm: dict[str, Any] = {}
     storage_data: dict[Any, Any] = {}
+
+    def storage_info(key: Any) -> Instance:
+        path, offset, length = storage[key]
+        return Instance(
+            _cls("_StorageInfo", "torch.distributed.checkpoint.filesystem"), {"relative_path": path, "offset": offset, "length": length}
+        )
+
     for fqn, (entry, listed) in chunks.items():
-        sdm[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=entry.dtype.torch()),
-            torch.Size(entry.shape),
-            [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in listed],
+        chunk_list = [Instance(_cls("ChunkStorageMetadata"), {"offsets": size(o), "sizes": size(s)}) for o, s in listed]
+        sdm[fqn] = Instance(
+            _cls("TensorStorageMetadata"), {"properties": _properties(entry), "size": size(entry.shape), "chunks": chunk_list}
         )
         for i, (offsets, _) in enumerate(listed):
-            storage_data[MetadataIndex(fqn, offsets, index=i)] = _StorageInfo(*storage[(fqn, offsets)])
+            index = Instance(_cls("MetadataIndex"), {"fqn": fqn, "index": i, "offset": size(offsets)})
+            storage_data[index] = storage_info((fqn, offsets))
     for obj in objects:
-        sdm[obj.name] = BytesStorageMetadata()
-        storage_data[MetadataIndex(obj.name)] = _StorageInfo(*storage[(obj.name, None)])
-    body = pickle.dumps((sorted(storage.items()), sorted(planner)))
+        sdm[obj.name] = Instance(_cls("BytesStorageMetadata"))
+        storage_data[Instance(_cls("MetadataIndex"), {"fqn": obj.name, "index": None})] = storage_info((obj.name, None))
+    body = repr((sorted(storage.items()), sorted(planner))).encode()
     save_id = str(uuid.UUID(bytes=hashlib.sha256(body).digest()[:16], version=4))  # reproducible, unlike uuid4()
-    meta = Metadata(sdm, planner, storage_data, StorageMeta(checkpoint_id=dest, save_id=save_id), version="1.0.0")
-    return pickle.dumps(meta)
+    storage_meta = Instance(
+        _cls("StorageMeta"),
+        {"checkpoint_id": Reduce(Global("pathlib", "PosixPath"), (str(dest),)), "save_id": save_id, "load_id": None, "modules": []},
+    )
+    meta = {
+        "state_dict_metadata": sdm,
+        "planner_data": planner,
+        "storage_data": storage_data,
+        "storage_meta": storage_meta,
+        "version": "1.0.0",
+    }
+    return pickler.dumps(Instance(_cls("Metadata"), meta))
 
 
 WRITER = DCPWriter()

@@ -8,15 +8,12 @@ that share data stay shared, and a view writes only the bytes it sees.
 
 from __future__ import annotations
 
-import collections
 import hashlib
-import io
-import pickle
 import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ckpt_cli.core import roles, zipio
+from ckpt_cli.core import pickler, roles, zipio
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import (
@@ -29,6 +26,7 @@ from ckpt_cli.core.model import (
     TensorEntry,
     contiguous_strides,
 )
+from ckpt_cli.core.pickler import Global, Reduce
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.core.safe_pickle import TensorRef, safe_loads
 from ckpt_cli.core.tree import flatten, unflatten, unique_names
@@ -139,47 +137,26 @@ class TorchReader:
 
 
 class _Storage:
-    """Placeholder pickled as a persistent storage id."""
+    """A storage record to be, pickled as torch's persistent id ('storage', class, key, 'cpu', numel)."""
 
     def __init__(self, key: str, dtype: DType, numel: int) -> None:
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
-class _Tensor:
-    """Placeholder pickled exactly as torch pickles a contiguous tensor over `storage`."""
-
-    def __init__(self, storage: _Storage, shape: tuple[int, ...]) -> None:
-        self.storage, self.shape = storage, shape
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        import torch
-
-        args = (self.storage, 0, self.shape, contiguous_strides(self.shape), False, collections.OrderedDict())
-        if self.storage.dtype.storage_class:
-            return torch._utils._rebuild_tensor_v2, args
-        return torch._utils._rebuild_tensor_v3, (*args, self.storage.dtype.torch())
+def _storage_id(obj: Any) -> Any:
+    if not isinstance(obj, _Storage):
+        return None
+    if obj.dtype.storage_class:
+        return ("storage", Global("torch", obj.dtype.storage_class), obj.key, "cpu", obj.numel)
+    return ("storage", Global("torch.storage", "UntypedStorage"), obj.key, "cpu", obj.numel * obj.dtype.itemsize)
 
 
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, _Storage):
-            return None
-        import torch
-
-        if obj.dtype.storage_class:
-            return ("storage", getattr(torch, obj.dtype.storage_class), obj.key, "cpu", obj.numel)
-        return ("storage", torch.storage.UntypedStorage, obj.key, "cpu", obj.numel * obj.dtype.itemsize)
-
-
-def _torch_values(value: Any) -> Any:
-    """Replace dtype stand-ins in non-tensor values by real torch dtypes before pickling."""
-    if isinstance(value, DType):
-        return value.torch()
-    if isinstance(value, dict):
-        return type(value)((k, _torch_values(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return type(value)(_torch_values(v) for v in value)
-    return value
+def _tensor(storage: _Storage, shape: tuple[int, ...]) -> Reduce:
+    """A contiguous tensor over `storage`, exactly as torch pickles it (torch/_tensor.py _reduce_ex_internal)."""
+    args = (storage, 0, tuple(shape), contiguous_strides(shape), False, Reduce(Global("collections", "OrderedDict"), ()))
+    if storage.dtype.storage_class:
+        return Reduce(Global("torch._utils", "_rebuild_tensor_v2"), args)
+    return Reduce(Global("torch._utils", "_rebuild_tensor_v3"), (*args, storage.dtype))
 
 
 def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]]:
@@ -193,12 +170,9 @@ def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]
         if same not in storages:
             storages[same] = _Storage(str(len(storages)), entry.dtype, entry.numel)
             owners.append((storages[same].key, entry))
-        items.append((entry.path, _Tensor(storages[same], entry.shape)))
-    items += [(obj.path, _torch_values(obj.value)) for obj in ckpt.objects.values()]
-    tree = unflatten(items, ckpt.containers)
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(tree)
-    return buf.getvalue(), owners
+        items.append((entry.path, _tensor(storages[same], entry.shape)))
+    items += [(obj.path, obj.value) for obj in ckpt.objects.values()]
+    return pickler.dumps(unflatten(items, ckpt.containers), _storage_id), owners
 
 
 def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str = "", prefix: str = "archive") -> list[Any]:
@@ -254,16 +228,13 @@ def torch_file_segments(ckpt: Checkpoint) -> list[Any]:
 
 def tensor_archive(entry: TensorEntry, scope: str) -> list[Any]:
     """The archive `torch.save(tensor)` writes for one contiguous tensor (a DCP chunk)."""
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(_Tensor(_Storage("0", entry.dtype, entry.numel), entry.shape))
-    return _archive(buf.getvalue(), [("0", entry)], scope)
+    data_pkl = pickler.dumps(_tensor(_Storage("0", entry.dtype, entry.numel), entry.shape), _storage_id)
+    return _archive(data_pkl, [("0", entry)], scope)
 
 
 def object_archive(value: Any) -> bytes:
     """`torch.save(value)` of a plain (non-tensor) value, as DCP stores BYTE_IO items."""
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(_torch_values(value))
-    segments = _archive(buf.getvalue(), [], "")
+    segments = _archive(pickler.dumps(value), [], "")
     return b"".join(s.data if isinstance(s, Literal) else s.build({}) for s in segments)
 
 

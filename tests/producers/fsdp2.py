@@ -186,8 +186,9 @@ def load(ckpt: str, reference: str) -> None:
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    try:
-        {"save": save, "check": check}[sys.argv[1]](*sys.argv[2:])
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    {"save": save, "check": check}[sys.argv[1]](*sys.argv[2:])
+    dist.barrier()
+    # Leave without tearing down gloo: its threads occasionally abort at interpreter exit on a
+    # loaded 2-core machine ("terminate called without an active exception") after all work is done.
+    sys.stdout.flush()
+    os._exit(0)
