@@ -133,6 +133,29 @@ def element_windows(entry: TensorEntry, itemsize: int | None = None) -> Iterator
         yield start, min(step, entry.numel - start)
 
 
+def tensor_bytes(entry: TensorEntry, sources: SourceFiles) -> Iterator[Any]:
+    """The tensor's elements as little-endian bytes in row-major order, block by block.
+
+    Contiguous pieces already in the tensor's dtype are read as bytes (no torch); anything else is
+    gathered through torch one window at a time. Buffers are reused: consume each before the next.
+    """
+    runs = entry.runs()
+    _check_tiling(entry, runs)
+    if not all(p.data.dtype == entry.dtype and p.data.is_contiguous for _, _, p, _ in runs):
+        for start, count in element_windows(entry):
+            yield as_bytes(read_elements(entry, start, count, sources))
+        return
+    for _, length, piece, lstart in runs:
+        array = piece.data
+        offset = array.offset + (array.storage_offset + lstart) * entry.dtype.itemsize
+        remaining = length * entry.dtype.itemsize
+        while remaining:
+            view = sources.read_block(array.path, offset, min(remaining, BLOCK_BYTES))
+            yield view
+            offset += len(view)
+            remaining -= len(view)
+
+
 def as_bytes(tensor: Any) -> Any:
     import torch
 

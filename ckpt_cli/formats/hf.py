@@ -110,6 +110,8 @@ class HFReader:
                 extra = [n for n in header.tensors if index and weight_map.get(n) != shard.name]
                 if extra:
                     problems.append(f"{shard}: {len(extra)} tensors not in the index (e.g. '{extra[0]}'); loaders will ignore them")
+            elif deep:  # legacy .bin shards are torch.save archives with CRCs
+                problems += torch_save.READER.check(Checkpoint("torch", str(shard), {}), deep)
         total = metadata.get("total_size")
         actual = sum(t.nbytes for t in ckpt.tensors.values())
         if isinstance(total, int) and index and index.name != LEGACY_INDEX and total != actual:

@@ -17,16 +17,17 @@ class Format:
     reader: Reader
     writer: Writer | None
     summary: str
+    has_checksums: bool  # records carry CRCs that check(deep=True) verifies
 
 
 # Detection order: the most specific layouts first.
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("dcp", dcp.READER, dcp_writer.WRITER, "PyTorch Distributed Checkpoint: .metadata + __R_I.distcp"),
-        Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json"),
-        Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file"),
-        Format("torch", torch_save.READER, torch_save.WRITER, "one torch.save file (.pt/.pth/.bin)"),
+        Format("dcp", dcp.READER, dcp_writer.WRITER, "PyTorch Distributed Checkpoint: .metadata + __R_I.distcp", True),
+        Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json", False),
+        Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file", False),
+        Format("torch", torch_save.READER, torch_save.WRITER, "one torch.save file (.pt/.pth/.bin)", True),
     )
 }
 PENDING = {"deepspeed": "DeepSpeed ZeRO"}

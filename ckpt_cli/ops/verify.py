@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core.executor import SourceFiles, as_bytes, element_windows, read_elements
+from ckpt_cli.core.executor import SourceFiles, element_windows, read_elements, tensor_bytes
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry
@@ -106,22 +106,24 @@ def file_sha256(path: str, block: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
-def scan_tensor(t: TensorEntry, sources: SourceFiles, want_hash: bool, want_finite: bool) -> tuple[str, int, int]:
-    """(sha256 of the logical little-endian bytes, NaN count, Inf count), streamed window by window."""
+def tensor_sha256(t: TensorEntry, sources: SourceFiles) -> str:
+    """SHA-256 of the tensor's logical little-endian bytes: the same in every format and layout."""
+    digest = hashlib.sha256()
+    for block in tensor_bytes(t, sources):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def count_nonfinite(t: TensorEntry, sources: SourceFiles) -> tuple[int, int]:
     import torch
 
-    digest = hashlib.sha256()
     nan = inf = 0
-    check = want_finite and t.dtype.is_float
     for start, count in element_windows(t):
         values = read_elements(t, start, count, sources)
-        if want_hash:
-            digest.update(as_bytes(values))
-        if check:
-            wide = values if t.dtype.itemsize >= 2 else values.to(torch.float32)
-            nan += int(torch.isnan(wide).sum())
-            inf += int(torch.isinf(wide).sum())
-    return digest.hexdigest(), nan, inf
+        wide = values if t.dtype.itemsize >= 2 else values.to(torch.float32)
+        nan += int(torch.isnan(wide).sum())
+        inf += int(torch.isinf(wide).sum())
+    return nan, inf
 
 
 def build_manifest(ckpt: Checkpoint, tensor_hashes: dict[str, str]) -> dict[str, Any]:
@@ -233,16 +235,21 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         return report
     rules = policy_mod.load(options.policy) if options.policy else None
     finite = options.finite or bool(rules and rules.finite)
-    want_hash = options.deep or options.manifest is not None or options.write_manifest is not None
+    # Tensor checksums serve manifests; --deep alone reads every byte once: the format's CRC check,
+    # or (formats without checksums) the tensors themselves.
+    want_hash = options.manifest is not None or options.write_manifest is not None
+    read_all = options.deep and not fmt.has_checksums
     hashes: dict[str, str] = {}
-    if want_hash or finite:
+    if want_hash or read_all or finite:
         sources = SourceFiles()
         try:
             for t in ckpt.tensors.values():
-                digest, nan, inf = scan_tensor(t, sources, want_hash, finite)
-                hashes[t.name] = digest
-                if nan or inf:
-                    report.nonfinite[t.name] = {"nan": nan, "inf": inf}
+                if want_hash or read_all:
+                    hashes[t.name] = tensor_sha256(t, sources)
+                if finite and t.dtype.is_float:
+                    nan, inf = count_nonfinite(t, sources)
+                    if nan or inf:
+                        report.nonfinite[t.name] = {"nan": nan, "inf": inf}
         except DataError as exc:
             report.problems.append(str(exc))
             return report
