@@ -24,6 +24,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -l overwrite -d 'Repla
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dry-run -d 'Print the plan (files, sizes, placement, memory) and write nothing.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l json -d 'Machine-readable JSON on stdout.'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l workers -r -d 'Files written at once (default: CPU count, at most 4).'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -F
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -l overwrite -d 'Replace an existing destination.'
@@ -50,6 +51,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from merge' -l overwrite -d 'Replace
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l dry-run -d 'Print the plan (files, sizes, placement, memory) and write nothing.'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l json -d 'Machine-readable JSON on stdout.'
+complete -c ckpt -n '__fish_seen_subcommand_from merge' -l workers -r -d 'Files written at once (default: CPU count, at most 4).'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -F
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l world-size -r -d 'dcp, deepspeed: number of ranks to write for.'
@@ -67,6 +69,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l overwrite -d 'Repla
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l dry-run -d 'Print the plan (files, sizes, placement, memory) and write nothing.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l json -d 'Machine-readable JSON on stdout.'
+complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l workers -r -d 'Files written at once (default: CPU count, at most 4).'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -F
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l max-shard-size -r -d 'hf: largest shard, e.g. 5GB, 500MB, 2GiB.'
@@ -82,6 +85,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from split' -l overwrite -d 'Replace
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l dry-run -d 'Print the plan (files, sizes, placement, memory) and write nothing.'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l json -d 'Machine-readable JSON on stdout.'
+complete -c ckpt -n '__fish_seen_subcommand_from split' -l workers -r -d 'Files written at once (default: CPU count, at most 4).'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -F
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -l deep -d 'Read every byte: zip CRCs, per-tensor checksums, unreadable records.'

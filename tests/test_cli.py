@@ -170,3 +170,13 @@ def test_demo_writes_every_format_and_every_command_works(ckpt, tmp_path):
     merged = load_file(tmp_path / "w" / "model-00001-of-00001.safetensors")
     assert torch.equal(merged["embed.weight"], state["model"]["embed.weight"])
     assert ckpt("demo", demo).code == 2  # exists
+
+
+def test_workers_do_not_change_the_output(ckpt, tmp_path):
+    sd = {f"w{i}": torch.randn(50 + i, 7) for i in range(12)}
+    save_file(sd, tmp_path / "in.safetensors")
+    for workers in ("1", "3"):
+        res = ckpt("split", tmp_path / "in.safetensors", tmp_path / f"out{workers}", "--num-shards", "5", "--workers", workers, "-q")
+        assert res.code == 0, res.err
+    for f in (tmp_path / "out1").iterdir():
+        assert f.read_bytes() == (tmp_path / "out3" / f.name).read_bytes()

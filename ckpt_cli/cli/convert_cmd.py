@@ -24,6 +24,7 @@ from ckpt_cli.cli.options import (
     Tag,
     TrustPickle,
     WeightsOnly,
+    Workers,
     WorldSize,
 )
 from ckpt_cli.core import dtypes
@@ -48,7 +49,7 @@ def _write_options(world_size: int | None, max_shard_size: str | None, num_shard
     return WriteOptions(parse_size(max_shard_size) if max_shard_size else None, num_shards, world_size)
 
 
-def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, json_) -> None:  # noqa: ANN001
+def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, json_, workers=None) -> None:  # noqa: ANN001
     job = convert_op.prepare(src, dest, to, source, transform, write)
     if dry_run:
         if dest.exists() and not overwrite:
@@ -60,7 +61,7 @@ def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, jso
         output.info(f"note: {note}", quiet)
     with output.progress(job.plan.total_bytes, f"{to} -> {dest.name}", quiet) as bar:
         try:
-            convert_op.run(job, overwrite, bar)
+            convert_op.run(job, overwrite, bar, workers)
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted; nothing was written to {dest}") from None
     output.info(f"wrote {job.plan.format} {dest} ({len(job.plan.files)} files, {human_bytes(job.plan.total_bytes)})", quiet)
@@ -87,6 +88,7 @@ def convert(
     dry_run: DryRun = False,
     quiet: Quiet = False,
     json_: Json = False,
+    workers: Workers = None,
 ) -> None:
     """Convert any readable checkpoint to another format, streamed."""
     _run(
@@ -121,12 +123,25 @@ def reshard(
     dry_run: DryRun = False,
     quiet: Quiet = False,
     json_: Json = False,
+    workers: Workers = None,
 ) -> None:
     """Same format, new layout: --world-size N (dcp, deepspeed) or --num-shards/--max-shard-size (hf)."""
     write = _write_options(world_size, max_shard_size, num_shards)
     source = convert_op.SourceOptions(format_, tag, trust_pickle)
     to = convert_op.reshard_target(open_checkpoint(src, format_, tag, trust_pickle).format, write)
-    _run(src, dest, to, source, _transform(dtype, weights_only, select, strip_prefix, add_prefix), write, overwrite, dry_run, quiet, json_)
+    _run(
+        src,
+        dest,
+        to,
+        source,
+        _transform(dtype, weights_only, select, strip_prefix, add_prefix),
+        write,
+        overwrite,
+        dry_run,
+        quiet,
+        json_,
+        workers,
+    )
 
 
 def merge(
@@ -146,6 +161,7 @@ def merge(
     dry_run: DryRun = False,
     quiet: Quiet = False,
     json_: Json = False,
+    workers: Workers = None,
 ) -> None:
     """All shards into one file: DST.safetensors or DST.pt (model weights unless --all)."""
     to = convert_op.merge_target(dest, all_)
@@ -179,6 +195,7 @@ def split(
     dry_run: DryRun = False,
     quiet: Quiet = False,
     json_: Json = False,
+    workers: Workers = None,
 ) -> None:
     """One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB)."""
     _run(

@@ -77,6 +77,6 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
     if with_tensors:
         width = max([len(t["name"]) for t in doc["tensors"]] + [4])
         lines.append("")
-        lines.append(f"{'name':<{width}}  {'dtype':<10} {'shape':<18} role")
-        lines += [f"{t['name']:<{width}}  {t['dtype']:<10} {str(t['shape']):<18} {t['role']}" for t in doc["tensors"]]
+        lines.append(f"{'name':<{width}}  {'dtype':<10} {'shape':<18} {'role':<10} pieces")
+        lines += [f"{t['name']:<{width}}  {t['dtype']:<10} {str(t['shape']):<18} {t['role']:<10} {t['pieces']}" for t in doc["tensors"]]
     return "\n".join(lines)

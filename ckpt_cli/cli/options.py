@@ -30,3 +30,4 @@ WeightsOnly = Annotated[bool, typer.Option("--weights-only", help="Model weights
 Select = Annotated[Optional[list[str]], typer.Option("--select", help="Keep tensors whose names match this glob (repeatable).")]
 StripPrefix = Annotated[Optional[str], typer.Option("--strip-prefix", help="Remove this prefix from tensor names.")]
 AddPrefix = Annotated[Optional[str], typer.Option("--add-prefix", help="Add this prefix to tensor names.")]
+Workers = Annotated[Optional[int], typer.Option("--workers", help="Files written at once (default: CPU count, at most 4).", min=1)]

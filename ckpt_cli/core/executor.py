@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -267,18 +269,59 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None = None) -> None:
-    """Write every file of `plan` into a temporary sibling of the destination, then rename it."""
-    sources = SourceFiles()
-    try:
-        with staged(plan.dest, plan.dest_is_dir, overwrite) as tmp:
-            for out in plan.files:
-                target = tmp / out.relpath if plan.dest_is_dir else tmp
-                target.parent.mkdir(parents=True, exist_ok=True)
-                write_file(target, out, sources, progress)
-            # Flush once all files are written (the kernel writes back while we produce the next
-            # file), and before the rename makes the destination visible.
-            for out in plan.files:
-                fsync_path(tmp / out.relpath if plan.dest_is_dir else tmp)
-    finally:
-        sources.close()
+def default_workers() -> int:
+    """Files written at once: reads, CRCs and writes release the GIL, so threads overlap them."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None) -> None:
+    """Write every file of `plan` into a temporary sibling of the destination, then rename it.
+
+    Up to `workers` files are written at once, each thread with its own descriptors and buffer.
+    """
+    workers = max(1, workers or default_workers())
+    cancel = threading.Event()
+    lock = threading.Lock()
+
+    def tick(nbytes: int) -> None:  # called once per block: lets a failing sibling stop the others
+        if cancel.is_set():
+            raise _Cancelled
+        if progress:
+            with lock:
+                progress(nbytes)
+
+    def write_one(target: Path, out: OutputFile) -> None:
+        sources = SourceFiles()
+        try:
+            write_file(target, out, sources, tick)
+        finally:
+            sources.close()
+
+    with staged(plan.dest, plan.dest_is_dir, overwrite) as tmp:
+        targets = [(tmp / out.relpath if plan.dest_is_dir else tmp, out) for out in plan.files]
+        for target, _ in targets:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        data = [(t, o) for t, o in targets if not o.commit_marker]
+        if workers == 1 or len(data) <= 1:
+            for target, out in data:
+                write_one(target, out)
+        else:
+            with ThreadPoolExecutor(min(workers, len(data))) as pool:
+                futures = [pool.submit(write_one, target, out) for target, out in data]
+                try:
+                    for future in futures:
+                        future.result()
+                except BaseException:
+                    cancel.set()
+                    raise
+        for target, out in targets:  # commit markers last, so they are the newest files
+            if out.commit_marker:
+                write_one(target, out)
+        # Flush once all files are written (the kernel writes back while we produce the next
+        # file), and before the rename makes the destination visible.
+        for target, _ in targets:
+            fsync_path(target)

@@ -53,6 +53,7 @@ Segment = Literal | TensorData | Deferred
 class OutputFile:
     relpath: str  # relative to the destination ("" when the destination is itself the file)
     segments: list[Segment] = field(default_factory=list)
+    commit_marker: bool = False  # written after every other file (DCP .metadata, an index)
 
     @property
     def size(self) -> int:

@@ -180,7 +180,7 @@ class DCPWriter:
                 segments += parts
                 pos += length
             files.append(OutputFile(name, segments))
-        files.append(OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, storage, objects, dest))]))
+        files.append(OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, storage, objects, dest))], commit_marker=True))
         sharded = sum(1 for entry, listed in chunks.values() if len(listed) > 1 or is_sharded(entry, ckpt))
         notes.append(
             f"layout: FSDP2 Shard(0) on {world_size} ranks; {sharded} tensors sharded by rows, "

@@ -170,7 +170,7 @@ class HFWriter:
             files.append(OutputFile(name, list(st.file_segments(group, {"format": "pt"}))))
             weight_map.update({t.name: name for t in group})
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
-        files.append(OutputFile(INDEX, [Literal(json.dumps(index, indent=2).encode())]))
+        files.append(OutputFile(INDEX, [Literal(json.dumps(index, indent=2).encode())], commit_marker=True))
         return WritePlan(self.name, dest, True, files, notes)
 
 

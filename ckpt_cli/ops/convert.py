@@ -133,5 +133,5 @@ def describe_text(job: Job) -> str:
     return "\n".join(lines)
 
 
-def run(job: Job, overwrite: bool, progress: Progress | None = None) -> None:
-    execute(job.plan, overwrite=overwrite, progress=progress)
+def run(job: Job, overwrite: bool, progress: Progress | None = None, workers: int | None = None) -> None:
+    execute(job.plan, overwrite=overwrite, progress=progress, workers=workers)
