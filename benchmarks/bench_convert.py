@@ -63,29 +63,38 @@ def main() -> None:
     measure("warm page cache", ["cat", str(src)])
     ckpt = [sys.executable, "-m", "ckpt_cli"]
 
-    def op(label: str, cmd: list[str], out: Path) -> Measure:
-        return measure(label, cmd, repeat=args.repeat, before=["rm", "-rf", str(out)])
+    def op(label: str, cmd: list[str], out: Path, warm: Path) -> Measure:
+        # Remove the previous output and warm the page cache with the input, the same for every tool.
+        return measure(
+            label,
+            cmd,
+            repeat=args.repeat,
+            before=["sh", "-c", f"rm -rf {out}; cat {warm if warm.is_file() else str(warm) + '/*'} > /dev/null"],
+        )
 
     split_dir, copy, merged = work / "split", work / "copy", work / "merged.safetensors"
-    cp = op("cp", ["cp", str(src), str(copy)], copy)
-    cp_sync = op("cp + sync", ["sh", "-c", f"cp {src} {copy} && sync"], copy)
+    cp = op("cp", ["cp", str(src), str(copy)], copy, src)
+    cp_sync = op("cp + sync", ["sh", "-c", f"cp {src} {copy} && sync"], copy, src)
     split = op(
         f"ckpt split --max-shard-size {args.shard}",
         [*ckpt, "split", str(src), str(split_dir), "--max-shard-size", args.shard, "-q"],
         split_dir,
+        src,
     )
     naive_split = op(
         "naive split (load_file + save_torch_state_dict)",
         [sys.executable, "-c", NAIVE_SPLIT, str(src), str(work / "naive_split"), args.shard],
         work / "naive_split",
+        src,
     )
-    cp_dir = op("cp -r of the shards", ["cp", "-r", str(split_dir), str(copy)], copy)
-    cp_dir_sync = op("cp -r of the shards + sync", ["sh", "-c", f"cp -r {split_dir} {copy} && sync"], copy)
-    merge = op("ckpt merge", [*ckpt, "merge", str(split_dir), str(merged), "-q"], merged)
+    cp_dir = op("cp -r of the shards", ["cp", "-r", str(split_dir), str(copy)], copy, split_dir)
+    cp_dir_sync = op("cp -r of the shards + sync", ["sh", "-c", f"cp -r {split_dir} {copy} && sync"], copy, split_dir)
+    merge = op("ckpt merge", [*ckpt, "merge", str(split_dir), str(merged), "-q"], merged, split_dir)
     naive_merge = op(
         "naive merge (load all shards + save_file)",
         [sys.executable, "-c", NAIVE_MERGE, str(split_dir), str(work / "naive.safetensors")],
         work / "naive.safetensors",
+        split_dir,
     )
     rows = [
         (cp, []),

@@ -56,7 +56,8 @@ def main() -> None:
     copy, resharded, hf, peer_pt, peer_hf = (work / n for n in ("copy", "resharded", "hf", "peer.pt", "peer_hf"))
 
     def op(label: str, cmd: list[str], out: Path | None) -> Measure:
-        return measure(label, cmd, repeat=args.repeat, before=["rm", "-rf", str(out)] if out else None)
+        # Remove the previous output and warm the page cache with the input, the same for every tool.
+        return measure(label, cmd, repeat=args.repeat, before=["sh", "-c", f"rm -rf {out or ''}; cat {src}/* > /dev/null"])
 
     cp = op("cp -r", ["cp", "-r", str(src), str(copy)], copy)
     cp_sync = op("cp -r + sync", ["sh", "-c", f"cp -r {src} {copy} && sync"], copy)
