@@ -220,10 +220,10 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)  # what the reader chose (tag, ...), shown to the user
 
     def tied_groups(self) -> list[list[str]]:
-        """Names whose data is the very same stored array (tied weights), each group in order."""
+        """Model weights whose data is the very same stored array (tied weights), each group in order."""
         groups: dict[tuple[Any, ...], list[str]] = {}
         for entry in self.tensors.values():
-            if len(entry.pieces) != 1 or entry.numel == 0:
+            if entry.role != "model" or len(entry.pieces) != 1 or entry.numel == 0:
                 continue
             groups.setdefault((entry.pieces[0], entry.shape), []).append(entry.name)
         return [names for names in groups.values() if len(names) > 1]

@@ -45,9 +45,12 @@ def find_step(ckpt: Checkpoint) -> int | None:
 
 
 def describe_training_state(ckpt: Checkpoint) -> dict[str, Any]:
-    """What training state is present beyond the weights, from key names alone (no tensor reads)."""
-    if ckpt.training_state is not None:
-        return ckpt.training_state
+    """What training state is present beyond the weights: the reader's account, else inferred from names."""
+    return ckpt.training_state if ckpt.training_state is not None else infer_training_state(ckpt)
+
+
+def infer_training_state(ckpt: Checkpoint) -> dict[str, Any]:
+    """Training state from key names alone (no tensor reads)."""
     state: dict[str, Any] = {"optimizer": None, "lr_scheduler": None, "rng": None, "dataloader": None, "client_state": None}
     opt_tensors = [t for t in ckpt.tensors.values() if t.role == "optimizer"]
     if opt_tensors:

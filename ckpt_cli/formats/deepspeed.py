@@ -1,0 +1,497 @@
+"""DeepSpeed ZeRO checkpoints (stages 1, 2, 3; fp32, bf16, fp16; BF16_Optimizer), read without DeepSpeed.
+
+Layout: `<dir>/latest` names a tag; `<dir>/<tag>/` holds the model states (`mp_rank_00_model_states.pt`, or
+one `zero_pp_rank_R_mp_rank_00_model_states.pt` per rank at stage 3) and one `[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`
+per data-parallel rank. Every file is a torch.save archive; DeepSpeed's pickled classes are read through
+inert stubs. Each parameter's fp32 master weight and Adam moments become logical tensors whose pieces
+are byte ranges of the ranks' flat partitions, so nothing is gathered in memory.
+Partition math: ../shared/FORMATS.md §2.6 (stage 1/2), §2.7 (stage 3), §2.8 (frozen and shared params).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core import dtypes, roles, zipio
+from ckpt_cli.core.interface import ReadOptions
+from ckpt_cli.core.model import Box, Checkpoint, FileInfo, FlatRange, ObjectEntry, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.safe_pickle import TensorRef
+from ckpt_cli.core.tree import flatten, path_name
+from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.formats.torch_save import load_archive, stored_array
+
+LATEST = "latest"
+MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+VARIANTS = (
+    (re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$"), "Mixture-of-Experts expert files"),
+    (re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$"), "Mixture-of-Experts optimizer files"),
+    (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline-parallel layer files"),
+)
+# Keys the engine itself saves (engine.py _common_checkpoint_state); anything else is client state.
+ENGINE_KEYS = {
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "universal_checkpoint_info",
+}
+# Model-states keys that describe the layout rather than training state.
+LAYOUT_KEYS = {
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "frozen_param_fragments",
+    "shared_params",
+    "ds_config",
+    "ds_version",
+    "checkpoint_parallel_dimensions",
+}
+
+
+class _Stub:
+    """Stand-in for a pickled DeepSpeed object (loss scaler, fragment address): keeps its state."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+
+class LossScaler(_Stub):
+    pass
+
+
+class DynamicLossScaler(_Stub):
+    pass
+
+
+class FragmentAddress(_Stub):
+    pass
+
+
+DS_GLOBALS: dict[tuple[str, str], Any] = {
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScaler,
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): DynamicLossScaler,
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): int,
+    ("deepspeed.utils.tensor_fragment", "fragment_address"): FragmentAddress,
+}
+
+
+def is_deepspeed_dir(path: Path) -> bool:
+    if not path.is_dir():
+        return False
+    if (path / LATEST).is_file():
+        return True
+    return any(MODEL_STATES.match(p.name) for p in path.iterdir())
+
+
+def list_tags(folder: Path) -> list[str]:
+    tags = [p.name for p in folder.iterdir() if p.is_dir() and any(MODEL_STATES.match(q.name) for q in p.iterdir())]
+    return sorted(tags, key=lambda t: (int(m.group(1)) if (m := re.search(r"(\d+)$", t)) else -1, t))
+
+
+def resolve_tag(path: Path, tag: str | None) -> tuple[Path, str, list[str]]:
+    """(tag folder, tag, notes). `path` is a save folder (with `latest`) or a tag folder itself."""
+    if any(MODEL_STATES.match(p.name) for p in path.iterdir()) and tag is None:
+        return path, path.name, []
+    tags = list_tags(path)
+    if tag is not None:
+        if tag not in tags:
+            raise UsageError(f"{path}: no DeepSpeed tag '{tag}' (found: {', '.join(tags) or 'none'})")
+        return path / tag, tag, []
+    latest = path / LATEST
+    if latest.is_file():
+        named = latest.read_text().strip()
+        if named not in tags:
+            raise DataError(f"{latest}: names tag '{named}', which is missing or holds no model states")
+        notes = [f"{path}: using tag '{named}' from 'latest'"] if len(tags) > 1 else []
+        return path / named, named, notes
+    if not tags:
+        raise UsageError(f"{path}: no DeepSpeed checkpoint here (no 'latest', no tag folders)")
+    return path / tags[-1], tags[-1], [f"{path}: no 'latest' file; using the highest tag '{tags[-1]}'"]
+
+
+@dataclass
+class RankFile:
+    path: Path
+    tree: Any
+    records: dict[str, zipio.Record]
+
+    def array(self, ref: TensorRef) -> StoredArray:
+        return stored_array(ref, self.records, str(self.path))
+
+
+def _load(path: Path, options: ReadOptions) -> RankFile:
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
+    with f:
+        tree, records = load_archive(f, str(path), options, extra_globals=DS_GLOBALS)
+    if not isinstance(tree, dict):
+        raise DataError(f"{path}: does not hold a DeepSpeed state dict")
+    return RankFile(path, tree, records)
+
+
+def _ranked(folder: Path, pattern: re.Pattern[str], rank_group: int) -> dict[int, Path]:
+    out: dict[int, Path] = {}
+    for p in folder.iterdir():
+        m = pattern.match(p.name)
+        if m and m.group(rank_group) is not None:
+            out[int(m.group(rank_group))] = p
+    return out
+
+
+def _refuse_variants(folder: Path, model: dict[str, Any]) -> None:
+    names = [p.name for p in folder.iterdir()]
+    for pattern, what in VARIANTS:
+        hit = next((n for n in names if pattern.match(n)), None)
+        if hit:
+            raise UsageError(f"{folder / hit}: {what} are not supported by ckpt (dense ZeRO data parallelism only)")
+    if (folder / "offloaded_tensors").exists():
+        raise UsageError(f"{folder}: NVMe-offloaded optimizer state (offloaded_tensors/) is not supported by ckpt")
+    mp = {int(m.group(2)) for n in names if (m := MODEL_STATES.match(n))}
+    if len(mp) > 1 or model.get("mp_world_size", 1) > 1:
+        raise UsageError(f"{folder}: tensor-parallel checkpoint (mp_world_size > 1); ckpt handles data parallelism only")
+    dims = model.get("checkpoint_parallel_dimensions") or {}
+    if dims.get("pp_degree", 1) > 1:
+        raise UsageError(f"{folder}: pipeline-parallel checkpoint (pp_degree > 1) is not supported by ckpt")
+    zero = (model.get("ds_config") or {}).get("zero_optimization") or {}
+    if (zero.get("zero_hpz_partition_size") or 1) > 1 or (zero.get("mics_shard_size") or 0) > 0:
+        raise UsageError(f"{folder}: hpZ/MiCS partitioning (partition group != data-parallel group) is not supported by ckpt")
+
+
+def _flat_pieces(start: int, numel: int, partitions: list[tuple[int, int, StoredArray, int]]) -> list[Piece]:
+    """Pieces of global flat elements [start, start+numel) held by partitions (flat start, length, array, array start)."""
+    pieces = []
+    for p_start, p_len, array, a_start in partitions:
+        lo, hi = max(start, p_start), min(start + numel, p_start + p_len)
+        if lo < hi:
+            pieces.append(Piece(FlatRange(lo - start, hi - lo), array, a_start + lo - p_start))
+    return pieces
+
+
+class DeepSpeedReader:
+    name = "deepspeed"
+
+    def detect(self, path: Path) -> bool:
+        return is_deepspeed_dir(path)
+
+    def read(self, path: Path, options: ReadOptions) -> Checkpoint:
+        folder, tag, notes = resolve_tag(path, options.tag)
+        model_paths = _ranked(folder, MODEL_STATES, 1)
+        shared_model = [p for p in folder.iterdir() if (m := MODEL_STATES.match(p.name)) and m.group(1) is None]
+        optim_paths = _ranked(folder, OPTIM_STATES, 2)
+        if not model_paths and not shared_model:
+            raise DataError(f"{folder}: no model-states file")
+        first_model = _load(shared_model[0] if shared_model else model_paths[min(model_paths)], options)
+        _refuse_variants(folder, first_model.tree)
+        if not optim_paths:
+            raise UsageError(
+                f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"
+            )
+        optims = {r: _load(p, options) for r, p in sorted(optim_paths.items())}
+        osd0 = optims[min(optims)].tree.get("optimizer_state_dict")
+        if not isinstance(osd0, dict):
+            raise DataError(f"{optim_paths[min(optims)]}: no optimizer_state_dict")
+        stage = osd0.get("zero_stage")
+        world = osd0.get("partition_count")
+        world = max(world) if isinstance(world, list) else world
+        if not isinstance(world, int) or world < 1:
+            raise DataError(f"{optim_paths[min(optims)]}: no partition_count")
+        missing = [r for r in range(world) if r not in optims]
+        if missing:
+            raise DataError(
+                f"{folder}: partition_count is {world} but the optimizer file of rank {missing[0]} is missing "
+                f"(expected {world} '*_optim_states.pt', found {len(optims)})"
+            )
+        if isinstance(osd0.get("base_optimizer_state"), list):
+            raise UsageError(f"{folder}: elastic_checkpoint format (per-group optimizer state lists) is not supported by ckpt")
+        models = {r: _load(p, options) for r, p in model_paths.items()} if stage == 3 else {}
+        if stage == 3 and sorted(models) != list(range(world)):
+            raise DataError(f"{folder}: stage 3 needs {world} model-states files, found {len(models)}")
+        model = first_model.tree
+        layout = _Stage3(models, optims, world) if stage == 3 else _Stage12(first_model, optims, world, stage)
+        tensors = layout.model_tensors()
+        tensors.update(self._frozen_and_buffers(first_model, models, world, stage))
+        for alias, owner in (model.get("shared_params") or {}).items():
+            if owner in tensors and alias not in tensors:
+                tensors[alias] = TensorEntry(alias, tensors[owner].dtype, tensors[owner].shape, "model", tensors[owner].pieces)
+        tensors.update(layout.optimizer_tensors())
+        objects = self._objects(model, layout.param_groups())
+        files = [first_model.path] + [m.path for r, m in sorted(models.items()) if m.path != first_model.path]
+        files += [o.path for _, o in sorted(optims.items())]
+        wrapper = "BF16_Optimizer" if stage is None else f"DeepSpeedZeroOptimizer{'_Stage3' if stage == 3 else ''}"
+        precision = self._precision(model, optim_paths)
+        details = {
+            "zero_stage": stage if stage is not None else 1,
+            "optimizer_wrapper": wrapper,
+            "precision": precision,
+            "partition_count": world,
+            "param_groups": len(layout.param_groups()),
+            "ds_version": model.get("ds_version"),
+            "tags": ", ".join(list_tags(path)) if folder != path else tag,
+            **layout.details(),
+        }
+        ckpt = Checkpoint(
+            format=self.name,
+            path=str(path),
+            tensors=tensors,
+            objects=objects,
+            files=[FileInfo(str(p), p.stat().st_size) for p in files],
+            tag=tag,
+            step=model.get("global_steps"),
+            world_size=world,
+            details=details,
+            notes=notes,
+        )
+        ckpt.training_state = self._training_state(ckpt, wrapper)
+        return ckpt
+
+    def _frozen_and_buffers(self, first: RankFile, models: dict[int, RankFile], world: int, stage: int | None) -> dict[str, TensorEntry]:
+        """Buffers (as zero_to_fp32: floating ones in fp32) and frozen params (training dtype)."""
+        model = first.tree
+        module = model.get("module") or {}
+        out: dict[str, TensorEntry] = {}
+        for name in model.get("buffer_names") or []:
+            ref = module.get(name)
+            if isinstance(ref, TensorRef):
+                logical = dtypes.FLOAT32 if ref.dtype.is_float else ref.dtype
+                out[name] = TensorEntry(name, logical, ref.shape, "model", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))])
+        shapes = model.get("frozen_param_shapes") or {}
+        for name, shape in shapes.items():
+            shape = tuple(shape)
+            n = math.prod(shape)
+            if stage == 3:
+                pn = -(-n // world)
+                parts = []
+                for r in range(world):
+                    ref = models[r].tree["frozen_param_fragments"][name]
+                    parts.append((r * pn, min(pn, max(n - r * pn, 0)), models[r].array(ref), 0))
+                dtype = parts[0][2].dtype
+                out[name] = TensorEntry(name, dtype, shape, "model", _flat_pieces(0, n, parts))
+            else:
+                ref = model["frozen_param_fragments"][name]
+                out[name] = TensorEntry(name, ref.dtype, shape, "model", [Piece(Box((0,) * len(shape), shape), first.array(ref))])
+        if model.get("frozen_param_shapes") is None and stage != 3:
+            # Stage 1 saves no frozen_* keys (zero_to_fp32 then drops frozen params); `module` still has them whole.
+            owned = {n for group in model.get("param_shapes") or [] for n in group} | set(model.get("shared_params") or {})
+            for name, ref in module.items():
+                if isinstance(ref, TensorRef) and name not in owned and name not in out and math.prod(ref.shape):
+                    out[name] = TensorEntry(
+                        name, ref.dtype, ref.shape, "model", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))]
+                    )
+        return out
+
+    def _objects(self, model: dict[str, Any], param_groups: list[dict[str, Any]]) -> dict[str, ObjectEntry]:
+        rest = {k: v for k, v in model.items() if k not in LAYOUT_KEYS}
+        _, leaves, _ = flatten(rest, lambda v: isinstance(v, TensorRef), "model states") if rest else ([], [], {})
+        objects = {path_name(p): ObjectEntry(path_name(p), v, "other", p) for p, v in leaves}
+        objects["optimizer.param_groups"] = ObjectEntry("optimizer.param_groups", param_groups, "optimizer", ("optimizer", "param_groups"))
+        return objects
+
+    def _precision(self, model: dict[str, Any], optim_paths: dict[int, Path]) -> str:
+        config = model.get("ds_config") or {}
+        if any(OPTIM_STATES.match(p.name).group(1) for p in optim_paths.values()):
+            return "bf16"
+        if (config.get("fp16") or {}).get("enabled"):
+            return "fp16"
+        return "fp32"
+
+    def _training_state(self, ckpt: Checkpoint, wrapper: str) -> dict[str, Any]:
+        state = roles.infer_training_state(ckpt)
+        if state["optimizer"]:
+            state["optimizer"]["wrapper"] = wrapper
+        client = [k for k in (state["client_state"] or {}).get("keys", []) if k.split(".")[0] not in ENGINE_KEYS]
+        state["client_state"] = {"keys": client} if client else None
+        state["global_steps"] = ckpt.step
+        return state
+
+    def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
+        problems = []
+        root = Path(ckpt.path)
+        if (root / LATEST).is_file() and ckpt.tag:
+            newer = [t for t in list_tags(root) if _tag_step(t) > _tag_step(ckpt.tag)]
+            if newer:
+                problems.append(
+                    f"{root / newer[-1]}: newer than the tag 'latest' names ({ckpt.tag}); a save that did not "
+                    "finish (DeepSpeed writes 'latest' last)"
+                )
+        stages, counts = set(), set()
+        for info in ckpt.files:
+            if OPTIM_STATES.match(Path(info.path).name):
+                osd = _load(Path(info.path), ReadOptions(trust_pickle=True)).tree.get("optimizer_state_dict", {})
+                stages.add(osd.get("zero_stage"))
+                pc = osd.get("partition_count")
+                counts.add(tuple(pc) if isinstance(pc, list) else pc)
+        if len(stages) > 1 or len(counts) > 1:
+            problems.append(
+                f"{ckpt.path}: rank files disagree: zero_stage {sorted(map(str, stages))}, partition_count {sorted(map(str, counts))}"
+            )
+        if deep:
+            for info in ckpt.files:
+                with open(info.path, "rb") as f:
+                    records = zipio.read_records(f, info.path)
+                    problems += [p for rec in records.values() if (p := zipio.crc_problem(f, rec, info.path))]
+        return problems
+
+
+def _tag_step(tag: str) -> int:
+    m = re.search(r"(\d+)$", tag)
+    return int(m.group(1)) if m else -1
+
+
+class _Stage12:
+    """Stage 1/2 and BF16_Optimizer: one flat fp32 buffer per param group, cut into W equal partitions."""
+
+    def __init__(self, model: RankFile, optims: dict[int, RankFile], world: int, stage: int | None) -> None:
+        self.model, self.optims, self.world, self.stage = model, optims, world, stage
+        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
+        self.shapes = model.tree.get("param_shapes") or []
+        base = self.osd[0]["base_optimizer_state"]
+        self.state, self.groups = base.get("state", {}), base.get("param_groups", [])
+
+    def _offsets(self, g: int) -> list[tuple[str, tuple[int, ...], int]]:
+        pads = (self.osd[0].get("param_alignment_paddings") or [None] * len(self.shapes))[g] or [0] * len(self.shapes[g])
+        out, offset = [], 0
+        for (name, shape), pad in zip(self.shapes[g].items(), pads):
+            out.append((name, tuple(shape), offset))
+            offset += math.prod(shape) + pad
+        return out
+
+    def partition_size(self, g: int) -> int:
+        """P: every rank's share of group g's padded flat buffer (the fp32 copy may have its tail padding stripped)."""
+        osd = self.osd[0]
+        return (
+            osd["single_partition_of_fp32_groups"][g].shape[0] + osd["group_paddings"][g]
+            if self.stage is not None
+            else osd["single_partition_of_fp32_groups"][g].shape[0]
+        )
+
+    def _partitions(self, g: int, key: str | None) -> list[tuple[int, int, StoredArray, int]]:
+        size = self.partition_size(g)
+        parts = []
+        for r in range(self.world):
+            osd = self.osd[r]
+            ref = osd["single_partition_of_fp32_groups"][g] if key is None else osd["base_optimizer_state"]["state"][g][key]
+            parts.append((r * size, ref.shape[0], self.optims[r].array(ref), 0))
+        return parts
+
+    def model_tensors(self) -> dict[str, TensorEntry]:
+        out = {}
+        for g in range(len(self.shapes)):
+            parts = self._partitions(g, None)
+            for name, shape, offset in self._offsets(g):
+                out[name] = TensorEntry(name, dtypes.FLOAT32, shape, "model", _flat_pieces(offset, math.prod(shape), parts))
+        return out
+
+    def optimizer_tensors(self) -> dict[str, TensorEntry]:
+        out = {}
+        for g in range(len(self.shapes)):
+            state = self.state.get(g, {})
+            for key, ref in state.items():
+                if not isinstance(ref, TensorRef):
+                    continue
+                if not ref.shape:  # step: one value per group, the same on every rank
+                    array = self.optims[0].array(ref)
+                    for name, _, _ in self._offsets(g):
+                        path = ("optimizer", "state", name, key)
+                        out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, (), "optimizer", [Piece(Box((), ()), array)], path)
+                    continue
+                parts = self._partitions(g, key)
+                for name, shape, offset in self._offsets(g):
+                    path = ("optimizer", "state", name, key)
+                    out[path_name(path)] = TensorEntry(
+                        path_name(path), ref.dtype, shape, "optimizer", _flat_pieces(offset, math.prod(shape), parts), path
+                    )
+        return out
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(self.shapes[g])} for g, group in enumerate(self.groups)
+        ]
+
+    def details(self) -> dict[str, Any]:
+        config = (self.model.tree.get("ds_config") or {}).get("zero_optimization") or {}
+        return {
+            "round_robin_gradients": bool(config.get("round_robin_gradients")),
+            "alignment_padding": any(any(p) for p in self.osd[0].get("param_alignment_paddings") or []),
+        }
+
+
+class _Stage3:
+    """Stage 3: every parameter partitioned on its own (ceil(n/W) per rank), concatenated per sub-group."""
+
+    def __init__(self, models: dict[int, RankFile], optims: dict[int, RankFile], world: int) -> None:
+        self.models, self.optims, self.world = models, optims, world
+        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
+        self.shapes = models[0].tree.get("param_shapes") or []
+        inner = self.osd[0].get("optimizer_state_dict") or {}
+        self.state, self.groups = inner.get("state", {}), inner.get("param_groups", [])
+
+    def _layout(self, s: int) -> list[tuple[str, tuple[int, ...], int, int]]:
+        out, offset = [], 0
+        for name, shape in self.shapes[s].items():
+            n = math.prod(shape)
+            pn = -(-n // self.world)
+            out.append((name, tuple(shape), offset, pn))
+            offset += pn
+        return out
+
+    def _pieces(self, s: int, key: str | None, n: int, offset: int, pn: int) -> list[Piece]:
+        parts = []
+        for r in range(self.world):
+            osd = self.osd[r]
+            ref = osd["fp32_flat_groups"][s] if key is None else osd["optimizer_state_dict"]["state"][s][key]
+            parts.append((r * pn, min(pn, max(n - r * pn, 0)), self.optims[r].array(ref), offset))
+        return _flat_pieces(0, n, parts)
+
+    def model_tensors(self) -> dict[str, TensorEntry]:
+        return {
+            name: TensorEntry(name, dtypes.FLOAT32, shape, "model", self._pieces(s, None, math.prod(shape), offset, pn))
+            for s in range(len(self.shapes))
+            for name, shape, offset, pn in self._layout(s)
+        }
+
+    def optimizer_tensors(self) -> dict[str, TensorEntry]:
+        out = {}
+        for s in range(len(self.shapes)):
+            for key, ref in self.state.get(s, {}).items():
+                if not isinstance(ref, TensorRef):
+                    continue
+                for name, shape, offset, pn in self._layout(s):
+                    path = ("optimizer", "state", name, key)
+                    if not ref.shape:
+                        pieces = [Piece(Box((), ()), self.optims[0].array(ref))]
+                        shape_ = ()
+                    else:
+                        pieces, shape_ = self._pieces(s, key, math.prod(shape), offset, pn), shape
+                    out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, shape_, "optimizer", pieces, path)
+        return out
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        names = [list(shapes) for shapes in self.shapes]
+        out = []
+        for group in self.groups:
+            params = [n for s in group.get("params", []) for n in (names[s] if s < len(names) else [])]
+            out.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        return out
+
+    def details(self) -> dict[str, Any]:
+        return {"sub_groups": len(self.shapes)}
+
+
+READER = DeepSpeedReader()
