@@ -13,6 +13,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on the CPU (gloo), in tests and their torchrun children
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
@@ -161,4 +162,18 @@ def fsdp2_saves(tmp_path_factory) -> dict[int, Path]:
     for world in (1, 2, 3, 4):
         out[world] = root / f"w{world}"
         torchrun(world, "fsdp2.py", "save", out[world], *(["llama"] if world == 2 else []))
+    return out
+
+
+DS_CONFIGS = ["stage1-fp32", "stage2-fp32", "stage3-fp32", "stage1-bf16", "stage2-bf16", "stage3-bf16", "stage1-bf16acc32"]
+
+
+@pytest.fixture(scope="session")
+def ds_saves(tmp_path_factory) -> dict[int, Path]:
+    """Real DeepSpeed ZeRO checkpoints: every config at world sizes 1, 2, 3 (one torchrun each); W=2 adds a tiny Llama."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    out = {}
+    for world in (1, 2, 3):
+        out[world] = root / f"w{world}"
+        torchrun(world, "deepspeed_train.py", "save", out[world], *DS_CONFIGS, *(["llama"] if world == 2 else []))
     return out

@@ -223,9 +223,9 @@ class Checkpoint:
         """Model weights whose data is the very same stored array (tied weights), each group in order."""
         groups: dict[tuple[Any, ...], list[str]] = {}
         for entry in self.tensors.values():
-            if entry.role != "model" or len(entry.pieces) != 1 or entry.numel == 0:
+            if entry.role != "model" or entry.numel == 0:
                 continue
-            groups.setdefault((entry.pieces[0], entry.shape), []).append(entry.name)
+            groups.setdefault((tuple(entry.pieces), entry.shape), []).append(entry.name)
         return [names for names in groups.values() if len(names) > 1]
 
 

@@ -105,7 +105,7 @@ def list_tags(folder: Path) -> list[str]:
 
 def resolve_tag(path: Path, tag: str | None) -> tuple[Path, str, list[str]]:
     """(tag folder, tag, notes). `path` is a save folder (with `latest`) or a tag folder itself."""
-    if any(MODEL_STATES.match(p.name) for p in path.iterdir()) and tag is None:
+    if any(MODEL_STATES.match(p.name) for p in path.iterdir()) and tag in (None, path.name):
         return path, path.name, []
     tags = list_tags(path)
     if tag is not None:
@@ -244,6 +244,7 @@ class DeepSpeedReader:
             "param_groups": len(layout.param_groups()),
             "ds_version": model.get("ds_version"),
             "tags": ", ".join(list_tags(path)) if folder != path else tag,
+            "tag_from": "latest" if options.tag is None and (path / LATEST).is_file() else "request",
             **layout.details(),
         }
         ckpt = Checkpoint(
@@ -323,7 +324,7 @@ class DeepSpeedReader:
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
         problems = []
         root = Path(ckpt.path)
-        if (root / LATEST).is_file() and ckpt.tag:
+        if ckpt.details.get("tag_from") == "latest" and ckpt.tag:
             newer = [t for t in list_tags(root) if _tag_step(t) > _tag_step(ckpt.tag)]
             if newer:
                 problems.append(

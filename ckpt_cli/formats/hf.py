@@ -7,6 +7,7 @@ when the next tensor would pass the limit), so `--max-shard-size` gives the file
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,13 @@ class HFWriter:
 
     def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
         notes: list[str] = []
+        others = [t.name for t in ckpt.tensors.values() if t.role != "model"]
+        if others:  # a Hugging Face folder is a model release: weights only, as from_pretrained expects
+            notes.append(
+                f"hf holds model weights: left out {len(others)} optimizer/other tensors (e.g. {others[0]}); "
+                "convert --to torch or dcp keeps them"
+            )
+            ckpt = dataclasses.replace(ckpt, tensors={n: t for n, t in ckpt.tensors.items() if t.role == "model"})
         tensors = st.model_tensors(ckpt, notes)
         groups = shard_groups(tensors, options.max_shard_size, options.num_shards)
         n = len(groups)

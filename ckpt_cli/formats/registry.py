@@ -18,13 +18,14 @@ class Format:
     writer: Writer | None
     summary: str
     has_checksums: bool  # records carry CRCs that check(deep=True) verifies
+    own_tags: bool = False  # the reader resolves --tag itself (DeepSpeed's latest + global_stepN)
 
 
 # Detection order: the most specific layouts first.
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("deepspeed", deepspeed.READER, None, "DeepSpeed ZeRO stage 1/2/3: latest + global_stepN/*_states.pt", True),
+        Format("deepspeed", deepspeed.READER, None, "DeepSpeed ZeRO stage 1/2/3: latest + global_stepN/*_states.pt", True, True),
         Format("dcp", dcp.READER, dcp_writer.WRITER, "PyTorch Distributed Checkpoint: .metadata + __R_I.distcp", True),
         Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json", False),
         Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file", False),
@@ -79,7 +80,7 @@ def resolve(path: Path, format_name: str | None = None, tag: str | None = None) 
     if not path.exists():
         raise UsageError(f"{path}: no such file or folder")
     fmt = get(format_name) if format_name else detect(path)
-    if fmt is not None and (tag is None or format_name):
+    if fmt is not None and (tag is None or format_name or fmt.own_tags):
         return Resolved(path, fmt, tag, None)
     tags = list_tags(path)
     if tag is not None:

@@ -166,7 +166,7 @@ def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]
     items: list[tuple[Any, Any]] = []
     for entry in ckpt.tensors.values():
         # Tensors with the very same stored data (tied weights) share one storage, as in the source.
-        same = (entry.pieces[0], entry.shape, entry.dtype) if len(entry.pieces) == 1 and entry.numel else id(entry)
+        same = (tuple(entry.pieces), entry.shape, entry.dtype) if entry.numel else id(entry)
         if same not in storages:
             storages[same] = _Storage(str(len(storages)), entry.dtype, entry.numel)
             owners.append((storages[same].key, entry))

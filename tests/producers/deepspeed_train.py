@@ -1,6 +1,7 @@
 """Real DeepSpeed ZeRO runs on the CPU (DS_ACCELERATOR=cpu, gloo), under torchrun.
 
-    torchrun --nproc-per-node W deepspeed_train.py save OUT CONFIG...   CONFIG = stage{1,2,3}-{fp32,bf16}
+    torchrun --nproc-per-node W deepspeed_train.py save OUT CONFIG...   CONFIG = stage{1,2,3}-{fp32,bf16},
+                                                                        or stage1-bf16acc32 (BF16_Optimizer)
 
 For each config: train 3 steps of a model with parameter sizes that do not divide by 2 or 3, a
 tied weight, a frozen parameter, a buffer and two param groups (one without weight decay), with
@@ -32,17 +33,19 @@ class Net(nn.Module):
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 12))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids) * self.scale
+        x = (self.embed(ids) * self.scale).to(self.block[0].weight.dtype)  # bf16 runs: the engine casts params, not inputs
         x = x + self.block(x) + self.frozen(x).sum(-1, keepdim=True)
         return self.head(x)
 
 
 def config(stage: int, precision: str) -> dict:
+    extra = {"data_types": {"grad_accum_dtype": "fp32"}} if precision == "bf16acc32" else {}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
-        "bf16": {"enabled": precision == "bf16"},
+        "bf16": {"enabled": precision.startswith("bf16")},
         "zero_allow_untested_optimizer": True,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}},
         "steps_per_print": 1000,
@@ -72,11 +75,53 @@ def train(engine, steps: range) -> None:
 
 def save(out: str, *names: str) -> None:
     for name in names:
+        if name == "llama":
+            save_llama(out)
+            continue
         stage, precision = int(name[5]), name.split("-")[1]
         engine = engine_for(stage, precision)
         train(engine, range(STEPS))
         engine.save_checkpoint(os.path.join(out, name), client_state={"dataloader": {"offset": STEPS * 2 * dist.get_world_size()}})
+        save_reference(engine, os.path.join(out, name, "reference.pt"))
         dist.barrier()
+
+
+def save_reference(engine, path: str) -> None:
+    """DeepSpeed's own view of the fp32 master weights, gathered with its public API (its optimizer-state
+    twin, safe_get_full_optimizer_state, raises for params with no fragment on a rank at stage 1/2)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    ref = {name: safe_get_full_fp32_param(param) for name, param in engine.module.named_parameters() if param.requires_grad}
+    if dist.get_rank() == 0:
+        torch.save({k: v.detach().clone().cpu() for k, v in ref.items() if v is not None}, path)
+
+
+def save_llama(out: str) -> None:
+    """A tiny transformers Llama trained under DeepSpeed ZeRO-2, as a release script would find it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(os.path.join(out, "llama"))
+    if dist.get_rank() == 0:
+        config.save_pretrained(os.path.join(out, "llama_config"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,235 @@
+"""DeepSpeed ZeRO: checkpoints saved by real DeepSpeed (CPU, gloo, torchrun); exports checked against
+DeepSpeed's own zero_to_fp32, its public fp32 API, ds_to_universal and transformers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import DS_CONFIGS, assert_same_tensors
+from safetensors.torch import load_file
+
+from ckpt_cli.core.executor import SourceFiles, read_elements
+from ckpt_cli.ops.source import open_checkpoint
+
+ZERO_CONFIGS = [c for c in DS_CONFIGS if not c.endswith("acc32")]  # zero_to_fp32 refuses BF16_Optimizer checkpoints
+
+
+def zero_to_fp32(path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(path))
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def logical(ckpt, name):
+    t = ckpt.tensors[name]
+    return read_elements(t, 0, t.numel, SourceFiles()).reshape(t.shape)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("config", ZERO_CONFIGS)
+def test_weights_export_equals_zero_to_fp32(ckpt, ds_saves, tmp_path, world, config):
+    src = ds_saves[world] / config
+    res = ckpt("merge", src, tmp_path / "w.pt", "-q")
+    assert res.code == 0, res.err
+    ours = torch.load(tmp_path / "w.pt", weights_only=True)
+    reference = zero_to_fp32(src)
+    if config.startswith("stage1"):
+        # Stage 1 saves no frozen_param_* keys and zero_to_fp32 silently drops frozen params; ckpt takes them from `module`.
+        assert sorted(set(ours) - set(reference)) == ["frozen.bias", "frozen.weight"]
+        module = torch.load(next((src / "global_step3").glob("mp_rank_00_model_states.pt")), weights_only=False)["module"]
+        for name in ("frozen.weight", "frozen.bias"):
+            assert torch.equal(ours.pop(name), module[name])
+    assert_same_tensors(ours, reference)
+    assert ours["head.weight"].data_ptr() == ours["embed.weight"].data_ptr()  # the tied alias stays tied in a .pt
+    res = ckpt("merge", src, tmp_path / "w.safetensors", "-q")
+    assert res.code == 0
+    st = load_file(tmp_path / "w.safetensors")
+    assert "head.weight" not in st and torch.equal(st["embed.weight"], reference["embed.weight"])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("config", DS_CONFIGS)
+def test_fp32_master_equals_deepspeeds_own_view(ds_saves, world, config):
+    """Every trainable parameter equals deepspeed.utils.safe_get_full_fp32_param at save time (BF16_Optimizer too)."""
+    src = ds_saves[world] / config
+    ckpt = open_checkpoint(src)
+    reference = torch.load(src / "reference.pt", weights_only=True)
+    for name, value in reference.items():
+        assert torch.equal(logical(ckpt, name), value), name
+
+
+@pytest.mark.parametrize("config", ["stage1-fp32", "stage2-bf16", "stage3-fp32", "stage3-bf16"])
+def test_moments_equal_ds_to_universal(ds_saves, tmp_path, config):
+    """Per-parameter fp32, exp_avg, exp_avg_sq and step equal DeepSpeed's universal-checkpoint extraction."""
+    src = ds_saves[2] / config
+    out = tmp_path / "universal"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(src / "global_step3"),
+            "--output_folder",
+            str(out),
+            "--inject_missing_state",
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    ckpt = open_checkpoint(src)
+    compared = 0
+    for param in (p for p in (out / "zero").iterdir() if p.is_dir()):
+        for f in param.iterdir():
+            key = f.stem
+            ref = torch.load(f, weights_only=False)
+            ref = ref["param"] if isinstance(ref, dict) else ref
+            if key == "fp32" and (ref.dtype != torch.float32 or not (param / "exp_avg.pt").exists()):
+                # Only optimizer-owned params have a master there: bf16 runs store the 16-bit module weight for
+                # frozen params and tied aliases (zero_to_fp32, which ckpt matches, maps an alias to its owner).
+                continue
+            name = param.name if key == "fp32" else f"optimizer.state.{param.name}.{key}"
+            ours = logical(ckpt, name)
+            assert torch.equal(ours, ref.reshape(ours.shape).to(ours.dtype)), name
+            compared += 1
+    assert compared >= 7 * 3
+
+
+def test_inspect_deepspeed(ckpt, ds_saves):
+    doc = json.loads(ckpt("inspect", ds_saves[3] / "stage3-bf16", "--json").out)
+    assert doc["format"] == "deepspeed" and doc["world_size"] == 3 and doc["step"] == 3 and doc["tag"] == "global_step3"
+    details = doc["details"]
+    assert details["zero_stage"] == 3 and details["precision"] == "bf16" and details["partition_count"] == 3
+    assert details["param_groups"] == 2 and details["optimizer_wrapper"] == "DeepSpeedZeroOptimizer_Stage3"
+    state = doc["training_state"]
+    assert state["optimizer"]["kind"] == "Adam/AdamW" and state["optimizer"]["param_groups"] == 2
+    assert state["dataloader"] == {"offset": 18} and state["lr_scheduler"]["last_batch_iteration"] == 2
+    roles = {t["name"]: t["role"] for t in doc["tensors"]}
+    assert roles["embed.weight"] == "model" and roles["optimizer.state.embed.weight.exp_avg"] == "optimizer"
+    shapes = {t["name"]: t["shape"] for t in doc["tensors"]}
+    assert shapes["block.0.weight"] == [29, 12] and shapes["scale"] == [12] and shapes["frozen.weight"] == [7, 12]
+    bf16opt = json.loads(ckpt("inspect", ds_saves[2] / "stage1-bf16acc32", "--json").out)
+    assert bf16opt["details"]["optimizer_wrapper"] == "BF16_Optimizer"
+
+
+def test_reading_needs_neither_deepspeed_nor_torch(ds_saves):
+    code = (
+        "import sys; from ckpt_cli.ops.inspect import summary; from ckpt_cli.ops.source import open_checkpoint; "
+        f"summary(open_checkpoint({str(ds_saves[2] / 'stage2-bf16')!r})); "
+        "assert 'deepspeed' not in sys.modules and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_deepspeed_trained_transformer_loads_with_from_pretrained(ckpt, ds_saves, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    src = ds_saves[2] / "llama"
+    out = tmp_path / "release"
+    assert ckpt("convert", src, out, "--to", "hf", "--max-shard-size", "40KB", "-q").code == 0
+    for f in (ds_saves[2] / "llama_config").iterdir():
+        shutil.copy(f, out / f.name)
+    model, info = LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert_same_tensors(model.state_dict(), zero_to_fp32(src))
+
+
+# ---- verify: broken checkpoints --------------------------------------------------------------
+
+
+@pytest.fixture
+def copy_s2(ds_saves, tmp_path):
+    dest = tmp_path / "run"
+    shutil.copytree(ds_saves[2] / "stage2-fp32", dest)
+    return dest
+
+
+def assert_fails(res, *needles):
+    text = res.out + res.err
+    assert res.code == 1 and "Traceback" not in text, text
+    for needle in needles:
+        assert needle in text, (needle, text)
+
+
+def test_verify_passes_every_fixture(ckpt, ds_saves):
+    for world in (1, 2, 3):
+        for config in DS_CONFIGS:
+            res = ckpt("verify", ds_saves[world] / config, "--deep")
+            assert res.code == 0, res.out + res.err
+
+
+def test_verify_missing_rank_file(ckpt, copy_s2):
+    (copy_s2 / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert_fails(ckpt("verify", copy_s2), "partition_count is 2", "rank 1")
+
+
+def test_verify_truncated_pt(ckpt, copy_s2):
+    path = copy_s2 / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    os.truncate(path, path.stat().st_size - 100)
+    assert_fails(ckpt("verify", copy_s2), path.name)
+
+
+def test_verify_deep_flipped_byte(ckpt, copy_s2):
+    from ckpt_cli.core.zipio import read_records
+
+    path = copy_s2 / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with open(path, "rb") as f:
+        rec = max(read_records(f, path.name).values(), key=lambda r: r.size)
+    data = bytearray(path.read_bytes())
+    data[rec.data_offset + rec.size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert ckpt("verify", copy_s2).code == 0
+    assert_fails(ckpt("verify", copy_s2, "--deep"), path.name, "CRC32")
+
+
+def test_verify_latest_names_missing_tag(ckpt, copy_s2):
+    (copy_s2 / "latest").write_text("global_step9")
+    assert_fails(ckpt("verify", copy_s2), "latest", "global_step9")
+
+
+def test_verify_newer_tag_without_latest(ckpt, copy_s2):
+    shutil.copytree(copy_s2 / "global_step3", copy_s2 / "global_step6")
+    (copy_s2 / "global_step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    assert_fails(ckpt("verify", copy_s2), "global_step6", "did not finish")
+    assert ckpt("verify", copy_s2, "--tag", "global_step3").code == 0
+
+
+def test_verify_rank_files_disagree(ckpt, copy_s2):
+    path = copy_s2 / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    state = torch.load(path, weights_only=False)
+    state["optimizer_state_dict"]["zero_stage"] = 1
+    torch.save(state, path)
+    assert_fails(ckpt("verify", copy_s2), "disagree", "zero_stage")
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_malicious_pt_is_refused_and_never_runs(ckpt, copy_s2, tmp_path):
+    marker = tmp_path / "pwned"
+    path = copy_s2 / "global_step3" / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)
+    state["client"] = Evil(marker)
+    torch.save(state, path)
+    for args in (["inspect", copy_s2], ["verify", copy_s2], ["merge", copy_s2, tmp_path / "m.safetensors"]):
+        assert_fails(ckpt(*args), "posix.system", "--trust-pickle")
+    assert not marker.exists() and not (tmp_path / "m.safetensors").exists()
