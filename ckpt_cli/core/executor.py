@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core.atomic import staged
-from ckpt_cli.core.model import StoredArray, TensorEntry
+from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.errors import DataError
 
@@ -70,7 +70,10 @@ class SourceFiles:
         if self._buffer is None:
             self._buffer = bytearray(BLOCK_BYTES)
         view = memoryview(self._buffer)[:nbytes]
-        self._pread(path, offset, view)
+        if path == ZEROS:
+            view[:] = bytes(nbytes)
+        else:
+            self._pread(path, offset, view)
         return view
 
     def materialised(self, array: StoredArray) -> Any:
@@ -104,6 +107,8 @@ def read_stored(array: StoredArray, start: int, count: int, sources: SourceFiles
 
     if count == 0:
         return torch.empty(0, dtype=array.dtype.torch())
+    if array.path == ZEROS:
+        return torch.zeros(count, dtype=array.dtype.torch())
     if not array.is_contiguous:
         return sources.materialised(array)[start : start + count]
     itemsize = array.dtype.itemsize
@@ -210,7 +215,7 @@ def stream_tensor(seg: TensorData, fd: int, sources: SourceFiles, progress: Prog
         array = piece.data
         offset = array.offset + (array.storage_offset + lstart) * dst.itemsize
         nbytes = length * dst.itemsize
-        if seg.crc_key is None:
+        if seg.crc_key is None and array.path != ZEROS:
             _copy_range(sources.fd(array.path), fd, offset, nbytes, array.path)
         else:
             crc = _copy_with_crc(sources, array.path, offset, nbytes, fd, crc)

@@ -62,6 +62,13 @@ class StoredArray:
         return start, start + (last + 1) * self.dtype.itemsize
 
 
+ZEROS = "<zeros>"  # the `path` of a stored array that is all zeros and lives nowhere (padding a writer adds)
+
+
+def zeros(dtype: DType, numel: int) -> StoredArray:
+    return StoredArray(ZEROS, 0, dtype, (numel,), (1,))
+
+
 @dataclass(frozen=True)
 class Box:
     """An N-d box of the global tensor: `offsets` and `sizes` per dim."""
@@ -218,6 +225,7 @@ class Checkpoint:
     details: dict[str, Any] = field(default_factory=dict)
     training_state: dict[str, Any] | None = None  # set by readers that know better than the heuristic
     notes: list[str] = field(default_factory=list)  # what the reader chose (tag, ...), shown to the user
+    source: Any = field(default=None, repr=False)  # the reader's parsed files, for a writer of the same format
 
     def tied_groups(self) -> list[list[str]]:
         """Model weights whose data is the very same stored array (tied weights), each group in order."""
@@ -238,3 +246,18 @@ def sub_tensor(entry: TensorEntry, name: str, start: int, shape: tuple[int, ...]
         if lo < hi:
             pieces.append(Piece(FlatRange(lo - start, hi - lo), piece.data, lstart + lo - gstart))
     return TensorEntry(name, entry.dtype, shape, entry.role, pieces, entry.path)
+
+
+def concat_flat(name: str, dtype: DType, length: int, parts: list[tuple[int, TensorEntry]], role: str = "other") -> TensorEntry:
+    """A 1-d tensor of `length` elements: each (start, tensor) placed at `start`, zeros everywhere else."""
+    pieces: list[Piece] = []
+    pos = 0
+    for start, part in sorted(parts, key=lambda p: p[0]):
+        if start > pos:
+            pieces.append(Piece(FlatRange(pos, start - pos), zeros(dtype, start - pos)))
+        for gstart, run, piece, lstart in part.runs():
+            pieces.append(Piece(FlatRange(start + gstart, run), piece.data, lstart))
+        pos = start + part.numel
+    if pos < length:
+        pieces.append(Piece(FlatRange(pos, length - pos), zeros(dtype, length - pos)))
+    return TensorEntry(name, dtype, (length,), role, pieces)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.safe_pickle import TorchSize
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,10 +85,19 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
     def _save_dtype(self, obj: DType) -> None:
         self._save_global(torch_dtype(obj))
 
+    def _save_size(self, obj: tuple[int, ...]) -> None:
+        self._save_reduce(size(tuple(obj)))
+
     dispatch[Global] = _save_global
     dispatch[Reduce] = _save_reduce
     dispatch[Instance] = _save_instance
     dispatch[DType] = _save_dtype
+    dispatch[TorchSize] = _save_size
+
+
+def register(cls: type, describe: Callable[[Any], Any]) -> None:
+    """Pickle instances of `cls` (a reader's stand-in for a foreign class) as `describe(obj)` says."""
+    _Pickler.dispatch[cls] = lambda self, obj: self.save(describe(obj))
 
 
 def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:

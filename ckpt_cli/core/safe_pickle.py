@@ -20,6 +20,10 @@ from ckpt_cli.core.dtypes import BY_NAME, BY_STORAGE_CLASS, DType
 from ckpt_cli.errors import DataError, UnsafePickleError
 
 
+class TorchSize(tuple):  # type: ignore[type-arg]
+    """A torch.Size read from a pickle: a tuple that is written back as torch.Size."""
+
+
 @dataclass(frozen=True)
 class StorageType:
     """Stand-in for torch.<X>Storage classes; UntypedStorage is uint8 with numel in bytes."""
@@ -137,7 +141,7 @@ def _base_globals() -> dict[tuple[str, str], Any]:
         ("torch.nn.parameter", "Parameter"): _TensorClass(True),
         ("torch.storage", "UntypedStorage"): StorageType(BY_NAME["uint8"], untyped=True),
         ("torch", "UntypedStorage"): StorageType(BY_NAME["uint8"], untyped=True),
-        ("torch", "Size"): lambda *a: tuple(a[0]) if a else (),
+        ("torch", "Size"): lambda *a: TorchSize(a[0]) if a else TorchSize(),
         ("torch", "device"): lambda *a: ":".join(str(x) for x in a),
         ("torch.serialization", "_get_layout"): str,
         ("collections", "OrderedDict"): collections.OrderedDict,

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import dtypes, roles, zipio
+from ckpt_cli.core import dtypes, pickler, roles, zipio
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, FlatRange, ObjectEntry, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.pickler import Global, Instance, Reduce
 from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import DataError, UsageError
@@ -82,12 +83,28 @@ class FragmentAddress(_Stub):
     pass
 
 
-DS_GLOBALS: dict[tuple[str, str], Any] = {
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"): LossScaler,
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"): DynamicLossScaler,
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"): int,
-    ("deepspeed.utils.tensor_fragment", "fragment_address"): FragmentAddress,
+class ZeroStage(int):
+    """ZeroStageEnum's value; written back as the enum."""
+
+
+_STUBS = {
+    LossScaler: ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    DynamicLossScaler: ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    FragmentAddress: ("deepspeed.utils.tensor_fragment", "fragment_address"),
 }
+DS_GLOBALS: dict[tuple[str, str], Any] = {where: cls for cls, where in _STUBS.items()}
+DS_GLOBALS[("deepspeed.runtime.zero.config", "ZeroStageEnum")] = ZeroStage
+
+# Written back with the same pickle globals, so DeepSpeed reads what ckpt writes (FORMATS §2.5).
+for _cls, (_module, _name) in _STUBS.items():
+    pickler.register(_cls, lambda obj, g=Global(_module, _name): Instance(g, {k: v for k, v in obj.__dict__.items() if k != "args"}))
+pickler.register(ZeroStage, lambda v: Reduce(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(v),)))
+
+
+def fragment_address(numel: int, start: int) -> FragmentAddress:
+    address = FragmentAddress.__new__(FragmentAddress)
+    address.__dict__.update({"numel": numel, "start": start})
+    return address
 
 
 def is_deepspeed_dir(path: Path) -> bool:
@@ -122,6 +139,21 @@ def resolve_tag(path: Path, tag: str | None) -> tuple[Path, str, list[str]]:
     if not tags:
         raise UsageError(f"{path}: no DeepSpeed checkpoint here (no 'latest', no tag folders)")
     return path / tags[-1], tags[-1], [f"{path}: no 'latest' file; using the highest tag '{tags[-1]}'"]
+
+
+@dataclass
+class Source:
+    """The parsed files of one tag, kept for the DeepSpeed writer (resharding)."""
+
+    folder: Path
+    stage: int | None  # None: BF16_Optimizer
+    world: int
+    model: RankFile  # the (rank-0) model-states file
+    models: dict[int, RankFile]  # stage 3: every rank's model states
+    optims: dict[int, RankFile]
+    layout: Any  # _Stage12 or _Stage3
+    optim_prefix: str  # "bf16_" or ""
+    dtypes: dict[str, Any]  # the logical tensors as read: a writer refuses a view that selected, renamed or cast
 
 
 @dataclass
@@ -260,6 +292,8 @@ class DeepSpeedReader:
             notes=notes,
         )
         ckpt.training_state = self._training_state(ckpt, wrapper)
+        prefix = "bf16_" if any(OPTIM_STATES.match(p.name).group(1) for p in optim_paths.values()) else ""
+        ckpt.source = Source(folder, stage, world, first_model, models, optims, layout, prefix, {n: t.dtype for n, t in tensors.items()})
         return ckpt
 
     def _frozen_and_buffers(self, first: RankFile, models: dict[int, RankFile], world: int, stage: int | None) -> dict[str, TensorEntry]:

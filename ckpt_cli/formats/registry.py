@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ckpt_cli.core.interface import Reader, Writer
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats import dcp, dcp_writer, deepspeed, hf, safetensors, torch_save
+from ckpt_cli.formats import dcp, dcp_writer, deepspeed, deepspeed_writer, hf, safetensors, torch_save
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,14 @@ class Format:
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
-        Format("deepspeed", deepspeed.READER, None, "DeepSpeed ZeRO stage 1/2/3: latest + global_stepN/*_states.pt", True, True),
+        Format(
+            "deepspeed",
+            deepspeed.READER,
+            deepspeed_writer.WRITER,
+            "DeepSpeed ZeRO stage 1/2/3: latest + global_stepN/*_states.pt",
+            True,
+            True,
+        ),
         Format("dcp", dcp.READER, dcp_writer.WRITER, "PyTorch Distributed Checkpoint: .metadata + __R_I.distcp", True),
         Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json", False),
         Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file", False),

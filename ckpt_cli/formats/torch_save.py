@@ -166,7 +166,8 @@ def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]
     items: list[tuple[Any, Any]] = []
     for entry in ckpt.tensors.values():
         # Tensors with the very same stored data (tied weights) share one storage, as in the source.
-        same = (tuple(entry.pieces), entry.shape, entry.dtype) if entry.numel else id(entry)
+        # Only model weights can be tied; optimizer buffers must never alias (Adam updates them in place).
+        same = (tuple(entry.pieces), entry.shape, entry.dtype) if entry.numel and entry.role == "model" else id(entry)
         if same not in storages:
             storages[same] = _Storage(str(len(storages)), entry.dtype, entry.numel)
             owners.append((storages[same].key, entry))

@@ -69,12 +69,10 @@ def reshard_target(ckpt_format: str, write: WriteOptions) -> str:
         if not (write.num_shards or write.max_shard_size):
             raise UsageError("reshard of an hf checkpoint needs --num-shards N or --max-shard-size SIZE")
         return "hf"
-    if ckpt_format == "dcp":
+    if ckpt_format in ("dcp", "deepspeed"):
         if write.world_size is None:
-            raise UsageError("reshard of a dcp checkpoint needs --world-size N")
-        return "dcp"
-    if ckpt_format == "deepspeed":
-        raise UsageError(f"reshard --world-size for {ckpt_format} is not supported yet by this version of ckpt")
+            raise UsageError(f"reshard of a {ckpt_format} checkpoint needs --world-size N")
+        return ckpt_format
     raise UsageError(f"a {ckpt_format} checkpoint is one file; use 'ckpt split' to shard it")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core.executor import SourceFiles, element_windows, read_elements, tensor_bytes
-from ckpt_cli.core.model import Checkpoint, TensorEntry
+from ckpt_cli.core.model import ZEROS, Checkpoint, TensorEntry
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry
 from ckpt_cli.ops import policy as policy_mod
@@ -86,6 +86,8 @@ def check_structure(ckpt: Checkpoint, report: Report) -> None:
             report.problems.append(f"{ckpt.path}: tensor '{t.name}': {problem}")
         for piece in t.pieces:
             array = piece.data
+            if array.path == ZEROS:
+                continue
             size = sizes.get(array.path)
             if size is None:
                 size = os.path.getsize(array.path) if os.path.exists(array.path) else -1
@@ -231,6 +233,8 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         report.problems += fmt.reader.check(ckpt, options.deep)
     except DataError as exc:
         report.problems.append(str(exc))
+    if options.deep:
+        report.checks.append("deep")
     if report.problems:  # reading data of a broken checkpoint would only repeat the problems
         return report
     rules = policy_mod.load(options.policy) if options.policy else None
@@ -255,7 +259,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
             return report
         finally:
             sources.close()
-        report.checks += (["deep"] if options.deep else []) + (["finite"] if finite else [])
+        report.checks += ["finite"] if finite else []
         if finite:
             for name, counts in report.nonfinite.items():
                 report.problems.append(

@@ -62,10 +62,11 @@ def engine_for(stage: int, precision: str):
     return engine
 
 
-def train(engine, steps: range) -> None:
+def train(engine, steps: range, same_batch: bool = False) -> None:
+    """Each rank's batch depends on its rank, or (same_batch) not: then every world size takes the same step."""
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
     for step in steps:
-        g = torch.Generator().manual_seed(1000 + step * 10 + dist.get_rank())
+        g = torch.Generator().manual_seed(1000 + step * 10 + (0 if same_batch else dist.get_rank()))
         ids = torch.randint(0, 37, (2, 5), generator=g)
         logits = engine(ids).to(dtype)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
@@ -84,6 +85,17 @@ def save(out: str, *names: str) -> None:
         engine.save_checkpoint(os.path.join(out, name), client_state={"dataloader": {"offset": STEPS * 2 * dist.get_world_size()}})
         save_reference(engine, os.path.join(out, name, "reference.pt"))
         dist.barrier()
+
+
+def resume(src: str, name: str, out: str) -> None:
+    """Load with a plain load_checkpoint, save again at once, train 2 more steps, record the fp32 weights."""
+    stage, precision = int(name[5]), name.split("-")[1]
+    engine = engine_for(stage, precision)
+    _, client = engine.load_checkpoint(src)
+    engine.save_checkpoint(os.path.join(out, "resaved"), client_state={"dataloader": client["dataloader"]})
+    train(engine, range(STEPS, STEPS + 2), same_batch=True)
+    save_reference(engine, os.path.join(out, "after.pt"))
+    dist.barrier()
 
 
 def save_reference(engine, path: str) -> None:
@@ -126,7 +138,7 @@ def save_llama(out: str) -> None:
 
 if __name__ == "__main__":
     deepspeed.init_distributed(dist_backend="gloo")
-    {"save": save}[sys.argv[1]](*sys.argv[2:])
+    {"save": save, "resume": resume}[sys.argv[1]](*sys.argv[2:])
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)

@@ -1,0 +1,256 @@
+"""Resharding a DeepSpeed ZeRO checkpoint to a new data-parallel world size that plain
+`engine.load_checkpoint(dir)` accepts (no universal-checkpoint flag).
+
+Every file is rewritten from the source's own trees: the same keys, pickle globals and
+hyper-parameters, with the flat fp32 partitions and Adam moments re-cut for the new world size and
+the bookkeeping that depends on it (dp_world_size, partition_count, group paddings, slice mappings,
+stage-3 sub-groups and frozen fragments) recomputed. Tensor data is streamed piece by piece from
+the source partitions. Rules: ../shared/FORMATS.md §2.6-2.9.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Piece, TensorEntry, concat_flat, sub_tensor
+from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
+from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
+from ckpt_cli.core.tree import flatten, path_name
+from ckpt_cli.errors import UsageError
+from ckpt_cli.formats.deepspeed import LATEST, RankFile, Source, fragment_address
+from ckpt_cli.formats.torch_save import torch_file_segments
+
+
+def tensorize(rank_file: RankFile) -> Any:
+    """A copy of the file's tree whose tensors are TensorEntries over the stored bytes (module weights may tie)."""
+
+    def convert(value: Any, under_module: bool) -> Any:
+        if isinstance(value, TensorRef):
+            array = rank_file.array(value)
+            return TensorEntry(
+                "",
+                value.dtype,
+                value.shape,
+                "model" if under_module else "other",
+                [Piece(Box((0,) * len(value.shape), value.shape), array)],
+            )
+        if isinstance(value, dict):
+            out = type(value)() if isinstance(value, OrderedDict) else {}
+            for k, v in value.items():
+                out[k] = convert(v, under_module or k == "module")
+            return out
+        if isinstance(value, list):
+            return [convert(v, under_module) for v in value]
+        if isinstance(value, tuple) and any(isinstance(v, TensorRef) for v in value):
+            return tuple(convert(v, under_module) for v in value)
+        return copy.deepcopy(value)
+
+    return convert(rank_file.tree, False)
+
+
+def file_segments(tree: Any, where: str) -> list[Any]:
+    """torch.save segments for a tree whose leaves are TensorEntries and plain values."""
+    leaves, values, containers = flatten(tree, lambda v: isinstance(v, TensorEntry), where)
+    tensors = {}
+    for path, entry in leaves:
+        name = path_name(path)
+        tensors[name] = dataclasses.replace(entry, name=name, path=path)
+    objects = {path_name(p): ObjectEntry(path_name(p), v, "other", p) for p, v in values}
+    return torch_file_segments(Checkpoint("deepspeed", where, tensors, objects, containers=containers))
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class DeepSpeedWriter:
+    name = "deepspeed"
+    dest_is_dir = True
+
+    def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
+        src = ckpt.source
+        if ckpt.format != "deepspeed" or not isinstance(src, Source):
+            raise UsageError(
+                "writing deepspeed needs a DeepSpeed source (reshard); converting other formats to DeepSpeed is not supported yet"
+            )
+        world = options.world_size
+        if not world:
+            raise UsageError("writing deepspeed needs --world-size N (the new data-parallel size)")
+        if {n: t.dtype for n, t in ckpt.tensors.items()} != src.dtypes:
+            raise UsageError(
+                "reshard of a DeepSpeed checkpoint copies every tensor as it is: --select, prefixes, --dtype "
+                "and --weights-only do not apply"
+            )
+        zero_config = (src.model.tree.get("ds_config") or {}).get("zero_optimization") or {}
+        if zero_config.get("round_robin_gradients"):
+            raise UsageError("reshard of checkpoints saved with round_robin_gradients is not supported yet by this version of ckpt")
+        tag = ckpt.tag or src.folder.name
+        if src.stage == 3:
+            files = Stage3Reshard(ckpt, src, world, zero_config.get("sub_group_size", 10**9)).files(tag)
+        else:
+            files = [OutputFile(f"{tag}/mp_rank_00_model_states.pt", self._model_states(src, world, tag))]
+            for rank in range(world):
+                name = f"{tag}/{src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+                files.append(OutputFile(name, self._optimizer_file(ckpt, src, world, rank, name)))
+        files.append(OutputFile(LATEST, [Literal(tag.encode())], commit_marker=True))
+        notes = [
+            f"resharded ZeRO-{src.stage or 1} from {src.world} to {world} data-parallel ranks; load it with a plain "
+            f"engine.load_checkpoint() on {world} ranks with the same DeepSpeed config"
+        ]
+        return WritePlan(self.name, dest, True, files, notes)
+
+    def _model_states(self, src: Source, world: int, tag: str) -> list[Any]:
+        tree = tensorize(src.model)
+        tree["dp_world_size"] = world  # the one value load_checkpoint compares with the live world size
+        return file_segments(tree, f"{tag}/mp_rank_00_model_states.pt")
+
+    def _optimizer_file(self, ckpt: Checkpoint, src: Source, world: int, rank: int, where: str) -> list[Any]:
+        layout = src.layout
+        tree = tensorize(src.optims[0])
+        osd = tree["optimizer_state_dict"]
+        bf16_optimizer = src.stage is None
+        fp32, paddings, mappings = [], [], []
+        for g in range(len(layout.shapes)):
+            params = layout._offsets(g)
+            end = params[-1][2] + math.prod(params[-1][1]) if params else 0  # N: data elements of the flat group
+            part = _ceil_to(end, 2 * world) // world  # P' (stage_1_and_2.py: flat aligned to 2*W, cut in W)
+            start = rank * part
+            pad = (
+                min(max(start + part - end, 0), part)
+                if not bf16_optimizer
+                else (_ceil_to(end, 2 * world) - end if rank == world - 1 else 0)
+            )
+            keep = part - pad if not bf16_optimizer else part  # BF16_Optimizer saves its fp32 partition padded
+            fp32.append(self._flat(ckpt, params, "", start, keep, f"fp32.{g}"))
+            state = osd["base_optimizer_state"]["state"].get(g)
+            if state is not None:
+                for key, value in list(state.items()):
+                    if isinstance(value, TensorEntry) and value.shape:
+                        state[key] = self._flat(ckpt, params, key, start, part, f"{key}.{g}")
+            paddings.append(pad)
+            mappings.append(
+                OrderedDict(
+                    (name, fragment_address(min(offset + math.prod(shape), start + part) - max(offset, start), max(offset, start) - start))
+                    for name, shape, offset in params
+                    if max(offset, start) < min(offset + math.prod(shape), start + part)
+                )
+            )
+        osd["single_partition_of_fp32_groups"] = fp32
+        osd["group_paddings"] = paddings
+        osd["partition_count"] = [world] * len(fp32)
+        if "param_slice_mappings" in osd:
+            osd["param_slice_mappings"] = mappings
+        return file_segments(tree, where)
+
+    def _flat(
+        self, ckpt: Checkpoint, params: list[tuple[str, tuple[int, ...], int]], key: str, start: int, length: int, name: str
+    ) -> TensorEntry:
+        """Elements [start, start+length) of a group's flat buffer: the params' master weights (key "") or moments."""
+        parts = []
+        dtype = None
+        for pname, shape, offset in params:
+            entry = ckpt.tensors[pname if not key else f"optimizer.state.{pname}.{key}"]
+            dtype = entry.dtype
+            lo, hi = max(offset, start), min(offset + math.prod(shape), start + length)
+            if lo < hi:
+                parts.append((lo - start, sub_tensor(entry, name, lo - offset, (hi - lo,))))
+        assert dtype is not None
+        return concat_flat(name, dtype, length, parts)
+
+
+class Stage3Reshard:
+    """ZeRO-3 at a new world size: per-parameter partitions of ceil(n/W) elements, sub-groups re-formed
+    (their number depends on W through the partition sizes), frozen fragments re-cut (FORMATS §2.7-2.9)."""
+
+    def __init__(self, ckpt: Checkpoint, src: Source, world: int, sub_group_size: int | None) -> None:
+        self.ckpt, self.src, self.world = ckpt, src, world
+        layout = src.layout
+        by_sub = [list(shapes.items()) for shapes in layout.shapes]
+        self.subs: list[list[tuple[str, tuple[int, ...]]]] = []
+        self.group_subs: list[list[int]] = []
+        for group in layout.groups:
+            params = [(name, tuple(shape)) for s in group["params"] for name, shape in by_sub[s]]
+            subs = self._sub_groups(params, sub_group_size)
+            self.group_subs.append(list(range(len(self.subs), len(self.subs) + len(subs))))
+            self.subs += subs
+
+    def _pn(self, shape: tuple[int, ...]) -> int:
+        return -(-math.prod(shape) // self.world)
+
+    def _sub_groups(self, params: list[tuple[str, tuple[int, ...]]], size: int | None) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """stage3.py _create_fp16_sub_groups: close a sub-group once its partition elements reach sub_group_size."""
+        if size is None or size >= sum(self._pn(shape) for _, shape in params):
+            return [params]
+        subs, current, total = [], [], 0
+        for i, (name, shape) in enumerate(params):
+            current.append((name, shape))
+            total += self._pn(shape)
+            if total >= size or i == len(params) - 1:
+                subs.append(current)
+                current, total = [], 0
+        return subs
+
+    def partition(self, entry: TensorEntry, rank: int, name: str) -> TensorEntry:
+        """Rank's ceil(n/W) elements of a parameter, zero-padded past its end."""
+        pn = self._pn(entry.shape)
+        start, end = rank * pn, min((rank + 1) * pn, entry.numel)
+        parts = [(0, sub_tensor(entry, name, start, (end - start,)))] if end > start else []
+        return concat_flat(name, entry.dtype, pn, parts)
+
+    def flat(self, sub: list[tuple[str, tuple[int, ...]]], key: str, rank: int, name: str) -> TensorEntry:
+        parts, pos, dtype = [], 0, None
+        for pname, shape in sub:
+            entry = self.ckpt.tensors[pname if not key else f"optimizer.state.{pname}.{key}"]
+            dtype = entry.dtype
+            parts.append((pos, self.partition(entry, rank, name)))
+            pos += self._pn(shape)
+        assert dtype is not None
+        return concat_flat(name, dtype, pos, parts)
+
+    def files(self, tag: str) -> list[OutputFile]:
+        out = []
+        for rank in range(self.world):
+            name = f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            out.append(OutputFile(name, file_segments(self._model_states(rank), name)))
+            name = f"{tag}/{self.src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            out.append(OutputFile(name, file_segments(self._optimizer(rank), name)))
+        return out
+
+    def _model_states(self, rank: int) -> Any:
+        tree = tensorize(self.src.models[0])
+        tree["dp_world_size"] = self.world
+        tree["param_shapes"] = [OrderedDict((n, TorchSize(shape)) for n, shape in sub) for sub in self.subs]
+        fragments = tree.get("frozen_param_fragments")
+        if fragments:
+            for pname in fragments:
+                fragments[pname] = self.partition(self.ckpt.tensors[pname], rank, f"frozen.{pname}")
+        if rank:
+            tree["shared_params"] = {}  # DeepSpeed records aliases on global rank 0 only
+        return tree
+
+    def _optimizer(self, rank: int) -> Any:
+        tree = tensorize(self.src.optims[0])
+        osd = tree["optimizer_state_dict"]
+        osd["partition_count"] = self.world
+        inner = osd["optimizer_state_dict"]
+        template = inner["state"].get(0, {})
+        inner["state"] = {
+            s: {
+                key: (copy.copy(value) if not value.shape else self.flat(sub, key, rank, f"{key}.{s}"))
+                for key, value in template.items()
+                if isinstance(value, TensorEntry)
+            }
+            for s, sub in enumerate(self.subs)
+        }
+        inner["param_groups"] = [{**group, "params": self.group_subs[i]} for i, group in enumerate(inner["param_groups"])]
+        osd["fp32_flat_groups"] = [self.flat(sub, "", rank, f"fp32.{s}") for s, sub in enumerate(self.subs)]
+        return tree
+
+
+WRITER = DeepSpeedWriter()
