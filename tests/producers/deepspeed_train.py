@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node W deepspeed_train.py save OUT CONFIG...   CONFIG = stage{1,2,3}-{fp32,bf16},
                                                                         or stage1-bf16acc32 (BF16_Optimizer)
+    torchrun --nproc-per-node M deepspeed_train.py resume SRC:CONFIG:OUT...
 
 For each config: train 3 steps of a model with parameter sizes that do not divide by 2 or 3, a
 tied weight, a frozen parameter, a buffer and two param groups (one without weight decay), with
@@ -87,8 +88,14 @@ def save(out: str, *names: str) -> None:
         dist.barrier()
 
 
-def resume(src: str, name: str, out: str) -> None:
-    """Load with a plain load_checkpoint, save again at once, train 2 more steps, record the fp32 weights."""
+def resume(*tasks: str) -> None:
+    """Each task SRC:CONFIG:OUT: load with a plain load_checkpoint, save again at once, train 2 more steps
+    on batches that are the same on every rank, record the fp32 weights."""
+    for task in tasks:
+        resume_one(*task.split(":"))
+
+
+def resume_one(src: str, name: str, out: str) -> None:
     stage, precision = int(name[5]), name.split("-")[1]
     engine = engine_for(stage, precision)
     _, client = engine.load_checkpoint(src)
