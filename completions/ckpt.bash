@@ -7,7 +7,7 @@ _ckpt() {
         COMPREPLY=($(compgen -W "$commands --help --version" -- "$cur")); return
     fi
     case "$prev" in
-        --to) COMPREPLY=($(compgen -W "dcp hf safetensors torch" -- "$cur")); return ;;
+        --to) COMPREPLY=($(compgen -W "deepspeed dcp hf safetensors torch" -- "$cur")); return ;;
         --format) COMPREPLY=($(compgen -W "deepspeed dcp hf safetensors torch" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "keep fp32 bf16 fp16" -- "$cur")); return ;;
     esac

@@ -8,7 +8,7 @@ complete -c ckpt -n '__fish_use_subcommand' -a reshard -d 'Same format, new layo
 complete -c ckpt -n '__fish_use_subcommand' -a split -d 'One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB).'
 complete -c ckpt -n '__fish_use_subcommand' -a verify -d 'Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -F
-complete -c ckpt -n '__fish_seen_subcommand_from convert' -l to -x -a 'dcp hf safetensors torch' -d 'Target format: dcp, hf, safetensors, torch.'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l to -x -a 'deepspeed dcp hf safetensors torch' -d 'Target format: deepspeed, dcp, hf, safetensors, torch.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l world-size -r -d 'dcp, deepspeed: number of ranks to write for.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision).'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l max-shard-size -r -d 'hf: largest shard, e.g. 5GB, 500MB, 2GiB.'

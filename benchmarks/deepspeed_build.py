@@ -1,0 +1,32 @@
+"""Build a DeepSpeed ZeRO-2 fp32 checkpoint of about SIZE_GB on disk (run under torchrun, DS_ACCELERATOR=cpu).
+
+    torchrun --nproc-per-node 2 benchmarks/deepspeed_build.py OUT SIZE_GB
+
+On disk a ZeRO-2 fp32 checkpoint takes 16 bytes per parameter (4 in the model states, 12 in the optimizer files).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import deepspeed
+import torch
+from torch import nn
+
+
+def main(out: str, size_gb: float) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    width = 4096
+    layers = max(1, round(size_gb * 1e9 / 16 / (width * width)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    engine.backward(engine(torch.randn(1, width)).sum())
+    engine.step()
+    engine.save_checkpoint(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]))
