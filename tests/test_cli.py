@@ -157,10 +157,12 @@ def test_demo_writes_every_format_and_every_command_works(ckpt, tmp_path):
     demo = tmp_path / "demo"
     res = ckpt("demo", demo)
     assert res.code == 0, res.err
-    for sample in ("training_state.pt", "model.safetensors", "hf", "run"):
+    for sample in ("training_state.pt", "dcp", "model.safetensors", "hf", "run"):
         assert ckpt("inspect", demo / sample).code == 0
         assert ckpt("verify", demo / sample, "--deep", "--finite").code == 0
     assert ckpt("verify", demo / "hf", "--against", demo / "model.safetensors").code == 0
+    assert ckpt("verify", demo / "dcp", "--against", demo / "training_state.pt").code == 0
+    assert ckpt("reshard", demo / "dcp", tmp_path / "dcp4", "--world-size", "4", "-q").code == 0
     assert ckpt("merge", demo / "hf", tmp_path / "m.pt", "-q").code == 0
     assert (
         ckpt("convert", demo / "training_state.pt", tmp_path / "w", "--to", "hf", "--weights-only", "--strip-prefix", "model.", "-q").code

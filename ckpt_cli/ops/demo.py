@@ -1,8 +1,8 @@
 """`demo DIR`: small, real sample checkpoints in every format, written by the real producers.
 
 A tiny language model (tied embedding, two blocks) trains three AdamW steps with a warmup schedule;
-then torch.save writes the full training state, safetensors writes the weights, ckpt's own hf
-writer shards them, and a run folder holds two steps. Every command can be tried on the result.
+then torch.save and torch.distributed.checkpoint write the full training state, safetensors writes
+the weights, ckpt's own hf writer shards them, and a run folder holds two steps. Every command can be tried on the result.
 """
 
 from __future__ import annotations
@@ -59,6 +59,17 @@ def _train() -> tuple[Any, Any, Any, dict[str, Any]]:
     return model, opt, sched, {"epoch": 0, "samples_seen": STEPS * 4}
 
 
+def _save_dcp(state: dict[str, Any], path: Path) -> None:
+    """The same training state through torch.distributed.checkpoint (one process, no process group)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming a single process"
+        dcp.save(state, checkpoint_id=path, no_dist=True)
+
+
 def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
     """Write the samples into `folder` (atomically); return the checkpoints written."""
     import torch
@@ -77,6 +88,7 @@ def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
             "dataloader": loader,
         }
         torch.save(state, tmp / "training_state.pt")
+        _save_dcp(state, tmp / "dcp")
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         weights = open_checkpoint(tmp / "model.safetensors")
         execute(hf.WRITER.plan(weights, tmp / "hf", WriteOptions(num_shards=3)))
@@ -86,5 +98,5 @@ def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
                 for p in model.parameters():
                     p.add_(1e-3)
             save_model(model, str(tmp / "run" / f"step_{step}.safetensors"), metadata={"format": "pt"})
-    names = ["training_state.pt", "model.safetensors", "hf", "run"]
+    names = ["training_state.pt", "dcp", "model.safetensors", "hf", "run"]
     return [folder / n for n in names]
