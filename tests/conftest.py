@@ -165,7 +165,7 @@ def fsdp2_saves(tmp_path_factory) -> dict[int, Path]:
     return out
 
 
-DS_CONFIGS = ["stage1-fp32", "stage2-fp32", "stage3-fp32", "stage1-bf16", "stage2-bf16", "stage3-bf16", "stage1-bf16acc32"]
+DS_CONFIGS = ["stage1-fp32", "stage2-fp32", "stage3-fp32", "stage1-bf16", "stage2-bf16", "stage3-bf16", "stage1-bf16acc32", "stage2-fp32rr"]
 
 
 @pytest.fixture(scope="session")

@@ -65,6 +65,11 @@ def file_segments(tree: Any, where: str) -> list[Any]:
     return torch_file_segments(Checkpoint("deepspeed", where, tensors, objects, containers=containers))
 
 
+def round_robin_order(count: int, world: int) -> list[int]:
+    """Original indices in DeepSpeed's round-robin flat order: all i % W == 0, then 1, ... (stage_1_and_2.py)."""
+    return [i for j in range(min(world, count)) for i in range(j, count, world)]
+
+
 def _ceil_to(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -88,8 +93,9 @@ class DeepSpeedWriter:
                 "and --weights-only do not apply"
             )
         zero_config = (src.model.tree.get("ds_config") or {}).get("zero_optimization") or {}
-        if zero_config.get("round_robin_gradients"):
-            raise UsageError("reshard of checkpoints saved with round_robin_gradients is not supported yet by this version of ckpt")
+        self.round_robin = bool(zero_config.get("round_robin_gradients")) and src.stage in (1, 2)
+        if self.round_robin and src.layout.details()["alignment_padding"]:
+            raise UsageError("reshard of checkpoints saved with both round_robin_gradients and parameter_alignment is not supported")
         tag = ckpt.tag or src.folder.name
         if src.stage == 3:
             files = Stage3Reshard(ckpt, src, world, zero_config.get("sub_group_size", 10**9)).files(tag)
@@ -108,7 +114,39 @@ class DeepSpeedWriter:
     def _model_states(self, src: Source, world: int, tag: str) -> list[Any]:
         tree = tensorize(src.model)
         tree["dp_world_size"] = world  # the one value load_checkpoint compares with the live world size
+        if self.round_robin:  # param_shapes records the flat order, which round robin makes depend on W
+            tree["param_shapes"] = [
+                OrderedDict((n, TorchSize(shape)) for n, shape, _ in self._params(src, g, world)) for g in range(len(src.layout.shapes))
+            ]
         return file_segments(tree, f"{tag}/mp_rank_00_model_states.pt")
+
+    def _params(self, src: Source, g: int, world: int) -> list[tuple[str, tuple[int, ...], int]]:
+        """(name, shape, offset) of group g's params in the new flat order."""
+        params = src.layout._offsets(g)
+        if not self.round_robin:
+            return params  # the order, and with it the alignment pads, do not depend on W
+        saved = round_robin_order(len(params), src.world)  # position k of the saved flat holds original param saved[k]
+        original = [params[k] for k in sorted(range(len(params)), key=saved.__getitem__)]
+        reordered = [original[i] for i in round_robin_order(len(original), world)]
+        out, offset = [], 0
+        for name, shape, _ in reordered:
+            out.append((name, shape, offset))
+            offset += math.prod(shape)
+        return out
+
+    def _mapping_offsets(self, src: Source, g: int, world: int) -> list[tuple[str, tuple[int, ...], int]]:
+        """param_slice_mappings walk the params in their original order; without alignment pads DeepSpeed takes
+        running sums in that order, ignoring round robin (mixed_precision_linkage.py; reproduced to match its files)."""
+        params = self._params(src, g, world)
+        if not self.round_robin:
+            return params
+        position = {orig: k for k, orig in enumerate(round_robin_order(len(params), world))}
+        original = [params[position[i]] for i in range(len(params))]
+        out, offset = [], 0
+        for name, shape, _ in original:
+            out.append((name, shape, offset))
+            offset += math.prod(shape)
+        return out
 
     def _optimizer_file(self, ckpt: Checkpoint, src: Source, world: int, rank: int, where: str) -> list[Any]:
         layout = src.layout
@@ -117,7 +155,7 @@ class DeepSpeedWriter:
         bf16_optimizer = src.stage is None
         fp32, paddings, mappings = [], [], []
         for g in range(len(layout.shapes)):
-            params = layout._offsets(g)
+            params = self._params(src, g, world)
             end = params[-1][2] + math.prod(params[-1][1]) if params else 0  # N: data elements of the flat group
             part = _ceil_to(end, 2 * world) // world  # P' (stage_1_and_2.py: flat aligned to 2*W, cut in W)
             start = rank * part

@@ -45,8 +45,8 @@ def config(stage: int, precision: str) -> dict:
         **extra,
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
-        "bf16": {"enabled": precision.startswith("bf16")},
+        "zero_optimization": {"stage": stage, "round_robin_gradients": precision.endswith("rr")},
+        "bf16": {"enabled": precision.startswith("bf16")},  # fp32rr: fp32 with round_robin_gradients
         "zero_allow_untested_optimizer": True,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}},
         "steps_per_print": 1000,
@@ -102,6 +102,7 @@ def resume_one(src: str, name: str, out: str) -> None:
     engine.save_checkpoint(os.path.join(out, "resaved"), client_state={"dataloader": client["dataloader"]})
     train(engine, range(STEPS, STEPS + 2), same_batch=True)
     save_reference(engine, os.path.join(out, "after.pt"))
+    engine.save_checkpoint(os.path.join(out, "after"))
     dist.barrier()
 
 
