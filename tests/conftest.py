@@ -177,3 +177,21 @@ def ds_saves(tmp_path_factory) -> dict[int, Path]:
         out[world] = root / f"w{world}"
         torchrun(world, "deepspeed_train.py", "save", out[world], *DS_CONFIGS, *(["llama"] if world == 2 else []))
     return out
+
+
+def assert_fails(res: Result, *needles: str) -> None:
+    """Exit code 1, no traceback, and every needle named in the output."""
+    text = res.out + res.err
+    assert res.code == 1 and "Traceback" not in text, text
+    for needle in needles:
+        assert needle in text, (needle, text)
+
+
+class Evil:
+    """A pickle payload that would create `marker` if anything ever ran it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_same_tensors, torchrun
+from conftest import Evil, assert_fails, assert_same_tensors, torchrun
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -199,13 +199,6 @@ def copy_w2(fsdp2_saves, tmp_path):
     return dest
 
 
-def assert_fails(res, *needles):
-    text = res.out + res.err
-    assert res.code == 1 and "Traceback" not in text, text
-    for needle in needles:
-        assert needle in text, (needle, text)
-
-
 def rewrite_metadata(path, change):
     meta = raw_metadata(path)
     change(meta)
@@ -276,14 +269,6 @@ def test_verify_leftovers(ckpt, copy_w2):
     (copy_w2 / ".metadata.tmp").write_bytes(b"")
     os.utime(copy_w2 / ".metadata")
     assert_fails(ckpt("verify", copy_w2), "__5_0.distcp", "not referenced", ".metadata.tmp")
-
-
-class Evil:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 def test_malicious_metadata_is_refused_and_never_runs(ckpt, copy_w2, tmp_path):

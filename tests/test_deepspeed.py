@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DS_CONFIGS, assert_same_tensors
+from conftest import DS_CONFIGS, Evil, assert_fails, assert_same_tensors
 from safetensors.torch import load_file
 
 from ckpt_cli.core.executor import SourceFiles, read_elements
@@ -161,13 +161,6 @@ def copy_s2(ds_saves, tmp_path):
     return dest
 
 
-def assert_fails(res, *needles):
-    text = res.out + res.err
-    assert res.code == 1 and "Traceback" not in text, text
-    for needle in needles:
-        assert needle in text, (needle, text)
-
-
 def test_verify_passes_every_fixture(ckpt, ds_saves):
     for world in (1, 2, 3):
         for config in DS_CONFIGS:
@@ -217,14 +210,6 @@ def test_verify_rank_files_disagree(ckpt, copy_s2):
     state["optimizer_state_dict"]["zero_stage"] = 1
     torch.save(state, path)
     assert_fails(ckpt("verify", copy_s2), "disagree", "zero_stage")
-
-
-class Evil:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 def test_malicious_pt_is_refused_and_never_runs(ckpt, copy_s2, tmp_path):

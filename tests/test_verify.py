@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 
 import pytest
 import torch
+from conftest import Evil, assert_fails
 from safetensors.torch import save_file
 
 from ckpt_cli.core.zipio import read_records
@@ -23,14 +23,6 @@ def hf_copy(mixed_files, tmp_path):
 
 def shards(folder):
     return sorted(folder.glob("*.safetensors"))
-
-
-def assert_fails(res, *needles):
-    assert res.code == 1, (res.out, res.err)
-    text = res.out + res.err
-    assert "Traceback" not in text
-    for needle in needles:
-        assert needle in text, (needle, text)
 
 
 def test_clean_checkpoints_pass(ckpt, mixed_files):
@@ -140,14 +132,6 @@ def test_truncated_torch_file(ckpt, mixed_files, tmp_path):
     assert_fails(ckpt("verify", path), "mixed.pt")
     assert_fails(ckpt("merge", path, tmp_path / "m.safetensors"), "mixed.pt")
     assert not (tmp_path / "m.safetensors").exists()
-
-
-class Evil:
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 def test_malicious_pickle_is_refused_and_never_runs(ckpt, tmp_path):

@@ -399,7 +399,7 @@ class _Stage12:
         base = self.osd[0]["base_optimizer_state"]
         self.state, self.groups = base.get("state", {}), base.get("param_groups", [])
 
-    def _offsets(self, g: int) -> list[tuple[str, tuple[int, ...], int]]:
+    def offsets(self, g: int) -> list[tuple[str, tuple[int, ...], int]]:
         pads = (self.osd[0].get("param_alignment_paddings") or [None] * len(self.shapes))[g] or [0] * len(self.shapes[g])
         out, offset = [], 0
         for (name, shape), pad in zip(self.shapes[g].items(), pads):
@@ -429,7 +429,7 @@ class _Stage12:
         out = {}
         for g in range(len(self.shapes)):
             parts = self._partitions(g, None)
-            for name, shape, offset in self._offsets(g):
+            for name, shape, offset in self.offsets(g):
                 out[name] = TensorEntry(name, dtypes.FLOAT32, shape, "model", _flat_pieces(offset, math.prod(shape), parts))
         return out
 
@@ -442,12 +442,12 @@ class _Stage12:
                     continue
                 if not ref.shape:  # step: one value per group, the same on every rank
                     array = self.optims[0].array(ref)
-                    for name, _, _ in self._offsets(g):
+                    for name, _, _ in self.offsets(g):
                         path = ("optimizer", "state", name, key)
                         out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, (), "optimizer", [Piece(Box((), ()), array)], path)
                     continue
                 parts = self._partitions(g, key)
-                for name, shape, offset in self._offsets(g):
+                for name, shape, offset in self.offsets(g):
                     path = ("optimizer", "state", name, key)
                     out[path_name(path)] = TensorEntry(
                         path_name(path), ref.dtype, shape, "optimizer", _flat_pieces(offset, math.prod(shape), parts), path

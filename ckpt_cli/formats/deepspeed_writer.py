@@ -122,7 +122,7 @@ class DeepSpeedWriter:
 
     def _params(self, src: Source, g: int, world: int) -> list[tuple[str, tuple[int, ...], int]]:
         """(name, shape, offset) of group g's params in the new flat order."""
-        params = src.layout._offsets(g)
+        params = src.layout.offsets(g)
         if not self.round_robin:
             return params  # the order, and with it the alignment pads, do not depend on W
         saved = round_robin_order(len(params), src.world)  # position k of the saved flat holds original param saved[k]
