@@ -263,6 +263,7 @@ class DeepSpeedReader:
             if owner in tensors and alias not in tensors:
                 tensors[alias] = TensorEntry(alias, tensors[owner].dtype, tensors[owner].shape, "model", tensors[owner].pieces)
         tensors.update(layout.optimizer_tensors())
+        tensors.update(self._training_dtype_weights(first_model, stage))
         objects = self._objects(model, layout.param_groups())
         files = [first_model.path] + [m.path for r, m in sorted(models.items()) if m.path != first_model.path]
         files += [o.path for _, o in sorted(optims.items())]
@@ -329,6 +330,22 @@ class DeepSpeedReader:
                     out[name] = TensorEntry(
                         name, ref.dtype, ref.shape, "model", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))]
                     )
+        return out
+
+    def _training_dtype_weights(self, first: RankFile, stage: int | None) -> dict[str, TensorEntry]:
+        """The module's own copies of the trainable params (training dtype: bf16/fp16 or fp32), as `module.<name>`.
+        Stage 3 saves only empty placeholders there, so it has none."""
+        model = first.tree
+        owned = [n for group in model.get("param_shapes") or [] for n in group]
+        module = model.get("module") or {}
+        out = {}
+        for name in owned if stage != 3 else []:
+            ref = module.get(name)
+            if isinstance(ref, TensorRef) and math.prod(ref.shape):
+                path = ("module", name)
+                out[path_name(path)] = TensorEntry(
+                    path_name(path), ref.dtype, ref.shape, "other", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))], path
+                )
         return out
 
     def _objects(self, model: dict[str, Any], param_groups: list[dict[str, Any]]) -> dict[str, ObjectEntry]:
