@@ -29,6 +29,7 @@ from ckpt_cli.cli.options import (
 )
 from ckpt_cli.core import dtypes
 from ckpt_cli.core.atomic import check_destination
+from ckpt_cli.core.distributed import is_main_process
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.sizes import human_bytes, parse_size
 from ckpt_cli.errors import Interrupted, UsageError
@@ -50,13 +51,15 @@ def _write_options(world_size: int | None, max_shard_size: str | None, num_shard
 
 
 def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, json_, workers=None) -> None:  # noqa: ANN001
+    quiet = quiet or not is_main_process()  # under torchrun, rank 0 speaks for all
     job = convert_op.prepare(src, dest, to, source, transform, write)
     if dry_run:
         if dest.exists() and not overwrite:
             job.notes.append(f"{dest} exists: the real run needs --overwrite")
         output.emit_json(convert_op.describe(job)) if json_ else output.emit(convert_op.describe_text(job))
         return
-    check_destination(dest, overwrite)
+    if is_main_process():
+        check_destination(dest, overwrite)
     for note in job.notes:
         output.info(f"note: {note}", quiet)
     with output.progress(job.plan.total_bytes, f"{to} -> {dest.name}", quiet) as bar:

@@ -283,12 +283,8 @@ class _Cancelled(Exception):
     pass
 
 
-def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None) -> None:
-    """Write every file of `plan` into a temporary sibling of the destination, then rename it.
-
-    Up to `workers` files are written at once, each thread with its own descriptors and buffer.
-    """
-    workers = max(1, workers or default_workers())
+def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None) -> None:
+    """Write `files`, up to `workers` at once (each thread with its own descriptors and buffer), and fsync them."""
     cancel = threading.Event()
     lock = threading.Lock()
 
@@ -300,33 +296,49 @@ def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None 
                 progress(nbytes)
 
     def write_one(target: Path, out: OutputFile) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
         sources = SourceFiles()
         try:
             write_file(target, out, sources, tick)
         finally:
             sources.close()
 
+    if workers == 1 or len(files) <= 1:
+        for target, out in files:
+            write_one(target, out)
+    else:
+        with ThreadPoolExecutor(min(workers, len(files))) as pool:
+            futures = [pool.submit(write_one, target, out) for target, out in files]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                cancel.set()
+                raise
+    # Flush once all are written (the kernel writes back while we produce the next file), before
+    # the rename makes the destination visible.
+    for target, _ in files:
+        fsync_path(target)
+
+
+def targets(plan: WritePlan, tmp: Path) -> tuple[list[tuple[Path, OutputFile]], list[tuple[Path, OutputFile]]]:
+    """(data files, commit markers) of the plan, placed under the temporary destination."""
+    placed = [(tmp / out.relpath if plan.dest_is_dir else tmp, out) for out in plan.files]
+    return [t for t in placed if not t[1].commit_marker], [t for t in placed if t[1].commit_marker]
+
+
+def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None) -> None:
+    """Write every file of `plan` into a temporary sibling of the destination, then rename it.
+
+    Under torchrun (WORLD_SIZE > 1) the ranks share the work: see ckpt_cli.core.distributed.
+    """
+    from ckpt_cli.core import distributed
+
+    workers = max(1, workers or default_workers())
+    if distributed.rank_and_world() is not None:
+        distributed.execute(plan, overwrite, progress, workers)
+        return
     with staged(plan.dest, plan.dest_is_dir, overwrite) as tmp:
-        targets = [(tmp / out.relpath if plan.dest_is_dir else tmp, out) for out in plan.files]
-        for target, _ in targets:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        data = [(t, o) for t, o in targets if not o.commit_marker]
-        if workers == 1 or len(data) <= 1:
-            for target, out in data:
-                write_one(target, out)
-        else:
-            with ThreadPoolExecutor(min(workers, len(data))) as pool:
-                futures = [pool.submit(write_one, target, out) for target, out in data]
-                try:
-                    for future in futures:
-                        future.result()
-                except BaseException:
-                    cancel.set()
-                    raise
-        for target, out in targets:  # commit markers last, so they are the newest files
-            if out.commit_marker:
-                write_one(target, out)
-        # Flush once all files are written (the kernel writes back while we produce the next
-        # file), and before the rename makes the destination visible.
-        for target, _ in targets:
-            fsync_path(target)
+        data, markers = targets(plan, tmp)
+        write_files(data, workers, progress)
+        write_files(markers, 1, progress)  # last, so they are the newest files

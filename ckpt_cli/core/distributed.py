@@ -1,0 +1,81 @@
+"""One conversion spread over many processes and hosts with torchrun (SPEC §6).
+
+Every rank plans the same output (plans are deterministic); rank r writes the data files
+r, r + W, r + 2W, ... into one temporary folder beside the destination (which all hosts must see:
+a shared filesystem); after all ranks report success, rank 0 writes the commit markers (DCP
+.metadata, hf index, DeepSpeed latest) and renames the folder into place. A failure on any rank
+removes the temporary folder on every rank's behalf and fails them all. The result is
+byte-identical to a single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ckpt_cli.core.atomic import commit, prepare_partial, remove
+from ckpt_cli.core.executor import Progress, targets, write_files
+from ckpt_cli.core.plan import WritePlan
+from ckpt_cli.errors import CkptError, DataError
+
+
+def rank_and_world() -> tuple[int, int] | None:
+    """(rank, world size) when launched by torchrun with more than one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return (int(os.environ.get("RANK", "0")), world) if world > 1 else None
+
+
+def _all_ok(ok: bool) -> bool:
+    """True when every rank is ok (an all-reduce of a flag; doubles as a barrier)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def execute(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int) -> None:
+    """Write this rank's share of the plan; rank 0 commits once every rank has succeeded."""
+    import torch.distributed as dist
+
+    context = rank_and_world()
+    assert context is not None
+    rank, world = context
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo")
+    try:
+        _execute(plan, overwrite, progress, workers, rank, world)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int, rank: int, world: int) -> None:
+    tmp = plan.dest.parent / f".{plan.dest.name}.ckpt-partial-ranks"
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            tmp = prepare_partial(plan.dest, plan.dest_is_dir, overwrite, "ranks")
+        except CkptError as exc:
+            error = exc
+    if not _all_ok(error is None):
+        raise error or DataError(f"{plan.dest}: rank 0 could not prepare the destination")
+    data, markers = targets(plan, tmp)
+    try:
+        write_files(data[rank::world], workers, progress)
+    except BaseException as exc:  # report to the other ranks before failing
+        error = exc
+    if not _all_ok(error is None):
+        if rank == 0:
+            remove(tmp)
+        raise error or DataError(f"{plan.dest}: another rank failed while writing; nothing was written")
+    if rank == 0:
+        write_files(markers, 1, progress)
+        commit(tmp, plan.dest)
+    _all_ok(True)  # no rank returns before the destination exists
+
+
+def is_main_process() -> bool:
+    context = rank_and_world()
+    return context is None or context[0] == 0

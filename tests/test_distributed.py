@@ -1,0 +1,79 @@
+"""Distributed mode: `torchrun --nproc-per-node 2 -m ckpt_cli ...` splits the output files between ranks, rank 0
+commits, and the result is byte-identical to a single-process run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import free_port
+
+
+def run(cwd, *args, nproc: int = 1) -> None:
+    prefix = (
+        [sys.executable, "-m", "ckpt_cli"]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "ckpt_cli",
+        ]
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*prefix, *map(str, args), "-q"], cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def files(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind", ["dcp", "deepspeed", "hf"])
+def test_torchrun_output_is_byte_identical(fsdp2_saves, ds_saves, tmp_path, kind):
+    source, args = {
+        "dcp": (fsdp2_saves[2] / "ckpt", ["reshard", "--world-size", "3"]),
+        "deepspeed": (ds_saves[2] / "stage3-bf16", ["reshard", "--world-size", "3"]),
+        "hf": (fsdp2_saves[3] / "ckpt", ["convert", "--to", "hf", "--num-shards", "3"]),
+    }[kind]
+    single, ranks = tmp_path / "single", tmp_path / "ranks"
+    single.mkdir()
+    ranks.mkdir()
+    command, options = args[0], args[1:]
+    run(single, command, source, "out", *options)
+    run(ranks, command, source, "out", *options, nproc=2)
+    ours, reference = files(ranks / "out"), files(single / "out")
+    assert ours.keys() == reference.keys() and len(ours) >= 4
+    for name in reference:
+        assert ours[name] == reference[name], name
+    assert [p.name for p in ranks.iterdir()] == ["out"]  # no temporary folder left behind
+
+
+def test_torchrun_refuses_an_existing_destination(fsdp2_saves, tmp_path):
+    (tmp_path / "out").mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "ckpt_cli",
+        "reshard",
+        str(fsdp2_saves[2] / "ckpt"),
+        "out",
+        "--world-size",
+        "3",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and "--overwrite" in proc.stderr
+    assert list((tmp_path / "out").iterdir()) == []
