@@ -134,19 +134,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_command(nproc: int) -> list[str]:
+    """torchrun on this machine: nproc processes, a free rendezvous port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
+
+
 def torchrun(nproc: int, script: str, *args: str | Path, timeout: int = 600, env: dict[str, str] | None = None) -> str:
     """Run a producer/consumer script under torchrun on the CPU (gloo); fail with its output."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(free_port()),
-        str(PRODUCERS / script),
-        *map(str, args),
-    ]
+    cmd = [*torchrun_command(nproc), str(PRODUCERS / script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     if proc.returncode != 0:

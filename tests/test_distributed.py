@@ -8,25 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port
+from conftest import torchrun_command
 
 
 def run(cwd, *args, nproc: int = 1) -> None:
-    prefix = (
-        [sys.executable, "-m", "ckpt_cli"]
-        if nproc == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "ckpt_cli",
-        ]
-    )
+    prefix = [sys.executable, "-m", "ckpt_cli"] if nproc == 1 else [*torchrun_command(nproc), "-m", "ckpt_cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*prefix, *map(str, args), "-q"], cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -58,22 +44,7 @@ def test_torchrun_output_is_byte_identical(fsdp2_saves, ds_saves, tmp_path, kind
 
 def test_torchrun_refuses_an_existing_destination(fsdp2_saves, tmp_path):
     (tmp_path / "out").mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "ckpt_cli",
-        "reshard",
-        str(fsdp2_saves[2] / "ckpt"),
-        "out",
-        "--world-size",
-        "3",
-    ]
+    cmd = [*torchrun_command(2), "-m", "ckpt_cli", "reshard", str(fsdp2_saves[2] / "ckpt"), "out", "--world-size", "3"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0 and "--overwrite" in proc.stderr
     assert list((tmp_path / "out").iterdir()) == []

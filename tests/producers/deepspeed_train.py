@@ -118,18 +118,10 @@ def save_reference(engine, path: str) -> None:
 
 def save_llama(out: str) -> None:
     """A tiny transformers Llama trained under DeepSpeed ZeRO-2, as a release script would find it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_llama import config as tiny_config
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    config = tiny_config()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

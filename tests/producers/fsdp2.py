@@ -77,18 +77,10 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 def save_llama(out: str) -> None:
     """A tiny transformers Llama trained under FSDP2, saved the way a training script saves it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_llama import config as tiny_config
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    config = tiny_config()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     for layer in model.model.layers:
