@@ -14,6 +14,17 @@ from ckpt_cli.core.model import PathKey
 from ckpt_cli.errors import DataError
 
 
+def holds_tensor(value: Any, is_tensor: Callable[[Any], bool]) -> bool:
+    """Whether a tensor sits anywhere inside nested dicts, lists and tuples."""
+    if is_tensor(value):
+        return True
+    if isinstance(value, dict):
+        return any(holds_tensor(v, is_tensor) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_tensor(v, is_tensor) for v in value)
+    return False
+
+
 def flatten(
     tree: Any, is_tensor: Callable[[Any], bool], where: str
 ) -> tuple[list[tuple[PathKey, Any]], list[tuple[PathKey, Any]], dict[PathKey, str]]:
@@ -22,22 +33,13 @@ def flatten(
     objects: list[tuple[PathKey, Any]] = []
     containers: dict[PathKey, str] = {}
 
-    def holds_tensor(value: Any) -> bool:
-        if is_tensor(value):
-            return True
-        if isinstance(value, dict):
-            return any(holds_tensor(v) for v in value.values())
-        if isinstance(value, (list, tuple)):
-            return any(holds_tensor(v) for v in value)
-        return False
-
     def walk(value: Any, path: PathKey) -> None:
         if is_tensor(value):
             tensors.append((path, value))
         elif isinstance(value, dict) and value and all(isinstance(k, (str, int)) for k in value):
             for key, child in value.items():
                 walk(child, (*path, key))
-        elif isinstance(value, (list, tuple)) and path and holds_tensor(value):
+        elif isinstance(value, (list, tuple)) and path and holds_tensor(value, is_tensor):
             containers[path] = "tuple" if isinstance(value, tuple) else "list"
             for i, child in enumerate(value):
                 walk(child, (*path, i))

@@ -19,6 +19,7 @@ from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Opaque, Piece, TensorEntry
 from ckpt_cli.core.safe_pickle import TensorRef, safe_loads
+from ckpt_cli.core.tree import holds_tensor
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats.torch_save import load_archive, stored_array
 
@@ -215,19 +216,9 @@ def _object(files: _Files, fqn: str, info: StorageInfoRec, options: ReadOptions)
         value, _ = load_archive(f, f"{where} ('{fqn}')", options, info.offset, info.length)
     except UnsafePickleError as exc:
         return Opaque(f"needs {exc.global_name}; --trust-pickle to parse"), raw
-    if _holds_tensor(value):
+    if holds_tensor(value, lambda v: isinstance(v, TensorRef)):
         return Opaque("holds tensors inside a pickled value"), raw
     return value, raw
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, TensorRef):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensor(v) for v in value)
-    return False
 
 
 def key_layout(paths: list[tuple[Any, ...]]) -> str:
