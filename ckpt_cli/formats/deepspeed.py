@@ -117,7 +117,7 @@ def is_deepspeed_dir(path: Path) -> bool:
 
 def list_tags(folder: Path) -> list[str]:
     tags = [p.name for p in folder.iterdir() if p.is_dir() and any(MODEL_STATES.match(q.name) for q in p.iterdir())]
-    return sorted(tags, key=lambda t: (int(m.group(1)) if (m := re.search(r"(\d+)$", t)) else -1, t))
+    return sorted(tags, key=lambda t: (_tag_step(t), t))
 
 
 def resolve_tag(path: Path, tag: str | None) -> tuple[Path, str, list[str]]:

@@ -12,7 +12,6 @@ from typing import Any
 
 from ckpt_cli.core.executor import BLOCK_BYTES, Progress, execute
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.core.plan import TensorData, WritePlan
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
@@ -35,9 +34,8 @@ class SourceOptions:
 
 @dataclass
 class Job:
-    """A prepared write: the source as seen through the transform, and the plan for the target."""
+    """A prepared write: the plan for the target and what to tell the user about it."""
 
-    source: Checkpoint
     plan: WritePlan
     notes: list[str] = field(default_factory=list)
 
@@ -58,7 +56,7 @@ def prepare(
     if (write.num_shards or write.max_shard_size) and to != "hf":
         raise UsageError(f"--num-shards/--max-shard-size apply to hf targets, not {to}")
     plan = writer.plan(view, Path(dest), write)
-    return Job(ckpt, plan, list(ckpt.notes) + plan.notes)
+    return Job(plan, list(ckpt.notes) + plan.notes)
 
 
 def reshard_target(ckpt_format: str, write: WriteOptions) -> str:
