@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -11,13 +12,18 @@ from ckpt_cli.cli.options import (
     AddPrefix,
     Dest,
     DryRun,
+    DSConfig,
     DType,
     Format,
     Json,
+    Layout,
     MaxShardSize,
+    NameMapFile,
     NumShards,
     Overwrite,
+    PerRankState,
     Quiet,
+    Rename,
     Select,
     Source,
     StripPrefix,
@@ -26,6 +32,7 @@ from ckpt_cli.cli.options import (
     WeightsOnly,
     Workers,
     WorldSize,
+    ZeroStage,
 )
 from ckpt_cli.core import dtypes
 from ckpt_cli.core.atomic import check_destination
@@ -35,6 +42,7 @@ from ckpt_cli.core.sizes import human_bytes, parse_size
 from ckpt_cli.errors import Interrupted, UsageError
 from ckpt_cli.formats.registry import FORMATS
 from ckpt_cli.ops import convert as convert_op
+from ckpt_cli.ops.crossframework import LAYOUTS, PER_RANK_RULES, NameMap
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.transform import Transform
 
@@ -50,9 +58,20 @@ def _write_options(world_size: int | None, max_shard_size: str | None, num_shard
     return WriteOptions(parse_size(max_shard_size) if max_shard_size else None, num_shards, world_size)
 
 
-def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, json_, workers=None) -> None:  # noqa: ANN001
+def _cross_options(
+    layout: str | None, zero_stage: int | None, ds_config: Path | None, rename: list[str] | None, name_map: Path | None, per_rank: str
+) -> convert_op.CrossOptions:
+    if layout is not None and layout not in LAYOUTS:
+        raise UsageError(f"--layout is one of {', '.join(LAYOUTS)}, not '{layout}'")
+    if per_rank not in PER_RANK_RULES:
+        raise UsageError(f"--per-rank-state is one of {', '.join(PER_RANK_RULES)}, not '{per_rank}'")
+    names = (NameMap.from_yaml(name_map) if name_map else NameMap()).with_renames(rename or [])
+    return convert_op.CrossOptions(layout, zero_stage, ds_config, names, per_rank, bool(rename or name_map))
+
+
+def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, json_, workers=None, cross=None) -> None:  # noqa: ANN001
     quiet = quiet or not is_main_process()  # under torchrun, rank 0 speaks for all
-    job = convert_op.prepare(src, dest, to, source, transform, write)
+    job = convert_op.prepare(src, dest, to, source, transform, write, cross)
     if dry_run:
         if dest.exists() and not overwrite:
             job.notes.append(f"{dest} exists: the real run needs --overwrite")
@@ -92,8 +111,15 @@ def convert(
     quiet: Quiet = False,
     json_: Json = False,
     workers: Workers = None,
+    layout: Layout = None,
+    zero_stage: ZeroStage = None,
+    ds_config: DSConfig = None,
+    rename: Rename = None,
+    name_map: NameMapFile = None,
+    per_rank_state: PerRankState = "wrap",
 ) -> None:
-    """Convert any readable checkpoint to another format, streamed."""
+    """Convert any readable checkpoint to another format, streamed. Between DeepSpeed and dcp the whole training
+    state moves (weights, Adam moments, param groups, step, scheduler, dataloader), so a run resumes in the other framework."""
     _run(
         src,
         dest,
@@ -105,6 +131,8 @@ def convert(
         dry_run,
         quiet,
         json_,
+        workers,
+        _cross_options(layout, zero_stage, ds_config, rename, name_map, per_rank_state),
     )
 
 
@@ -127,6 +155,10 @@ def reshard(
     quiet: Quiet = False,
     json_: Json = False,
     workers: Workers = None,
+    layout: Layout = None,
+    rename: Rename = None,
+    name_map: NameMapFile = None,
+    per_rank_state: PerRankState = "wrap",
 ) -> None:
     """Same format, new layout: --world-size N (dcp, deepspeed) or --num-shards/--max-shard-size (hf)."""
     write = _write_options(world_size, max_shard_size, num_shards)
@@ -144,6 +176,7 @@ def reshard(
         quiet,
         json_,
         workers,
+        _cross_options(layout, None, None, rename, name_map, per_rank_state),
     )
 
 
@@ -179,6 +212,7 @@ def merge(
         dry_run,
         quiet,
         json_,
+        workers,
     )
 
 
@@ -212,4 +246,5 @@ def split(
         dry_run,
         quiet,
         json_,
+        workers,
     )

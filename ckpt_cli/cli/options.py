@@ -31,3 +31,34 @@ Select = Annotated[Optional[list[str]], typer.Option("--select", help="Keep tens
 StripPrefix = Annotated[Optional[str], typer.Option("--strip-prefix", help="Remove this prefix from tensor names.")]
 AddPrefix = Annotated[Optional[str], typer.Option("--add-prefix", help="Add this prefix to tensor names.")]
 Workers = Annotated[Optional[int], typer.Option("--workers", help="Files written at once (default: CPU count, at most 4).", min=1)]
+Layout = Annotated[
+    Optional[str],
+    typer.Option(
+        "--layout",
+        help="dcp target: key layout of the training state, get_state_dict (model/optim) or torchtitan "
+        "(model keys at the top, optimizer flattened); default: get_state_dict from DeepSpeed, else as the source.",
+    ),
+]
+ZeroStage = Annotated[
+    Optional[int], typer.Option("--zero-stage", help="deepspeed target from another framework: ZeRO stage 1, 2 or 3.", min=1, max=3)
+]
+DSConfig = Annotated[
+    Optional[Path],
+    typer.Option("--ds-config", help="deepspeed target: the run's DeepSpeed config (JSON): stage, precision, clipping, batch size."),
+]
+Rename = Annotated[
+    Optional[list[str]],
+    typer.Option("--rename", help="Training-state conversions: rename parameters, REGEX=REPLACEMENT (repeatable, applied in order)."),
+]
+NameMapFile = Annotated[
+    Optional[Path],
+    typer.Option("--name-map", help="Training-state conversions: YAML with strip_segments, rename [{from, to}] and tied {alias: owner}."),
+]
+PerRankState = Annotated[
+    str,
+    typer.Option(
+        "--per-rank-state",
+        help="Per-rank values (keys rank_R / dp_rank_R) under a new world size: wrap (new rank r takes old rank r mod W), "
+        "first (all take rank 0's) or drop.",
+    ),
+]

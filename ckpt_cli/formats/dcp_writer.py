@@ -35,6 +35,9 @@ def is_sharded(entry: TensorEntry, ckpt: Checkpoint) -> bool:
     """FSDP2 shards parameters (and their optimizer moments); buffers, RNG and 0-d values are replicated."""
     if not entry.shape:
         return False
+    replicated = ckpt.details.get("replicated")  # buffers, named by a training-state conversion
+    if replicated is not None:
+        return entry.role in ("model", "optimizer") and entry.name not in replicated
     if ckpt.format == "dcp" and (ckpt.world_size or 1) > 1:
         whole = len(entry.pieces) == 1 and entry.pieces[0].region == Box((0,) * len(entry.shape), entry.shape)
         return not whole

@@ -24,10 +24,11 @@ from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.deepspeed import LATEST, RankFile, Source, fragment_address
+from ckpt_cli.formats.deepspeed_template import BuiltSource, TreeFile
 from ckpt_cli.formats.torch_save import torch_file_segments
 
 
-def tensorize(rank_file: RankFile) -> Any:
+def tensorize(rank_file: RankFile | TreeFile) -> Any:
     """A copy of the file's tree whose tensors are TensorEntries over the stored bytes (module weights may tie)."""
 
     def convert(value: Any, under_module: bool) -> Any:
@@ -80,10 +81,8 @@ class DeepSpeedWriter:
 
     def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
         src = ckpt.source
-        if ckpt.format != "deepspeed" or not isinstance(src, Source):
-            raise UsageError(
-                "writing deepspeed needs a DeepSpeed source (reshard); converting other formats to DeepSpeed is not supported yet"
-            )
+        if ckpt.format != "deepspeed" or not isinstance(src, (Source, BuiltSource)):
+            raise UsageError("writing deepspeed needs a DeepSpeed source, or a training run's state (convert from dcp)")
         world = options.world_size
         if not world:
             raise UsageError("writing deepspeed needs --world-size N (the new data-parallel size)")
@@ -105,10 +104,17 @@ class DeepSpeedWriter:
                 name = f"{tag}/{src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
                 files.append(OutputFile(name, self._optimizer_file(ckpt, src, world, rank, name)))
         files.append(OutputFile(LATEST, [Literal(tag.encode())], commit_marker=True))
-        notes = [
-            f"resharded ZeRO-{src.stage or 1} from {src.world} to {world} data-parallel ranks; load it with a plain "
-            f"engine.load_checkpoint() on {world} ranks with the same DeepSpeed config"
-        ]
+        notes = (
+            [
+                f"wrote ZeRO-{src.stage} for {world} data-parallel ranks; load it with a plain "
+                f"engine.load_checkpoint() on {world} ranks with the DeepSpeed config given"
+            ]
+            if isinstance(src, BuiltSource)
+            else [
+                f"resharded ZeRO-{src.stage or 1} from {src.world} to {world} data-parallel ranks; load it with a plain "
+                f"engine.load_checkpoint() on {world} ranks with the same DeepSpeed config"
+            ]
+        )
         return WritePlan(self.name, dest, True, files, notes)
 
     def _model_states(self, src: Source, world: int, tag: str) -> list[Any]:

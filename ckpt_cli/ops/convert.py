@@ -12,11 +12,13 @@ from typing import Any
 
 from ckpt_cli.core.executor import BLOCK_BYTES, Progress, execute
 from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.core.plan import TensorData, WritePlan
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import registry
-from ckpt_cli.ops import transform
+from ckpt_cli.ops import crossframework, transform
+from ckpt_cli.ops.crossframework import NameMap
 from ckpt_cli.ops.source import open_checkpoint
 
 # Measured floors of resident memory: the CLI alone (plain byte copies never import torch), and
@@ -30,6 +32,18 @@ class SourceOptions:
     format: str | None = None
     tag: str | None = None
     trust_pickle: bool = False
+
+
+@dataclass(frozen=True)
+class CrossOptions:
+    """Carrying a run's training state between DeepSpeed and FSDP2 (convert --to dcp|deepspeed)."""
+
+    layout: str | None = None  # DCP key layout to write: get_state_dict or torchtitan
+    zero_stage: int | None = None  # DeepSpeed target
+    ds_config: Path | None = None  # DeepSpeed target: the run's config (precision, clipping, batch size)
+    names: NameMap = NameMap()
+    per_rank: str = "wrap"  # rule for per-rank values under a new world size
+    names_given: bool = False  # --rename or --name-map was passed
 
 
 @dataclass
@@ -47,16 +61,67 @@ def prepare(
     source: SourceOptions,
     t: transform.Transform,
     write: WriteOptions,
+    cross: CrossOptions | None = None,
 ) -> Job:
     ckpt = open_checkpoint(src, source.format, source.tag, source.trust_pickle)
-    view = transform.apply(ckpt, t)
+    cross = cross or CrossOptions()
+    if carries_training_state(ckpt, to, t, cross):
+        view = training_view(ckpt, to, t, write, cross)
+    else:
+        view = transform.apply(ckpt, t)
+        if to == "dcp":
+            _rekey_per_rank(view, write.world_size or ckpt.world_size or 1, cross.per_rank)
     writer = registry.writer(to)
     if write.world_size is not None and to not in ("dcp", "deepspeed"):
         raise UsageError(f"--world-size applies to dcp and deepspeed targets, not {to}")
     if (write.num_shards or write.max_shard_size) and to != "hf":
         raise UsageError(f"--num-shards/--max-shard-size apply to hf targets, not {to}")
     plan = writer.plan(view, Path(dest), write)
-    return Job(plan, list(ckpt.notes) + plan.notes)
+    return Job(plan, list(view.notes) + plan.notes)
+
+
+def carries_training_state(ckpt: Checkpoint, to: str, t: transform.Transform, cross: CrossOptions) -> bool:
+    """Whether the write goes through the framework-neutral training state: DeepSpeed <-> DCP, a DCP key
+    layout change, a DeepSpeed stage or config change, or parameter renames in a dcp/deepspeed target."""
+    if to not in ("dcp", "deepspeed") or t.weights_only:
+        return False
+    if to == "deepspeed":
+        if ckpt.format != "deepspeed" or cross.ds_config is not None:
+            return True
+        stage = ckpt.details.get("zero_stage")
+        return cross.zero_stage not in (None, stage) or cross.names_given
+    if ckpt.format == "deepspeed" or cross.names_given:
+        return True
+    return cross.layout is not None and crossframework.detect_layout(ckpt) != cross.layout
+
+
+def training_view(ckpt: Checkpoint, to: str, t: transform.Transform, write: WriteOptions, cross: CrossOptions) -> Checkpoint:
+    """The source's training state laid out for the target framework (names by FQN, moments, groups, step)."""
+    from ckpt_cli.formats import deepspeed_template
+
+    if t != transform.Transform():
+        raise UsageError(
+            "carrying training state between frameworks keeps every tensor as it is: --select, --strip-prefix, --add-prefix "
+            "and --dtype do not apply (rename parameters with --rename or --name-map; --weights-only writes the weights alone)"
+        )
+    if not write.world_size:
+        raise UsageError(f"writing {to} needs --world-size N")
+    state = crossframework.from_checkpoint(ckpt, cross.names)
+    if to == "dcp":
+        if cross.zero_stage is not None or cross.ds_config is not None:
+            raise UsageError("--zero-stage and --ds-config apply to deepspeed targets")
+        return crossframework.to_dcp(state, cross.layout or "get_state_dict", write.world_size, cross.per_rank)
+    if cross.layout is not None:
+        raise UsageError("--layout applies to dcp targets")
+    target = deepspeed_template.target(cross.ds_config, cross.zero_stage, write.world_size)
+    return deepspeed_template.build(state, target, f"global_step{state.step or 0}", cross.per_rank)
+
+
+def _rekey_per_rank(view: Checkpoint, world: int, rule: str) -> None:
+    objects, note = crossframework.apply_per_rank_rule(list(view.objects.values()), world, rule)
+    if note:
+        view.objects = {o.name: o for o in objects}
+        view.notes.append(note)
 
 
 def reshard_target(ckpt_format: str, write: WriteOptions) -> str:

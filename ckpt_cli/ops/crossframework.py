@@ -1,0 +1,379 @@
+"""Moving a run between DeepSpeed and FSDP2: the training state in one framework-neutral form.
+
+A `TrainingState` names everything by the model's parameter FQN: the weights, the optimizer state
+of each parameter (`exp_avg`, `exp_avg_sq`, `step`), the param groups (hyper-parameters and the
+FQNs they hold), the step, and the rest (LR scheduler, dataloader, RNG, client state) by its
+top-level key. Readers' checkpoints come in through `from_checkpoint` (DeepSpeed, or DCP in either
+key layout users meet); `to_dcp` lays it out the way FSDP2 + `get_state_dict` or torchtitan saves
+it, and the DeepSpeed writer builds ZeRO files from it (formats/deepspeed_template.py).
+Tensor data is never read: entries keep pointing at the source's stored bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
+from ckpt_cli.core.tree import path_name
+from ckpt_cli.errors import DataError, UsageError
+
+# The key layouts of a DCP training checkpoint (FORMATS §1.10): torch's get_state_dict nests the
+# model under "model" and the optimizer under "optim"; torchtitan keeps model keys at the top level
+# and the optimizer, flattened per parameter, under "optimizer".
+LAYOUTS = ("get_state_dict", "torchtitan")
+# Module wrappers that put a segment into parameter names but are not part of the model:
+# torch.compile, activation checkpointing, FSDP1. get_state_dict drops them the same way.
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+PER_RANK_RULES = ("wrap", "first", "drop")
+_RANK_KEY = re.compile(r"^((?:dp_)?rank_?)(\d+)$")
+# DeepSpeed engine bookkeeping with no meaning outside DeepSpeed (recomputed when writing DeepSpeed).
+_DS_ENGINE_ONLY = ("skipped_steps", "global_samples", "data_sampler", "random_ltd", "dp_world_size", "mp_world_size")
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """How parameter names change on the way: wrapper segments dropped, regex renames applied in order,
+    and tied weights (alias -> owner) that the source does not record."""
+
+    strip_segments: tuple[str, ...] = WRAPPER_SEGMENTS
+    renames: tuple[tuple[str, str], ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> NameMap:
+        """`strip_segments: [...]`, `rename: [{from: REGEX, to: REPL}, ...]`, `tied: {alias: owner}`."""
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise UsageError(f"{path}: cannot read the name map ({exc.strerror})") from exc
+        except yaml.YAMLError as exc:
+            raise UsageError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
+        if not isinstance(data, dict) or set(data) - {"strip_segments", "rename", "tied"}:
+            raise UsageError(f"{path}: a name map holds strip_segments, rename and tied only")
+        renames = []
+        for item in data.get("rename") or []:
+            if not isinstance(item, dict) or set(item) != {"from", "to"}:
+                raise UsageError(f"{path}: each rename is {{from: REGEX, to: REPLACEMENT}}")
+            renames.append((str(item["from"]), str(item["to"])))
+        tied = data.get("tied") or {}
+        if not isinstance(tied, dict):
+            raise UsageError(f"{path}: tied maps alias names to owner names")
+        return cls(
+            tuple(data.get("strip_segments", WRAPPER_SEGMENTS) or ()),
+            tuple(renames),
+            tuple((str(a), str(o)) for a, o in tied.items()),
+        ).checked(str(path))
+
+    def with_renames(self, pairs: list[str]) -> NameMap:
+        """Add `--rename REGEX=REPLACEMENT` options."""
+        extra = []
+        for pair in pairs:
+            pattern, sep, repl = pair.partition("=")
+            if not sep or not pattern:
+                raise UsageError(f"--rename takes REGEX=REPLACEMENT, got '{pair}'")
+            extra.append((pattern, repl))
+        return dataclasses.replace(self, renames=self.renames + tuple(extra)).checked("--rename")
+
+    def checked(self, where: str) -> NameMap:
+        for pattern, _ in self.renames:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise UsageError(f"{where}: bad regular expression '{pattern}' ({exc})") from exc
+        return self
+
+    def apply(self, name: str) -> str:
+        parts = [p for p in name.split(".") if p not in self.strip_segments]
+        out = ".".join(parts)
+        for pattern, repl in self.renames:
+            out = re.sub(pattern, repl, out)
+        return out
+
+    def describe(self) -> str:
+        rules = [f"drop segments {', '.join(self.strip_segments)}" if self.strip_segments else "keep every segment"]
+        rules += [f"rename /{p}/ -> '{r}'" for p, r in self.renames]
+        rules += [f"tie {a} -> {o}" for a, o in self.tied]
+        return "; ".join(rules)
+
+
+@dataclass
+class TrainingState:
+    """A run's state by parameter FQN, independent of how a framework lays it out."""
+
+    weights: dict[str, TensorEntry]  # model state dict: params, frozen params, buffers, tied aliases
+    moments: dict[str, dict[str, TensorEntry]]  # FQN -> optimizer state (exp_avg, exp_avg_sq, step)
+    groups: list[dict[str, Any]]  # hyper-parameters and "params": [FQN]
+    step: int | None
+    extra_objects: list[ObjectEntry] = field(default_factory=list)  # by their top-level key
+    extra_tensors: list[TensorEntry] = field(default_factory=list)  # (an RNG state saved as a tensor)
+    buffers: set[str] = field(default_factory=set)  # weights that are not parameters (replicated by FSDP2)
+    tied: dict[str, str] = field(default_factory=dict)  # alias -> owner
+    world_size: int = 1
+    notes: list[str] = field(default_factory=list)
+
+    def trainable(self) -> list[str]:
+        return [p for g in self.groups for p in g["params"] if p in self.moments]
+
+
+def detect_layout(ckpt: Checkpoint) -> str:
+    """'deepspeed', 'get_state_dict', 'torchtitan' or 'flat' (a state dict with no optimizer)."""
+    if ckpt.format == "deepspeed":
+        return "deepspeed"
+    tops = {str(e.path[0]) for e in [*ckpt.tensors.values(), *ckpt.objects.values()] if e.path}
+    if "model" in tops or "optim" in tops:
+        return "get_state_dict"
+    if "optimizer" in tops:
+        return "torchtitan"
+    return "flat"
+
+
+def from_checkpoint(ckpt: Checkpoint, names: NameMap) -> TrainingState:
+    layout = detect_layout(ckpt)
+    if layout == "deepspeed":
+        state = _from_deepspeed(ckpt)
+    elif layout == "get_state_dict":
+        state = _from_nested(ckpt, "model", "optim")
+    elif layout == "torchtitan":
+        state = _from_nested(ckpt, None, "optimizer")
+    else:
+        raise UsageError(
+            f"{ckpt.path}: no optimizer state under 'optim' (get_state_dict) or 'optimizer' (torchtitan); "
+            "a run's training state cannot be carried (use --weights-only for the weights)"
+        )
+    if not state.moments:
+        raise UsageError(f"{ckpt.path}: the optimizer holds no per-parameter state (saved before the first step?)")
+    state.world_size = ckpt.world_size or 1
+    state.notes.append(f"source key layout: {layout}")
+    return _renamed(state, names)
+
+
+def _renamed(state: TrainingState, names: NameMap) -> TrainingState:
+    rename = names.apply
+    weights: dict[str, TensorEntry] = {}
+    for fqn, entry in state.weights.items():
+        new = rename(fqn)
+        if new in weights:
+            raise UsageError(f"two weights are both named '{new}' after renaming; adjust --rename/--name-map")
+        weights[new] = entry
+    changed = [(a, rename(a)) for a in state.weights if rename(a) != a]
+    if changed:
+        a, b = changed[0]
+        state.notes.append(f"names: {names.describe()}: {len(changed)} renamed (e.g. {a} -> {b})")
+    state.weights = weights
+    state.moments = {rename(k): v for k, v in state.moments.items()}
+    state.groups = [{**g, "params": [rename(p) for p in g["params"]]} for g in state.groups]
+    state.buffers = {rename(b) for b in state.buffers}
+    state.tied = {rename(a): rename(o) for a, o in state.tied.items()} | dict(names.tied)
+    for alias, owner in state.tied.items():
+        if alias not in state.weights or owner not in state.weights:
+            raise UsageError(f"tied weight {alias} -> {owner}: {'alias' if alias not in state.weights else 'owner'} not in the checkpoint")
+    for fqn in state.moments:
+        if fqn not in state.weights:
+            raise DataError(f"optimizer state for '{fqn}', which is not among the model weights")
+    return state
+
+
+def _split_extras(ckpt: Checkpoint, skip: set[str]) -> tuple[list[ObjectEntry], list[TensorEntry]]:
+    objects = [o for o in ckpt.objects.values() if str(o.path[0]) not in skip]
+    tensors = [t for t in ckpt.tensors.values() if str(t.path[0]) not in skip and t.role == "other"]
+    return objects, tensors
+
+
+def _from_deepspeed(ckpt: Checkpoint) -> TrainingState:
+    weights = {n: t for n, t in ckpt.tensors.items() if t.role == "model"}
+    moments: dict[str, dict[str, TensorEntry]] = {}
+    for entry in ckpt.tensors.values():
+        if entry.role == "optimizer" and entry.path[:2] == ("optimizer", "state"):
+            moments.setdefault(str(entry.path[2]), {})[str(entry.path[3])] = entry
+    groups_obj = ckpt.objects.get("optimizer.param_groups")
+    groups = [dict(g) for g in groups_obj.value] if groups_obj else []
+    model_tree = ckpt.source.model.tree if ckpt.source is not None else {}
+    dropped = [k for k in _DS_ENGINE_ONLY if model_tree.get(k) is not None]
+    objects = [
+        o
+        for o in ckpt.objects.values()
+        if o.name != "optimizer.param_groups" and str(o.path[0]) not in _DS_ENGINE_ONLY and str(o.path[0]) != "global_steps"
+    ]
+    state = TrainingState(
+        weights,
+        moments,
+        groups,
+        ckpt.step,
+        objects,
+        [],
+        buffers=set(model_tree.get("buffer_names") or []),
+        tied=dict(model_tree.get("shared_params") or {}),
+    )
+    if dropped:
+        state.notes.append(f"left out DeepSpeed engine bookkeeping: {', '.join(dropped)}")
+    state.notes.append("left out the module's training-dtype copies of the weights (module.*); the fp32 master weights are carried")
+    return state
+
+
+def _from_nested(ckpt: Checkpoint, model_key: str | None, optim_key: str) -> TrainingState:
+    weights: dict[str, TensorEntry] = {}
+    moments: dict[str, dict[str, TensorEntry]] = {}
+    for entry in ckpt.tensors.values():
+        top = str(entry.path[0])
+        if top == optim_key:
+            fqn, key = _state_key(entry.path[1:], ckpt.path)
+            moments.setdefault(fqn, {})[key] = entry
+        elif model_key is not None and top == model_key:
+            weights[path_name(entry.path[1:])] = entry
+        elif model_key is None and entry.role == "model":
+            weights[entry.name] = entry
+    groups = _param_groups([o for o in ckpt.objects.values() if str(o.path[0]) == optim_key], ckpt.path)
+    skip = {optim_key, *([model_key] if model_key else [])}
+    objects, tensors = _split_extras(ckpt, skip)
+    step = None
+    for obj in objects:
+        if obj.path in (("step",), ("train_state", "step")) and isinstance(obj.value, int):
+            step = obj.value
+    objects = [o for o in objects if o.path != ("step",) and o.path != ("train_state", "step")]
+    buffers = {n for n, e in weights.items() if ckpt.format == "dcp" and len(e.pieces) == 1 and (ckpt.world_size or 1) > 1}
+    return TrainingState(weights, moments, groups, step, objects, tensors, buffers=buffers & _not_in_groups(weights, groups))
+
+
+def _not_in_groups(weights: dict[str, TensorEntry], groups: list[dict[str, Any]]) -> set[str]:
+    held = {p for g in groups for p in g["params"]}
+    return {n for n in weights if n not in held}
+
+
+def _state_key(path: PathKey, where: str) -> tuple[str, str]:
+    """(FQN, state key) of an optimizer tensor: ('state', fqn, key) nested, or ('state.fqn.key',) flattened."""
+    joined = path_name(path)
+    if not joined.startswith("state."):
+        raise DataError(f"{where}: optimizer tensor '{joined}' is not under 'state'")
+    fqn, _, key = joined[len("state.") :].rpartition(".")
+    return fqn, key
+
+
+def _param_groups(objects: list[ObjectEntry], where: str) -> list[dict[str, Any]]:
+    """Param groups from DCP leaves: ('param_groups', i, key) as get_state_dict saves them, or
+    ('param_groups.FQN.key',) per parameter as flatten_optimizer_state_dict (torchtitan) does."""
+    indexed: dict[int, dict[str, Any]] = {}
+    per_param: dict[str, dict[str, Any]] = {}
+    for obj in objects:
+        rest = obj.path[1:]
+        if len(rest) >= 3 and rest[0] == "param_groups" and isinstance(rest[1], int):
+            indexed.setdefault(rest[1], {})[str(rest[2])] = obj.value
+        elif len(rest) == 2 and rest[0] == "param_groups" and isinstance(obj.value, list):
+            for i, group in enumerate(obj.value):
+                indexed[i] = dict(group)
+        elif rest and path_name(rest).startswith("param_groups."):
+            fqn, _, key = path_name(rest)[len("param_groups.") :].rpartition(".")
+            per_param.setdefault(fqn, {})[key] = obj.value
+    if indexed:
+        return [indexed[i] for i in sorted(indexed)]
+    groups: list[dict[str, Any]] = []
+    for fqn, hyper in per_param.items():  # same hyper-parameters, same group (in order of first appearance)
+        match = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == hyper), None)
+        if match is None:
+            groups.append({**hyper, "params": [fqn]})
+        else:
+            match["params"].append(fqn)
+    if not groups:
+        raise DataError(f"{where}: the optimizer state has no param_groups")
+    return groups
+
+
+# ---- writing DCP -------------------------------------------------------------------------------
+
+
+def per_rank_entries(objects: list[ObjectEntry]) -> dict[tuple[PathKey, int], dict[int, ObjectEntry]]:
+    """Values saved once per rank, recognised by a `rank_R` / `dp_rank_R` key: (path template, position) -> rank -> entry."""
+    found: dict[tuple[PathKey, int], dict[int, ObjectEntry]] = {}
+    for obj in objects:
+        for i, part in enumerate(obj.path):
+            m = _RANK_KEY.match(str(part))
+            if m:
+                template = (*obj.path[:i], m.group(1) + "{}", *obj.path[i + 1 :])
+                found.setdefault((template, i), {})[int(m.group(2))] = obj
+                break
+    return found
+
+
+def apply_per_rank_rule(objects: list[ObjectEntry], world: int, rule: str) -> tuple[list[ObjectEntry], str | None]:
+    """Re-key per-rank values for `world` ranks: 'wrap' (new rank r takes old rank r mod W), 'first'
+    (every rank takes rank 0's) or 'drop'. Returns the new list and the rule as printed."""
+    groups = per_rank_entries(objects)
+    if not groups or (rule == "wrap" and max(max(r) + 1 for r in groups.values()) == world):
+        return objects, None  # nothing per rank, or every rank keeps its own
+    ids = {id(o) for ranks in groups.values() for o in ranks.values()}
+    out = [o for o in objects if id(o) not in ids]
+    old = max(max(r) + 1 for r in groups.values())
+    for (template, pos), ranks in groups.items():
+        if rule == "drop":
+            continue
+        for r in range(world):
+            src = ranks.get(r % old if rule == "wrap" else 0) or ranks[min(ranks)]
+            if src is ranks.get(r):
+                out.append(src)  # this rank keeps its own value (as saved)
+                continue
+            path = (*template[:pos], str(template[pos]).format(r), *template[pos + 1 :])
+            out.append(dataclasses.replace(src, name=path_name(path), path=path, raw=None))
+    names = sorted({path_name(t) for t, _ in groups})
+    how = {
+        "wrap": f"new rank r takes old rank r mod {old}",
+        "first": "every new rank takes old rank 0's",
+        "drop": "left out",
+    }[rule]
+    return out, f"per-rank state {', '.join(names)} ({old} ranks -> {world}): rule '{rule}': {how}"
+
+
+def to_dcp(state: TrainingState, layout: str, world: int, rule: str) -> Checkpoint:
+    """The Checkpoint the DCP writer lays out as FSDP2 on `world` ranks saves it, keyed like `layout`."""
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, ObjectEntry] = {}
+    containers: dict[PathKey, str] = {}
+
+    def put_tensor(path: PathKey, entry: TensorEntry, role: str) -> None:
+        name = path_name(path)
+        tensors[name] = dataclasses.replace(entry, name=name, path=path, role=role)
+
+    def put_object(path: PathKey, value: Any, role: str = "other") -> None:
+        objects[path_name(path)] = ObjectEntry(path_name(path), value, role, path)
+
+    titan = layout == "torchtitan"
+    for fqn, entry in state.weights.items():
+        put_tensor((fqn,) if titan else ("model", fqn), entry, "model")
+    for fqn, keys in state.moments.items():
+        for key, entry in keys.items():
+            put_tensor(("optimizer", f"state.{fqn}.{key}") if titan else ("optim", "state", fqn, key), entry, "optimizer")
+    if titan:
+        for group in state.groups:
+            for fqn in group["params"]:
+                for key, value in group.items():
+                    if key != "params":
+                        put_object(("optimizer", f"param_groups.{fqn}.{key}"), value, "optimizer")
+    else:
+        put_object(("optim", "param_groups"), [dict(g) for g in state.groups], "optimizer")
+        containers[("optim", "param_groups")] = "list"
+    if state.step is not None:
+        put_object(("train_state", "step") if titan else ("step",), state.step)
+    extras, note = apply_per_rank_rule(state.extra_objects, world, rule)
+    for obj in extras:
+        objects[obj.name] = obj
+    for entry in state.extra_tensors:
+        tensors[entry.name] = entry
+    replicated = {path_name((fqn,) if titan else ("model", fqn)) for fqn in state.buffers}
+    notes = list(state.notes)
+    if note:
+        notes.append(note)
+    return Checkpoint(
+        "training-state",
+        "",
+        tensors,
+        objects,
+        containers=containers,
+        step=state.step,
+        world_size=state.world_size,
+        details={"replicated": replicated},
+        notes=notes,
+    )
