@@ -13,11 +13,11 @@ _ckpt() {
     esac
     local opts=""
     case "${words[1]}" in
-        convert) opts="--to --world-size --dtype --max-shard-size --num-shards --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --help -h" ;;
+        convert) opts="--to --world-size --dtype --max-shard-size --num-shards --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --layout --zero-stage --ds-config --rename --name-map --per-rank-state --help -h" ;;
         demo) opts="--overwrite --help -h" ;;
         inspect) opts="--json --yaml --tensors --filter --format --tag --trust-pickle --help -h" ;;
         merge) opts="--dtype --all --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --help -h" ;;
-        reshard) opts="--world-size --num-shards --max-shard-size --dtype --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --help -h" ;;
+        reshard) opts="--world-size --num-shards --max-shard-size --dtype --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --layout --rename --name-map --per-rank-state --help -h" ;;
         split) opts="--max-shard-size --num-shards --dtype --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --help -h" ;;
         verify) opts="--deep --finite --write-manifest --manifest --against --atol --rtol --policy --json --format --tag --trust-pickle --help -h" ;;
     esac

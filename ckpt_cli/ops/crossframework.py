@@ -21,9 +21,9 @@ from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
 
-# The key layouts of a DCP training checkpoint (FORMATS §1.10): torch's get_state_dict nests the
-# model under "model" and the optimizer under "optim"; torchtitan keeps model keys at the top level
-# and the optimizer, flattened per parameter, under "optimizer".
+# The key layouts of a DCP training checkpoint: torch's get_state_dict nests the model under "model"
+# and the optimizer under "optim"; torchtitan keeps model keys at the top level and the optimizer,
+# flattened per parameter (state_dict.py `_flatten_optim_state_dict`), under "optimizer".
 LAYOUTS = ("get_state_dict", "torchtitan")
 # Module wrappers that put a segment into parameter names but are not part of the model:
 # torch.compile, activation checkpointing, FSDP1. get_state_dict drops them the same way.

@@ -5,12 +5,14 @@ after ckpt moves it (same or other framework, same or other world size). Under t
 
     ds:STAGE:CONFIG.json:OUT[:LOAD]   DeepSpeed ZeRO. Fresh: train steps 0-2, save OUT/at3, train 3-5.
                                       With LOAD: load_checkpoint(LOAD) (plain), save OUT/loaded at once,
-                                      train 3-5. Always: save OUT/final, OUT/losses.json (steps 3-5).
+                                      write the client dataloader state each rank got, train 3-5.
+                                      Always: save OUT/final, OUT/losses.json (steps 3-5).
     fsdp:OUT[:LOAD]                   FSDP2 + AdamW, the same recipe. Fresh: train 0-2, dcp.save
                                       OUT/at3 (get_state_dict layout + lr_scheduler, step, dataloader,
                                       a per-rank dataloader position), OUT/at3.pt (full state), train
-                                      3-5. With LOAD: dcp.load + set_state_dict, OUT/loaded.pt, train
-                                      3-5. Always: OUT/final.pt (full state), OUT/losses.json.
+                                      3-5. With LOAD: dcp.load + set_state_dict, OUT/loaded.pt, each
+                                      rank's dataloader state, train 3-5.
+                                      Always: OUT/final.pt (full state), OUT/losses.json.
 
 Every rank trains on the same batches at every world size, so runs at different world sizes take
 the same steps up to the rounding of gradient averaging. The model has a tied weight, a frozen
@@ -88,6 +90,8 @@ def deepspeed_task(stage: str, config_path: str, out: str, load: str | None = No
     if load:
         _, client = engine.load_checkpoint(load)
         assert engine.global_steps == STEPS, engine.global_steps
+        with open(os.path.join(out, f"loaded-dataloader-rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(client.get("dataloader"), f)
         engine.save_checkpoint(os.path.join(out, "loaded"), client_state={"dataloader": client.get("dataloader")})
     losses = []
     for step in range(engine.global_steps, TOTAL):

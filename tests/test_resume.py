@@ -1,0 +1,386 @@
+"""A run moves between DeepSpeed and FSDP2 (and through ckpt within one) and resumes exactly.
+
+One model and recipe (tests/producers/resume.py) is trained by real DeepSpeed ZeRO-2/3 and real FSDP2
+on the CPU. Straight runs train 6 steps and save at step 3; ckpt converts those step-3 checkpoints;
+the real frameworks load them (plain `load_checkpoint`; `dcp.load` + `set_state_dict`) and train
+steps 3-5. Same framework and world size: the final state is bit-identical to the straight run.
+Across frameworks: the loaded fp32 weights and Adam moments equal the source bit for bit (DeepSpeed's
+side read by DeepSpeed's own ds_to_universal), step and lr are equal, and the losses of the next
+steps agree to float32 rounding of the gradient average (rtol 1e-6).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import torchrun
+
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,  # FSDP2's recipe does not clip either
+    "zero_allow_untested_optimizer": True,
+    "steps_per_print": 1000,
+}
+LOSS_RTOL = 1e-6
+
+
+def cli(*args: str | Path) -> None:
+    from ckpt_cli.cli.app import main
+
+    try:
+        main([str(a) for a in args] + ["--quiet"])
+    except SystemExit as exc:
+        assert not exc.code, f"ckpt {' '.join(map(str, args))} exited {exc.code}"
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> Path:
+    """Straight runs at 2 ranks, ckpt's conversions of their step-3 checkpoints, and the resumed runs."""
+    root = tmp_path_factory.mktemp("resume")
+    for stage in (2, 3):
+        (root / f"ds{stage}.json").write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": stage}}))
+    r = lambda name: root / name  # noqa: E731
+    torchrun(2, "resume.py", f"ds:2:{r('ds2.json')}:{r('ds2')}", f"ds:3:{r('ds3.json')}:{r('ds3')}", f"fsdp:{r('fsdp')}")
+    for stage in (2, 3):
+        src = r(f"ds{stage}") / "at3"
+        cli("reshard", src, r(f"ds{stage}-reshard"), "--world-size", "2")
+        cli("convert", src, r(f"ds{stage}-dcp2"), "--to", "dcp", "--world-size", "2")
+        cli(
+            "convert",
+            r(f"ds{stage}-dcp2"),
+            r(f"ds{stage}-back"),
+            "--to",
+            "deepspeed",
+            "--world-size",
+            "2",
+            "--ds-config",
+            r(f"ds{stage}.json"),
+        )
+        cli("convert", src, r(f"ds{stage}-dcp3"), "--to", "dcp", "--world-size", "3")
+    fsdp = r("fsdp") / "at3"
+    cli("reshard", fsdp, r("fsdp-reshard"), "--world-size", "2")
+    cli("convert", fsdp, r("fsdp-ds"), "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2", "--ds-config", r("ds2.json"))
+    cli("convert", r("fsdp-ds"), r("fsdp-back"), "--to", "dcp", "--world-size", "2")
+    cli("convert", fsdp, r("fsdp-ds3"), "--to", "deepspeed", "--world-size", "3", "--ds-config", r("ds2.json"))
+    cli("reshard", fsdp, r("fsdp-reshard3"), "--world-size", "3")
+    torchrun(
+        2,
+        "resume.py",
+        *(f"ds:{s}:{r(f'ds{s}.json')}:{r(f'ds{s}-{v}-run')}:{r(f'ds{s}-{v}')}" for s in (2, 3) for v in ("reshard", "back")),
+        *(f"fsdp:{r(f'fsdp-{v}-run')}:{r(f'fsdp-{v}')}" for v in ("reshard", "back")),
+    )
+    torchrun(
+        3,
+        "resume.py",
+        *(f"fsdp:{r(f'ds{s}-dcp3-run')}:{r(f'ds{s}-dcp3')}" for s in (2, 3)),
+        f"ds:2:{r('ds2.json')}:{r('fsdp-ds3-run')}:{r('fsdp-ds3')}",
+        f"fsdp:{r('fsdp-reshard3-run')}:{r('fsdp-reshard3')}",
+    )
+    return root
+
+
+def tensor_leaves(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in tensor_leaves(value, f"{prefix}.{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, value in enumerate(tree) for k, v in tensor_leaves(value, f"{prefix}.{i}").items()}
+    return {}
+
+
+def _partition_padding(shape: torch.Size, world: int, rank: int) -> list[bool]:
+    n = math.prod(shape)
+    per = -(-n // world)
+    held = min(per, max(n - rank * per, 0))
+    return [False] * held + [True] * (per - held)
+
+
+def stage3_padding(model_states: Path, world: int, rank: int) -> dict[str, torch.Tensor]:
+    """Masks of the elements of rank's ZeRO-3 partitions that belong to no parameter, by tensor key:
+    flat fp32 groups and frozen fragments. DeepSpeed leaves them uninitialised (they never reach a
+    parameter); ckpt writes zeros there."""
+    states = torch.load(model_states, weights_only=False)
+    masks = {}
+    for s, group in enumerate(states["param_shapes"]):
+        masks[f".optimizer_state_dict.fp32_flat_groups.{s}"] = [
+            m for shape in group.values() for m in _partition_padding(shape, world, rank)
+        ]
+    for name, shape in (states.get("frozen_param_shapes") or {}).items():
+        masks[f".frozen_param_fragments.{name}"] = _partition_padding(shape, world, rank)
+    return {k: torch.tensor(v, dtype=torch.bool) for k, v in masks.items()}
+
+
+def assert_same_deepspeed_state(a: Path, b: Path, world: int) -> None:
+    """Every tensor of every file of two DeepSpeed saves is bit-identical (ZeRO-3 padding excepted)."""
+    files = sorted(Path(p).relative_to(a) for p in glob.glob(f"{a}/*/*.pt"))
+    assert files and files == sorted(Path(p).relative_to(b) for p in glob.glob(f"{b}/*/*.pt"))
+    for rel in files:
+        x = tensor_leaves(torch.load(a / rel, weights_only=False))
+        y = tensor_leaves(torch.load(b / rel, weights_only=False))
+        assert sorted(x) == sorted(y), rel
+        for key in x:
+            left, right = x[key], y[key]
+            if rel.name.startswith("zero_pp_rank_") and (".fp32_flat_groups." in key or ".frozen_param_fragments." in key):
+                rank = int(rel.name.split("_")[3])
+                mask = stage3_padding(a / rel.parent / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", world, rank)[key]
+                left, right = left[~mask], right[~mask]
+            assert left.dtype == right.dtype and torch.equal(left, right), f"{rel}: {key}"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("via", ["reshard", "back"])
+def test_deepspeed_resumes_exactly(runs, stage, via):
+    """Straight 6 steps == 3 steps, ckpt (reshard to 2 ranks, or to dcp and back), plain load_checkpoint, 3 steps."""
+    straight, resumed = runs / f"ds{stage}" / "final", runs / f"ds{stage}-{via}-run" / "final"
+    assert_same_deepspeed_state(straight, resumed, 2)
+    assert json.loads((runs / f"ds{stage}-{via}-run/losses.json").read_text()) == json.loads((runs / f"ds{stage}/losses.json").read_text())
+
+
+@pytest.mark.parametrize("via", ["reshard", "back"])
+def test_fsdp2_resumes_exactly(runs, via):
+    """Straight 6 steps == 3 steps, ckpt (reshard to 2 ranks, or to DeepSpeed ZeRO-2 and back), dcp.load, 3 steps."""
+    want = torch.load(runs / "fsdp/final.pt", weights_only=True)
+    got = torch.load(runs / f"fsdp-{via}-run/final.pt", weights_only=True)
+    assert sorted(want) == sorted(got)
+    for key in want:
+        assert got[key] == want[key] if key == "lr" else torch.equal(got[key], want[key]), key
+    for rank in (0, 1):  # per-rank values come back to their own ranks
+        loaded = json.loads((runs / f"fsdp-{via}-run/loaded-dataloader-rank{rank}.json").read_text())
+        assert loaded == {"offset": 6, f"dp_rank_{rank}": {"position": 100 * rank + 3}}
+
+
+def universal(tag_folder: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """DeepSpeed's own per-parameter extraction of a ZeRO checkpoint: name -> {fp32, exp_avg, exp_avg_sq, step}."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(tag_folder),
+            "--output_folder",
+            str(out),
+            "--inject_missing_state",
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    params = {}
+    for param in (p for p in (out / "zero").iterdir() if p.is_dir() and (p / "exp_avg.pt").exists()):
+        loaded = {f.stem: torch.load(f, weights_only=False) for f in param.iterdir()}
+        params[param.name] = {k: v["param"] if isinstance(v, dict) else v for k, v in loaded.items()}
+    return params
+
+
+def group_lrs_and_steps(optim_file: Path) -> tuple[list[float], list[float]]:
+    """DeepSpeed's base optimizer: each param group's lr and Adam step, as saved."""
+    osd = torch.load(optim_file, weights_only=False)["optimizer_state_dict"]
+    inner = osd.get("base_optimizer_state") or osd["optimizer_state_dict"]
+    return [g["lr"] for g in inner["param_groups"]], [float(s["step"]) for s in inner["state"].values()]
+
+
+def assert_losses_close(got: Path, want: Path) -> None:
+    a, b = json.loads(got.read_text()), json.loads(want.read_text())
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert math.isclose(x, y, rel_tol=LOSS_RTOL), (a, b)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_to_fsdp2_at_another_world_size(runs, tmp_path, stage):
+    """DeepSpeed ZeRO-{2,3} on 2 ranks -> convert --to dcp --world-size 3 -> FSDP2 on 3 ranks."""
+    reference = universal(runs / f"ds{stage}/at3/global_step3", tmp_path / "universal")
+    loaded = torch.load(runs / f"ds{stage}-dcp3-run/loaded.pt", weights_only=True)
+    assert len(reference) == 7
+    for name, state in reference.items():
+        fp32 = loaded[f"model.{name}"]
+        assert torch.equal(fp32, state["fp32"].reshape(fp32.shape)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine = loaded[f"optim.{name}.{key}"]
+            assert torch.equal(mine, state[key].reshape(mine.shape)), (name, key)
+        assert float(loaded[f"optim.{name}.step"]) == 3.0, name
+    lrs, steps = group_lrs_and_steps(runs / f"ds{stage}/at3/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert loaded["lr"] == lrs and steps == [3.0, 3.0]
+    assert torch.equal(loaded["model.head.weight"], loaded["model.embed.weight"])  # the tie survives
+    assert_losses_close(runs / f"ds{stage}-dcp3-run/losses.json", runs / f"ds{stage}/losses.json")
+    for rank in range(3):
+        assert json.loads((runs / f"ds{stage}-dcp3-run/loaded-dataloader-rank{rank}.json").read_text()) == {"offset": 6}
+
+
+def test_fsdp2_to_deepspeed_at_another_world_size(runs, tmp_path):
+    """FSDP2 on 2 ranks -> convert --to deepspeed --world-size 3 --ds-config -> DeepSpeed ZeRO-2 on 3 ranks
+    (read back by ds_to_universal from what the loaded engine saves)."""
+    source = torch.load(runs / "fsdp/at3.pt", weights_only=True)
+    loaded = universal(runs / "fsdp-ds3-run/loaded/global_step3", tmp_path / "universal")
+    assert len(loaded) == 7
+    for name, state in loaded.items():
+        want = source[f"model.{name}"]
+        assert torch.equal(state["fp32"].reshape(want.shape), want), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = source[f"optim.{name}.{key}"]
+            assert torch.equal(state[key].reshape(want.shape), want), (name, key)
+        assert float(state["step"]) == float(source[f"optim.{name}.step"]) == 3.0
+    lrs, steps = group_lrs_and_steps(runs / "fsdp-ds3-run/loaded/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert lrs == source["lr"] and steps == [3.0, 3.0]
+    assert_losses_close(runs / "fsdp-ds3-run/losses.json", runs / "fsdp/losses.json")
+    # Per-rank values under 3 ranks, rule 'wrap': rank 2 takes rank 0's; DeepSpeed hands every rank the client state.
+    loaded_client = json.loads((runs / "fsdp-ds3-run/loaded-dataloader-rank0.json").read_text())
+    assert loaded_client == {"offset": 6, **{f"dp_rank_{r}": {"position": 100 * (r % 2) + 3} for r in range(3)}}
+
+
+def test_dcp_reshard_applies_the_per_rank_rule(runs, ckpt, tmp_path):
+    for rank in range(3):  # FSDP2 on 3 ranks, each reading its own dp_rank_R (rank 2 wraps to rank 0)
+        loaded = json.loads((runs / f"fsdp-reshard3-run/loaded-dataloader-rank{rank}.json").read_text())
+        assert loaded == {"offset": 6, f"dp_rank_{rank}": {"position": 100 * (rank % 2) + 3}}
+    res = ckpt("reshard", runs / "fsdp/at3", tmp_path / "first", "--world-size", "3", "--per-rank-state", "first")
+    assert res.code == 0 and "rule 'first'" in res.err
+    doc = json.loads(ckpt("inspect", tmp_path / "first", "--json").out)
+    assert doc["training_state"]["dataloader"]["dp_rank_2.position"] == 3
+    res = ckpt("reshard", runs / "fsdp/at3", tmp_path / "drop", "--world-size", "3", "--per-rank-state", "drop")
+    assert res.code == 0 and "left out" in res.err
+    doc = json.loads(ckpt("inspect", tmp_path / "drop", "--json").out)
+    assert doc["training_state"]["dataloader"] == {"offset": 6}
+
+
+def test_dcp_from_deepspeed_has_fsdp2s_layout(runs):
+    """Same keys, shapes, dtypes and chunks as FSDP2 + get_state_dict saves for the same model on 2 ranks."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def layout(path: Path) -> dict[str, object]:
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        out: dict[str, object] = {}
+        for key, md in meta.items():
+            if key.startswith(("model.", "optim.")):
+                chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks] if hasattr(md, "chunks") else None
+                out[key] = (tuple(md.size), md.properties.dtype, sorted(chunks)) if chunks is not None else "bytes"
+        return out
+
+    assert layout(runs / "ds2-dcp2") == layout(runs / "fsdp/at3")
+
+
+@pytest.mark.parametrize("src", ["ds2-dcp3", "fsdp-ds3"])
+def test_inspect_shows_carried_training_state(runs, ckpt, src):
+    doc = json.loads(ckpt("inspect", runs / src, "--json").out)
+    state = doc["training_state"]
+    assert doc["step"] == 3
+    assert state["optimizer"]["states"] == ["exp_avg", "exp_avg_sq", "step"] and state["optimizer"]["param_groups"] == 2
+    assert state["lr_scheduler"]["last_epoch"] == 3
+    assert state["dataloader"]["offset"] == 6
+
+
+def test_torchtitan_layout_round_trip(runs, ckpt, tmp_path):
+    """--layout torchtitan: model keys at the top, optimizer flattened per parameter; read back, detected, and
+    converted to DeepSpeed it gives the very files the get_state_dict layout gives."""
+    res = ckpt("convert", runs / "ds2/at3", tmp_path / "titan", "--to", "dcp", "--world-size", "2", "--layout", "torchtitan")
+    assert res.code == 0, res.err
+    doc = json.loads(ckpt("inspect", tmp_path / "titan", "--json").out)
+    names = {t["name"] for t in doc["tensors"]}
+    assert "embed.weight" in names and "optimizer.state.embed.weight.exp_avg" in names and doc["details"]["key_layout"] == "torchtitan"
+    config = runs / "ds2.json"
+    for name, src in (("a", tmp_path / "titan"), ("b", runs / "ds2-dcp2")):
+        res = ckpt("convert", src, tmp_path / name, "--to", "deepspeed", "--world-size", "2", "--ds-config", config)
+        assert res.code == 0, res.err
+    files = sorted((tmp_path / "a").rglob("*.pt"))
+    assert len(files) == 3
+    for f in files:  # the same trees (pickle memo sharing of equal values may differ byte-wise)
+        a = torch.load(f, weights_only=False)
+        b = torch.load(tmp_path / "b" / f.relative_to(tmp_path / "a"), weights_only=False)
+        assert plain(a) == plain(b), f
+
+
+def plain(tree: object) -> object:
+    """A comparable copy: tensors as (dtype, shape, bytes), DeepSpeed objects as their attributes."""
+    if isinstance(tree, torch.Tensor):
+        return str(tree.dtype), tuple(tree.shape), tree.contiguous().view(-1).view(torch.uint8).tolist()
+    if isinstance(tree, dict):
+        return {k: plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [plain(v) for v in tree]
+    if hasattr(tree, "__dict__"):
+        return type(tree).__name__, plain(vars(tree))
+    return tree
+
+
+def test_name_mapping(runs, ckpt, tmp_path):
+    """Renames apply to weights, optimizer state and param groups alike, shown by --dry-run; a YAML map adds ties."""
+    res = ckpt("convert", runs / "ds2/at3", tmp_path / "wrapped", "--to", "dcp", "--world-size", "2", "--rename", "^=_orig_mod.module.")
+    assert res.code == 0, res.err
+    doc = json.loads(ckpt("inspect", tmp_path / "wrapped", "--json").out)
+    assert "model._orig_mod.module.embed.weight" in {t["name"] for t in doc["tensors"]}
+    name_map = tmp_path / "names.yaml"
+    name_map.write_text("rename:\n  - {from: '^module\\.', to: ''}\ntied:\n  head.weight: embed.weight\n")
+    args = ["convert", tmp_path / "wrapped", tmp_path / "ds", "--to", "deepspeed", "--world-size", "2", "--ds-config", runs / "ds2.json"]
+    res = ckpt(*args, "--name-map", name_map, "--dry-run")
+    assert res.code == 0 and "drop segments _orig_mod" in res.out and "rename /^module\\./" in res.out and "tie head.weight" in res.out
+    assert ckpt(*args, "--name-map", name_map).code == 0
+    model = torch.load(tmp_path / "ds/global_step3/mp_rank_00_model_states.pt", weights_only=False)
+    assert model["shared_params"] == {"head.weight": "embed.weight"} and "embed.weight" in model["param_shapes"][0]
+    assert "head.weight" not in model["frozen_param_shapes"]
+
+
+def test_refusals(runs, ckpt, tmp_path, mixed_files):
+    ds_config = tmp_path / "fp16.json"
+    ds_config.write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
+    cases = [
+        (("convert", runs / "fsdp/at3", tmp_path / "x", "--to", "deepspeed", "--world-size", "2"), "--zero-stage"),
+        (("convert", runs / "fsdp/at3", tmp_path / "x", "--to", "deepspeed", "--world-size", "2", "--ds-config", ds_config), "fp16"),
+        (
+            (
+                "convert",
+                runs / "fsdp/at3",
+                tmp_path / "x",
+                "--to",
+                "deepspeed",
+                "--world-size",
+                "2",
+                "--zero-stage",
+                "3",
+                "--ds-config",
+                runs / "ds2.json",
+            ),
+            "disagrees",
+        ),
+        (
+            ("convert", mixed_files["torch"], tmp_path / "x", "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2"),
+            "no optimizer state",
+        ),
+        (("convert", runs / "ds2/at3", tmp_path / "x", "--to", "dcp", "--world-size", "2", "--layout", "megatron"), "--layout"),
+        (("convert", runs / "ds2/at3", tmp_path / "x", "--to", "dcp", "--world-size", "2", "--rename", "(=x"), "bad regular expression"),
+        (
+            (
+                "convert",
+                runs / "ds2/at3",
+                tmp_path / "x",
+                "--to",
+                "dcp",
+                "--world-size",
+                "2",
+                "--select",
+                "embed*",
+                "--layout",
+                "torchtitan",
+            ),
+            "--select",
+        ),
+        (
+            ("convert", runs / "ds2/at3", tmp_path / "x", "--to", "dcp", "--world-size", "2", "--name-map", tmp_path / "none.yaml"),
+            "name map",
+        ),
+    ]
+    for args, needle in cases:
+        res = ckpt(*args)
+        assert res.code == 2 and needle in res.err and "Traceback" not in res.err, (args, res.err)
+        assert not (tmp_path / "x").exists()
