@@ -47,6 +47,7 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("resume")
     for stage in (2, 3):
         (root / f"ds{stage}.json").write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": stage}}))
+    (root / "ds2-bf16.json").write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
     r = lambda name: root / name  # noqa: E731
     torchrun(2, "resume.py", f"ds:2:{r('ds2.json')}:{r('ds2')}", f"ds:3:{r('ds3.json')}:{r('ds3')}", f"fsdp:{r('fsdp')}")
     for stage in (2, 3):
@@ -70,12 +71,14 @@ def runs(tmp_path_factory) -> Path:
     cli("convert", fsdp, r("fsdp-ds"), "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2", "--ds-config", r("ds2.json"))
     cli("convert", r("fsdp-ds"), r("fsdp-back"), "--to", "dcp", "--world-size", "2")
     cli("convert", fsdp, r("fsdp-ds3"), "--to", "deepspeed", "--world-size", "3", "--ds-config", r("ds2.json"))
+    cli("convert", fsdp, r("fsdp-bf16"), "--to", "deepspeed", "--world-size", "2", "--ds-config", r("ds2-bf16.json"))
     cli("reshard", fsdp, r("fsdp-reshard3"), "--world-size", "3")
     torchrun(
         2,
         "resume.py",
         *(f"ds:{s}:{r(f'ds{s}.json')}:{r(f'ds{s}-{v}-run')}:{r(f'ds{s}-{v}')}" for s in (2, 3) for v in ("reshard", "back")),
         *(f"fsdp:{r(f'fsdp-{v}-run')}:{r(f'fsdp-{v}')}" for v in ("reshard", "back")),
+        f"ds:2:{r('ds2-bf16.json')}:{r('fsdp-bf16-run')}:{r('fsdp-bf16')}",
     )
     torchrun(
         3,
@@ -239,6 +242,23 @@ def test_fsdp2_to_deepspeed_at_another_world_size(runs, tmp_path):
     # Per-rank values under 3 ranks, rule 'wrap': rank 2 takes rank 0's; DeepSpeed hands every rank the client state.
     loaded_client = json.loads((runs / "fsdp-ds3-run/loaded-dataloader-rank0.json").read_text())
     assert loaded_client == {"offset": 6, **{f"dp_rank_{r}": {"position": 100 * (r % 2) + 3} for r in range(3)}}
+
+
+def test_fsdp2_to_deepspeed_bf16(runs, tmp_path):
+    """The precision comes from --ds-config: a bf16 ZeRO-2 engine loads the fp32 masters and moments exactly
+    (its module weights are their bf16 casts) and trains on, close to the fp32 run."""
+    source = torch.load(runs / "fsdp/at3.pt", weights_only=True)
+    loaded = universal(runs / "fsdp-bf16-run/loaded/global_step3", tmp_path / "universal")
+    for name, state in loaded.items():
+        for key, prefix in (("fp32", "model"), ("exp_avg", "optim"), ("exp_avg_sq", "optim")):
+            want = source[f"{prefix}.{name}" if key == "fp32" else f"optim.{name}.{key}"]
+            assert torch.equal(state[key].reshape(want.shape), want), (name, key)
+    module = torch.load(runs / "fsdp-bf16/global_step3/mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert module["block.0.weight"].dtype == torch.bfloat16
+    assert torch.equal(module["block.0.weight"], source["model.block.0.weight"].to(torch.bfloat16))
+    got = json.loads((runs / "fsdp-bf16-run/losses.json").read_text())
+    want = json.loads((runs / "fsdp/losses.json").read_text())
+    assert all(math.isclose(a, b, rel_tol=0.05) for a, b in zip(got, want)), (got, want)
 
 
 def test_dcp_reshard_applies_the_per_rank_rule(runs, ckpt, tmp_path):

@@ -168,7 +168,7 @@ def build(state: TrainingState, tgt: Target, tag: str, rule: str) -> Checkpoint:
         {0: TreeFile(model_tree)},
         {0: TreeFile(optim_tree)},
         BuiltLayout(shapes),
-        "",
+        "bf16_" if tgt.precision == "bf16" else "",  # engine._get_zero_ckpt_name: bf16 runs prefix the files
         {n: t.dtype for n, t in tensors.items()},
     )
     ckpt.source = src

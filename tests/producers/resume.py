@@ -44,7 +44,7 @@ class Net(nn.Module):
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 12))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids) * self.scale
+        x = (self.embed(ids) * self.scale).to(self.block[0].weight.dtype)  # bf16 engines cast params, not buffers
         x = x + self.block(x) + self.frozen(x).sum(-1, keepdim=True)
         return self.head(x)
 
