@@ -42,7 +42,7 @@ def test_usage_errors_exit_2(ckpt, small, tmp_path):
     res = ckpt("reshard", small, tmp_path / "o", "--world-size", "2")
     assert res.code == 2 and "split" in res.err
     res = ckpt("convert", small, tmp_path / "o", "--to", "deepspeed", "--world-size", "2")
-    assert res.code == 2 and "not supported yet" in res.err
+    assert res.code == 2 and "no optimizer state" in res.err
 
 
 def test_refuses_to_overwrite_and_replaces_with_overwrite(ckpt, small, tmp_path):

@@ -66,6 +66,7 @@ def runs(tmp_path_factory) -> Path:
             r(f"ds{stage}.json"),
         )
         cli("convert", src, r(f"ds{stage}-dcp3"), "--to", "dcp", "--world-size", "3")
+    cli("convert", r("ds2") / "at3", r("ds2-to3"), "--to", "deepspeed", "--world-size", "2", "--ds-config", r("ds3.json"))
     fsdp = r("fsdp") / "at3"
     cli("reshard", fsdp, r("fsdp-reshard"), "--world-size", "2")
     cli("convert", fsdp, r("fsdp-ds"), "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2", "--ds-config", r("ds2.json"))
@@ -79,6 +80,7 @@ def runs(tmp_path_factory) -> Path:
         *(f"ds:{s}:{r(f'ds{s}.json')}:{r(f'ds{s}-{v}-run')}:{r(f'ds{s}-{v}')}" for s in (2, 3) for v in ("reshard", "back")),
         *(f"fsdp:{r(f'fsdp-{v}-run')}:{r(f'fsdp-{v}')}" for v in ("reshard", "back")),
         f"ds:2:{r('ds2-bf16.json')}:{r('fsdp-bf16-run')}:{r('fsdp-bf16')}",
+        f"ds:3:{r('ds3.json')}:{r('ds2-to3-run')}:{r('ds2-to3')}",
     )
     torchrun(
         3,
@@ -242,6 +244,17 @@ def test_fsdp2_to_deepspeed_at_another_world_size(runs, tmp_path):
     # Per-rank values under 3 ranks, rule 'wrap': rank 2 takes rank 0's; DeepSpeed hands every rank the client state.
     loaded_client = json.loads((runs / "fsdp-ds3-run/loaded-dataloader-rank0.json").read_text())
     assert loaded_client == {"offset": 6, **{f"dp_rank_{r}": {"position": 100 * (r % 2) + 3} for r in range(3)}}
+
+
+def test_deepspeed_stage_change(runs, tmp_path):
+    """ZeRO-2 -> convert --to deepspeed --ds-config (stage 3) -> a ZeRO-3 engine loads the same state and trains on."""
+    before = universal(runs / "ds2/at3/global_step3", tmp_path / "before")
+    after = universal(runs / "ds2-to3-run/loaded/global_step3", tmp_path / "after")
+    assert sorted(before) == sorted(after) and len(before) == 7
+    for name in before:
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(after[name][key].flatten(), before[name][key].flatten()), (name, key)
+    assert_losses_close(runs / "ds2-to3-run/losses.json", runs / "ds2/losses.json")
 
 
 def test_fsdp2_to_deepspeed_bf16(runs, tmp_path):

@@ -143,8 +143,8 @@ def from_checkpoint(ckpt: Checkpoint, names: NameMap) -> TrainingState:
         state = _from_nested(ckpt, None, "optimizer")
     else:
         raise UsageError(
-            f"{ckpt.path}: no optimizer state under 'optim' (get_state_dict) or 'optimizer' (torchtitan); "
-            "a run's training state cannot be carried (use --weights-only for the weights)"
+            f"{ckpt.path}: no optimizer state under 'optim' (get_state_dict) or 'optimizer' (torchtitan): "
+            "there is no training state to carry"
         )
     if not state.moments:
         raise UsageError(f"{ckpt.path}: the optimizer holds no per-parameter state (saved before the first step?)")
