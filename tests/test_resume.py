@@ -161,6 +161,7 @@ def test_fsdp2_resumes_exactly(runs, via):
     for rank in (0, 1):  # per-rank values come back to their own ranks
         loaded = json.loads((runs / f"fsdp-{via}-run/loaded-dataloader-rank{rank}.json").read_text())
         assert loaded == {"offset": 6, f"dp_rank_{rank}": {"position": 100 * rank + 3}}
+        assert json.loads((runs / f"fsdp-{via}-run/loaded-rng-rank{rank}.json").read_text()) == [rank]
 
 
 def universal(tag_folder: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -278,8 +279,9 @@ def test_dcp_reshard_applies_the_per_rank_rule(runs, ckpt, tmp_path):
     for rank in range(3):  # FSDP2 on 3 ranks, each reading its own dp_rank_R (rank 2 wraps to rank 0)
         loaded = json.loads((runs / f"fsdp-reshard3-run/loaded-dataloader-rank{rank}.json").read_text())
         assert loaded == {"offset": 6, f"dp_rank_{rank}": {"position": 100 * (rank % 2) + 3}}
+        assert json.loads((runs / f"fsdp-reshard3-run/loaded-rng-rank{rank}.json").read_text()) == [rank % 2]
     res = ckpt("reshard", runs / "fsdp/at3", tmp_path / "first", "--world-size", "3", "--per-rank-state", "first")
-    assert res.code == 0 and "rule 'first'" in res.err
+    assert res.code == 0 and "per-rank state dataloader.dp_rank_{}.position, rng.rank_{} (2 ranks -> 3): rule 'first'" in res.err
     doc = json.loads(ckpt("inspect", tmp_path / "first", "--json").out)
     assert doc["training_state"]["dataloader"]["dp_rank_2.position"] == 3
     res = ckpt("reshard", runs / "fsdp/at3", tmp_path / "drop", "--world-size", "3", "--per-rank-state", "drop")

@@ -264,6 +264,7 @@ class DeepSpeedReader:
                 tensors[alias] = TensorEntry(alias, tensors[owner].dtype, tensors[owner].shape, "model", tensors[owner].pieces)
         tensors.update(layout.optimizer_tensors())
         tensors.update(self._training_dtype_weights(first_model, stage))
+        tensors.update(self._client_tensors(first_model))
         objects = self._objects(model, layout.param_groups())
         files = [first_model.path] + [m.path for r, m in sorted(models.items()) if m.path != first_model.path]
         files += [o.path for _, o in sorted(optims.items())]
@@ -346,6 +347,18 @@ class DeepSpeedReader:
                 out[path_name(path)] = TensorEntry(
                     path_name(path), ref.dtype, ref.shape, "other", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))], path
                 )
+        return out
+
+    def _client_tensors(self, first: RankFile) -> dict[str, TensorEntry]:
+        """Tensors in the client state (a per-rank RNG state, say), as saved by rank 0."""
+        rest = {k: v for k, v in first.tree.items() if k not in LAYOUT_KEYS}
+        refs, _, _ = flatten(rest, lambda v: isinstance(v, TensorRef), "model states") if rest else ([], [], {})
+        out = {}
+        for path, ref in refs:
+            name = path_name(path)
+            out[name] = TensorEntry(
+                name, ref.dtype, ref.shape, "other", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))], path
+            )
         return out
 
     def _objects(self, model: dict[str, Any], param_groups: list[dict[str, Any]]) -> dict[str, ObjectEntry]:

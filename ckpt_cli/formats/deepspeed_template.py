@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import dtypes
-from ckpt_cli.core.model import Checkpoint, Opaque, TensorEntry, concat_flat
+from ckpt_cli.core.model import Checkpoint, ObjectEntry, Opaque, TensorEntry, concat_flat
 from ckpt_cli.core.safe_pickle import TorchSize
 from ckpt_cli.core.tree import unflatten
 from ckpt_cli.errors import UsageError
@@ -148,8 +148,8 @@ def build(state: TrainingState, tgt: Target, tag: str, rule: str) -> Checkpoint:
         if tensors[p].dtype != dtypes.FLOAT32 or any(e.dtype != dtypes.FLOAT32 for e in state.moments[p].values() if e.shape):
             raise UsageError(f"{p}: DeepSpeed keeps fp32 master weights and moments; the source holds {tensors[p].dtype.name}")
     training_dtype = dtypes.BY_NAME["bfloat16"] if tgt.precision == "bf16" else dtypes.FLOAT32
-    extras, note = apply_per_rank_rule(state.extra_objects, tgt.world, rule)
-    opaque = [o.name for o in extras if isinstance(o.value, Opaque)]
+    extras, note = apply_per_rank_rule([*state.extra_objects, *state.extra_tensors], tgt.world, rule)
+    opaque = [o.name for o in extras if isinstance(o, ObjectEntry) and isinstance(o.value, Opaque)]
     if opaque:
         raise UsageError(f"cannot write non-tensor values that were not parsed: {', '.join(opaque[:3])} (try --trust-pickle)")
     model_tree = _model_states(state, tgt, shapes, frozen, extras, training_dtype)
@@ -218,7 +218,7 @@ def _model_states(
         "ds_config": tgt.config,
         "ds_version": DS_VERSION,
     }
-    client = _nest([(o.path, o.value) for o in extras] + [(t.path, t) for t in state.extra_tensors])
+    client = _nest([(e.path, e.value if isinstance(e, ObjectEntry) else e) for e in extras])
     if "lr_scheduler" in client:
         tree["lr_scheduler"] = client.pop("lr_scheduler")
     tree.update(client)  # engine.save_checkpoint: state.update(client_state)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ckpt_cli.core.executor import BLOCK_BYTES, Progress, execute
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Checkpoint
+from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
 from ckpt_cli.core.plan import TensorData, WritePlan
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
@@ -118,9 +118,13 @@ def training_view(ckpt: Checkpoint, to: str, t: transform.Transform, write: Writ
 
 
 def _rekey_per_rank(view: Checkpoint, world: int, rule: str) -> None:
-    objects, note = crossframework.apply_per_rank_rule(list(view.objects.values()), world, rule)
+    """Per-rank values (dataloader positions, RNG states) re-keyed for the new world size by `rule`."""
+    extras = [*view.objects.values(), *(t for t in view.tensors.values() if t.role == "other")]
+    entries, note = crossframework.apply_per_rank_rule(extras, world, rule)
     if note:
-        view.objects = {o.name: o for o in objects}
+        view.objects = {e.name: e for e in entries if isinstance(e, ObjectEntry)}
+        kept = {e.name: e for e in entries if isinstance(e, TensorEntry)}
+        view.tensors = {n: t for n, t in view.tensors.items() if t.role != "other"} | kept
         view.notes.append(note)
 
 

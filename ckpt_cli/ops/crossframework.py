@@ -15,7 +15,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.tree import path_name
@@ -29,7 +29,7 @@ LAYOUTS = ("get_state_dict", "torchtitan")
 # torch.compile, activation checkpointing, FSDP1. get_state_dict drops them the same way.
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 PER_RANK_RULES = ("wrap", "first", "drop")
-_RANK_KEY = re.compile(r"^((?:dp_)?rank_?)(\d+)$")
+_RANK_KEY = re.compile(r"^((?:.*[_.-])?(?:dp_)?rank_?)(\d+)$")  # rank_3, dp_rank_3, rng_rank3
 # DeepSpeed engine bookkeeping with no meaning outside DeepSpeed (recomputed when writing DeepSpeed).
 _DS_ENGINE_ONLY = ("skipped_steps", "global_samples", "data_sampler", "random_ltd", "dp_world_size", "mp_world_size")
 
@@ -200,13 +200,14 @@ def _from_deepspeed(ckpt: Checkpoint) -> TrainingState:
         for o in ckpt.objects.values()
         if o.name != "optimizer.param_groups" and str(o.path[0]) not in _DS_ENGINE_ONLY and str(o.path[0]) != "global_steps"
     ]
+    client_tensors = [t for t in ckpt.tensors.values() if t.role == "other" and t.path[0] != "module"]
     state = TrainingState(
         weights,
         moments,
         groups,
         ckpt.step,
         objects,
-        [],
+        client_tensors,
         buffers=set(model_tree.get("buffer_names") or []),
         tied=dict(model_tree.get("shared_params") or {}),
     )
@@ -286,28 +287,41 @@ def _param_groups(objects: list[ObjectEntry], where: str) -> list[dict[str, Any]
 # ---- writing DCP -------------------------------------------------------------------------------
 
 
-def per_rank_entries(objects: list[ObjectEntry]) -> dict[tuple[PathKey, int], dict[int, ObjectEntry]]:
-    """Values saved once per rank, recognised by a `rank_R` / `dp_rank_R` key: (path template, position) -> rank -> entry."""
-    found: dict[tuple[PathKey, int], dict[int, ObjectEntry]] = {}
-    for obj in objects:
-        for i, part in enumerate(obj.path):
+Entry = TypeVar("Entry", ObjectEntry, TensorEntry)
+
+
+def per_rank_entries(entries: list[Entry]) -> dict[tuple[PathKey, int], dict[int, Entry]]:
+    """Values saved once per rank, recognised by a `rank_R` / `dp_rank_R` / `..._rank_R` key:
+    (path template, position) -> rank -> entry."""
+    found: dict[tuple[PathKey, int], dict[int, Entry]] = {}
+    for entry in entries:
+        for i, part in enumerate(entry.path):
             m = _RANK_KEY.match(str(part))
             if m:
-                template = (*obj.path[:i], m.group(1) + "{}", *obj.path[i + 1 :])
-                found.setdefault((template, i), {})[int(m.group(2))] = obj
+                template = (*entry.path[:i], m.group(1) + "{}", *entry.path[i + 1 :])
+                found.setdefault((template, i), {})[int(m.group(2))] = entry
                 break
     return found
 
 
-def apply_per_rank_rule(objects: list[ObjectEntry], world: int, rule: str) -> tuple[list[ObjectEntry], str | None]:
-    """Re-key per-rank values for `world` ranks: 'wrap' (new rank r takes old rank r mod W), 'first'
-    (every rank takes rank 0's) or 'drop'. Returns the new list and the rule as printed."""
-    groups = per_rank_entries(objects)
-    if not groups or (rule == "wrap" and max(max(r) + 1 for r in groups.values()) == world):
-        return objects, None  # nothing per rank, or every rank keeps its own
-    ids = {id(o) for ranks in groups.values() for o in ranks.values()}
-    out = [o for o in objects if id(o) not in ids]
-    old = max(max(r) + 1 for r in groups.values())
+def _rekeyed(entry: Entry, path: PathKey) -> Entry:
+    if isinstance(entry, ObjectEntry):
+        return dataclasses.replace(entry, name=path_name(path), path=path, raw=None)  # re-pickled under its new key
+    return dataclasses.replace(entry, name=path_name(path), path=path)
+
+
+def apply_per_rank_rule(entries: list[Entry], world: int, rule: str) -> tuple[list[Entry], str | None]:
+    """Re-key per-rank values (objects or tensors, e.g. RNG states) for `world` ranks: 'wrap' (new rank r
+    takes old rank r mod W), 'first' (every rank takes rank 0's) or 'drop'. Returns the new list and the
+    rule as printed (None when nothing changes)."""
+    groups = per_rank_entries(entries)
+    if not groups:
+        return entries, None
+    old = max(max(ranks) + 1 for ranks in groups.values())
+    if rule == "wrap" and old == world:
+        return entries, None  # every rank keeps its own
+    ids = {id(e) for ranks in groups.values() for e in ranks.values()}
+    out = [e for e in entries if id(e) not in ids]
     for (template, pos), ranks in groups.items():
         if rule == "drop":
             continue
@@ -316,8 +330,7 @@ def apply_per_rank_rule(objects: list[ObjectEntry], world: int, rule: str) -> tu
             if src is ranks.get(r):
                 out.append(src)  # this rank keeps its own value (as saved)
                 continue
-            path = (*template[:pos], str(template[pos]).format(r), *template[pos + 1 :])
-            out.append(dataclasses.replace(src, name=path_name(path), path=path, raw=None))
+            out.append(_rekeyed(src, (*template[:pos], str(template[pos]).format(r), *template[pos + 1 :])))
     names = sorted({path_name(t) for t, _ in groups})
     how = {
         "wrap": f"new rank r takes old rank r mod {old}",
@@ -357,11 +370,12 @@ def to_dcp(state: TrainingState, layout: str, world: int, rule: str) -> Checkpoi
         containers[("optim", "param_groups")] = "list"
     if state.step is not None:
         put_object(("train_state", "step") if titan else ("step",), state.step)
-    extras, note = apply_per_rank_rule(state.extra_objects, world, rule)
-    for obj in extras:
-        objects[obj.name] = obj
-    for entry in state.extra_tensors:
-        tensors[entry.name] = entry
+    extras, note = apply_per_rank_rule([*state.extra_objects, *state.extra_tensors], world, rule)
+    for extra in extras:
+        if isinstance(extra, ObjectEntry):
+            objects[extra.name] = extra
+        else:
+            tensors[extra.name] = extra
     replicated = {path_name((fqn,) if titan else ("model", fqn)) for fqn in state.buffers}
     notes = list(state.notes)
     if note:

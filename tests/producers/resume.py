@@ -9,9 +9,9 @@ after ckpt moves it (same or other framework, same or other world size). Under t
                                       Always: save OUT/final, OUT/losses.json (steps 3-5).
     fsdp:OUT[:LOAD]                   FSDP2 + AdamW, the same recipe. Fresh: train 0-2, dcp.save
                                       OUT/at3 (get_state_dict layout + lr_scheduler, step, dataloader,
-                                      a per-rank dataloader position), OUT/at3.pt (full state), train
+                                      a per-rank dataloader position and RNG state), OUT/at3.pt, train
                                       3-5. With LOAD: dcp.load + set_state_dict, OUT/loaded.pt, each
-                                      rank's dataloader state, train 3-5.
+                                      rank's dataloader and RNG state, train 3-5.
                                       Always: OUT/final.pt (full state), OUT/losses.json.
 
 Every rank trains on the same batches at every world size, so runs at different world sizes take
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 STEPS, TOTAL = 3, 6
+RNG_SEED = 1234
 
 
 class Net(nn.Module):
@@ -156,6 +157,8 @@ def fsdp_task(out: str, load: str | None = None) -> None:
             state["dataloader"] = {"offset": -1}
         if f"dataloader.dp_rank_{rank}.position" in saved:
             state.setdefault("dataloader", {})[f"dp_rank_{rank}"] = {"position": -1}  # type: ignore[index]
+        if f"rng.rank_{rank}" in saved:
+            state["rng"] = {f"rank_{rank}": torch.zeros_like(torch.get_rng_state())}
         dcp.load(state, checkpoint_id=load)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         sched.load_state_dict(state["lr_scheduler"])  # type: ignore[arg-type]
@@ -163,6 +166,11 @@ def fsdp_task(out: str, load: str | None = None) -> None:
         assert start == STEPS, state["step"]
         with open(os.path.join(out, f"loaded-dataloader-rank{rank}.json"), "w") as f:
             json.dump(state.get("dataloader"), f)
+        if "rng" in state:  # which rank's generator state this rank got
+            got = state["rng"][f"rank_{rank}"]  # type: ignore[index]
+            seeds = [k for k in range(8) if torch.equal(got, torch.Generator().manual_seed(RNG_SEED + k).get_state())]
+            with open(os.path.join(out, f"loaded-rng-rank{rank}.json"), "w") as f:
+                json.dump(seeds, f)
         save_full(os.path.join(out, "loaded.pt"), model, opt)
     losses = []
     for step in range(start, TOTAL):
@@ -174,6 +182,7 @@ def fsdp_task(out: str, load: str | None = None) -> None:
                 "lr_scheduler": sched.state_dict(),
                 "step": STEPS,
                 "dataloader": {"offset": STEPS * 2, f"dp_rank_{rank}": {"position": 100 * rank + STEPS}},
+                "rng": {f"rank_{rank}": torch.Generator().manual_seed(RNG_SEED + rank).get_state()},  # per-rank RNG
             }
             dcp.save(state, checkpoint_id=os.path.join(out, "at3"))
             save_full(os.path.join(out, "at3.pt"), model, opt)
