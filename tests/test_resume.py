@@ -349,6 +349,27 @@ def plain(tree: object) -> object:
     return tree
 
 
+def test_real_torchtitan_layout(runs, ckpt, tmp_path):
+    """A DCP save in torchtitan's layout (real FSDP2, flatten_optimizer_state_dict=True) is detected, converts to the
+    same DeepSpeed checkpoint as the get_state_dict save of the same state, and ckpt's own torchtitan output has its keys."""
+    titan = runs / "fsdp/at3-torchtitan"
+    assert json.loads(ckpt("inspect", titan, "--json").out)["details"]["key_layout"] == "torchtitan"
+    res = ckpt("convert", titan, tmp_path / "ds", "--to", "deepspeed", "--world-size", "2", "--ds-config", runs / "ds2.json")
+    assert res.code == 0, res.err
+    for f in sorted((runs / "fsdp-ds").rglob("*.pt")):
+        got = torch.load(tmp_path / "ds" / f.relative_to(runs / "fsdp-ds"), weights_only=False)
+        want = torch.load(f, weights_only=False)
+        for tree in (got, want):  # the get_state_dict save also holds the dataloader and per-rank RNG
+            tree.pop("dataloader", None), tree.pop("rng", None)
+        assert plain(got) == plain(want), f
+    assert ckpt("convert", titan, tmp_path / "titan3", "--to", "dcp", "--world-size", "2", "--layout", "torchtitan").code == 0
+    assert ckpt("convert", runs / "ds2/at3", tmp_path / "ours", "--to", "dcp", "--world-size", "2", "--layout", "torchtitan").code == 0
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = lambda p: {k for k in FileSystemReader(str(p)).read_metadata().state_dict_metadata if not k.startswith("dataloader")}  # noqa: E731
+    assert keys(tmp_path / "ours") == keys(titan) == keys(tmp_path / "titan3")
+
+
 def test_name_mapping(runs, ckpt, tmp_path):
     """Renames apply to weights, optimizer state and param groups alike, shown by --dry-run; a YAML map adds ties."""
     res = ckpt("convert", runs / "ds2/at3", tmp_path / "wrapped", "--to", "dcp", "--world-size", "2", "--rename", "^=_orig_mod.module.")

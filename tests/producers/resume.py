@@ -9,7 +9,8 @@ after ckpt moves it (same or other framework, same or other world size). Under t
                                       Always: save OUT/final, OUT/losses.json (steps 3-5).
     fsdp:OUT[:LOAD]                   FSDP2 + AdamW, the same recipe. Fresh: train 0-2, dcp.save
                                       OUT/at3 (get_state_dict layout + lr_scheduler, step, dataloader,
-                                      a per-rank dataloader position and RNG state), OUT/at3.pt, train
+                                      a per-rank dataloader position and RNG state), OUT/at3.pt, and
+                                      OUT/at3-torchtitan (torchtitan's key layout), train
                                       3-5. With LOAD: dcp.load + set_state_dict, OUT/loaded.pt, each
                                       rank's dataloader and RNG state, train 3-5.
                                       Always: OUT/final.pt (full state), OUT/losses.json.
@@ -142,6 +143,19 @@ def save_full(path: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         torch.save(state, path)
 
 
+def save_torchtitan_layout(model: nn.Module, opt: torch.optim.Optimizer, sched: object, path: str) -> None:
+    """The same state as torchtitan's CheckpointManager saves it: model keys at the top level, the optimizer
+    flattened per parameter (flatten_optimizer_state_dict=True) under "optimizer", step under "train_state"."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    state = dict(get_model_state_dict(model))
+    state["optimizer"] = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    state["lr_scheduler"] = sched.state_dict()  # type: ignore[attr-defined]
+    state["train_state"] = {"step": STEPS}
+    dcp.save(state, checkpoint_id=path)
+
+
 def fsdp_task(out: str, load: str | None = None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -185,6 +199,7 @@ def fsdp_task(out: str, load: str | None = None) -> None:
                 "rng": {f"rank_{rank}": torch.Generator().manual_seed(RNG_SEED + rank).get_state()},  # per-rank RNG
             }
             dcp.save(state, checkpoint_id=os.path.join(out, "at3"))
+            save_torchtitan_layout(model, opt, sched, os.path.join(out, "at3-torchtitan"))
             save_full(os.path.join(out, "at3.pt"), model, opt)
         loss = loss_of(model(batch(step)), batch(step))
         loss.backward()
