@@ -1,8 +1,10 @@
-"""Build a DeepSpeed ZeRO-2 fp32 checkpoint of about SIZE_GB on disk (run under torchrun, DS_ACCELERATOR=cpu).
+"""Build a DeepSpeed ZeRO fp32 checkpoint of about SIZE_GB on disk (run under torchrun, DS_ACCELERATOR=cpu).
 
-    torchrun --nproc-per-node 2 benchmarks/deepspeed_build.py OUT SIZE_GB
+    torchrun --nproc-per-node 2 benchmarks/deepspeed_build.py OUT SIZE_GB [STAGE]
 
-On disk a ZeRO-2 fp32 checkpoint takes 16 bytes per parameter (4 in the model states, 12 in the optimizer files).
+STAGE is 2 (default) or 3. On disk a ZeRO-2 fp32 checkpoint takes 16 bytes per parameter (4 in the
+model states, 12 in the optimizer files: fp32 master weights and Adam's two moments); a ZeRO-3 one
+12 (its model states hold no weights). Layers are 4096-wide linears.
 """
 
 from __future__ import annotations
@@ -13,15 +15,24 @@ import deepspeed
 import torch
 from torch import nn
 
+BYTES_PER_PARAM = {2: 16, 3: 12}
 
-def main(out: str, size_gb: float) -> None:
+
+def main(out: str, size_gb: float, stage: int) -> None:
+    if stage not in BYTES_PER_PARAM:
+        raise SystemExit(f"ZeRO stage must be 2 or 3, not {stage}")
     deepspeed.init_distributed(dist_backend="gloo")
     width = 4096
-    layers = max(1, round(size_gb * 1e9 / 16 / (width * width)))
+    layers = max(1, round(size_gb * 1e9 / BYTES_PER_PARAM[stage] / (width * width)))
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1000,
+    }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     engine.backward(engine(torch.randn(1, width)).sum())
     engine.step()
@@ -29,4 +40,4 @@ def main(out: str, size_gb: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 2)
