@@ -161,7 +161,9 @@ def test_demo_writes_every_format_and_every_command_works(ckpt, tmp_path):
         assert ckpt("inspect", demo / sample).code == 0
         assert ckpt("verify", demo / sample, "--deep", "--finite").code == 0
     assert ckpt("verify", demo / "hf", "--against", demo / "model.safetensors").code == 0
-    assert ckpt("verify", demo / "dcp", "--against", demo / "training_state.pt").code == 0
+    # the demo's DCP is keyed by parameter name (get_state_dict): it moves to DeepSpeed whole
+    assert ckpt("convert", demo / "dcp", demo / "ds", "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2").code == 0
+    assert ckpt("verify", demo / "ds", "--against", demo / "dcp").code == 0
     assert ckpt("reshard", demo / "dcp", tmp_path / "dcp4", "--world-size", "4", "-q").code == 0
     assert ckpt("merge", demo / "hf", tmp_path / "m.pt", "-q").code == 0
     assert (

@@ -440,3 +440,13 @@ def test_refusals(runs, ckpt, tmp_path, mixed_files):
         res = ckpt(*args)
         assert res.code == 2 and needle in res.err and "Traceback" not in res.err, (args, res.err)
         assert not (tmp_path / "x").exists()
+
+
+def test_verify_against_across_frameworks(runs, ckpt):
+    """verify --against matches one run's tensors by parameter name across DeepSpeed and DCP key layouts."""
+    res = ckpt("verify", runs / "ds2-dcp3", "--against", runs / "ds2/at3")
+    assert res.code == 0 and "by parameter name (deepspeed vs get_state_dict key layouts)" in res.out, res.out + res.err
+    res = ckpt("verify", runs / "fsdp-ds3", "--against", runs / "fsdp/at3", "--json")
+    assert res.code == 0, res.out
+    res = ckpt("verify", runs / "ds2-dcp3", "--against", runs / "ds2/final")  # three steps later
+    assert res.code == 1 and "tensor 'optimizer.state.embed.weight.exp_avg': values differ" in res.out + res.err

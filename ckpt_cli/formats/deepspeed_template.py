@@ -156,7 +156,10 @@ def build(state: TrainingState, tgt: Target, tag: str, rule: str) -> Checkpoint:
     optim_tree = _optimizer_states(state, tgt, shapes)
     notes = list(state.notes) + tgt.notes
     if frozen:
-        notes.append(f"{len(frozen)} weights without optimizer state written as frozen params: {', '.join(frozen[:3])}")
+        notes.append(
+            f"written as frozen params (weights with no optimizer state): {', '.join(frozen[:3])}{' ...' if len(frozen) > 3 else ''}; "
+            "a tied alias among them is better named with --name-map 'tied:'"
+        )
     if note:
         notes.append(note)
     ckpt = Checkpoint("deepspeed", "", tensors, step=state.step, world_size=1, tag=tag, notes=notes)

@@ -135,10 +135,12 @@ def detect_layout(ckpt: Checkpoint) -> str:
 
 def from_checkpoint(ckpt: Checkpoint, names: NameMap) -> TrainingState:
     layout = detect_layout(ckpt)
+    tops = {str(e.path[0]) for e in [*ckpt.tensors.values(), *ckpt.objects.values()] if e.path}
+    optim_key = "optim" if "optim" in tops else "optimizer"  # {"model": ..., "optimizer": ...} is common too
     if layout == "deepspeed":
         state = _from_deepspeed(ckpt)
     elif layout == "get_state_dict":
-        state = _from_nested(ckpt, "model", "optim")
+        state = _from_nested(ckpt, "model", optim_key)
     elif layout == "torchtitan":
         state = _from_nested(ckpt, None, "optimizer")
     else:
@@ -148,6 +150,11 @@ def from_checkpoint(ckpt: Checkpoint, names: NameMap) -> TrainingState:
         )
     if not state.moments:
         raise UsageError(f"{ckpt.path}: the optimizer holds no per-parameter state (saved before the first step?)")
+    if all(fqn.isdigit() for fqn in state.moments) or any(not isinstance(p, str) for g in state.groups for p in g["params"]):
+        raise UsageError(
+            f"{ckpt.path}: the optimizer state is keyed by parameter index (optimizer.state_dict()), not by name; "
+            "save it with torch.distributed.checkpoint.state_dict.get_state_dict to carry it across frameworks"
+        )
     state.world_size = ckpt.world_size or 1
     state.notes.append(f"source key layout: {layout}")
     return _renamed(state, names)
@@ -229,7 +236,7 @@ def _from_nested(ckpt: Checkpoint, model_key: str | None, optim_key: str) -> Tra
             weights[path_name(entry.path[1:])] = entry
         elif model_key is None and entry.role == "model":
             weights[entry.name] = entry
-    groups = _param_groups([o for o in ckpt.objects.values() if str(o.path[0]) == optim_key], ckpt.path)
+    groups = _param_groups([o for o in ckpt.objects.values() if str(o.path[0]) == optim_key], ckpt.path) if moments else []
     skip = {optim_key, *([model_key] if model_key else [])}
     objects, tensors = _split_extras(ckpt, skip)
     step = None
@@ -264,7 +271,7 @@ def _param_groups(objects: list[ObjectEntry], where: str) -> list[dict[str, Any]
         rest = obj.path[1:]
         if len(rest) >= 3 and rest[0] == "param_groups" and isinstance(rest[1], int):
             indexed.setdefault(rest[1], {})[str(rest[2])] = obj.value
-        elif len(rest) == 2 and rest[0] == "param_groups" and isinstance(obj.value, list):
+        elif rest == ("param_groups",) and isinstance(obj.value, list):
             for i, group in enumerate(obj.value):
                 indexed[i] = dict(group)
         elif rest and path_name(rest).startswith("param_groups."):
@@ -282,6 +289,18 @@ def _param_groups(objects: list[ObjectEntry], where: str) -> list[dict[str, Any]
     if not groups:
         raise DataError(f"{where}: the optimizer state has no param_groups")
     return groups
+
+
+def by_parameter(ckpt: Checkpoint) -> Checkpoint:
+    """The checkpoint's weights and optimizer state under neutral names (FQN, optimizer.state.FQN.KEY), so that two
+    checkpoints of one run in different frameworks compare tensor by tensor."""
+    state = from_checkpoint(ckpt, NameMap())
+    tensors = {n: dataclasses.replace(e, name=n, path=(n,)) for n, e in state.weights.items()}
+    for fqn, keys in state.moments.items():
+        for key, entry in keys.items():
+            path = ("optimizer", "state", fqn, key)
+            tensors[path_name(path)] = dataclasses.replace(entry, name=path_name(path), path=path)
+    return dataclasses.replace(ckpt, tensors=tensors)
 
 
 # ---- writing DCP -------------------------------------------------------------------------------

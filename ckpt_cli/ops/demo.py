@@ -88,7 +88,11 @@ def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
             "dataloader": loader,
         }
         torch.save(state, tmp / "training_state.pt")
-        _save_dcp(state, tmp / "dcp")
+        # DCP keyed by parameter name, as get_state_dict gives it: what `convert --to deepspeed` carries over.
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        _save_dcp({**{k: v for k, v in state.items() if k not in ("model", "optimizer")}, "model": msd, "optim": osd}, tmp / "dcp")
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         weights = open_checkpoint(tmp / "model.safetensors")
         execute(hf.WRITER.plan(weights, tmp / "hf", WriteOptions(num_shards=3)))

@@ -18,6 +18,7 @@ from ckpt_cli.core.executor import SourceFiles, element_windows, read_elements, 
 from ckpt_cli.core.model import ZEROS, Checkpoint, TensorEntry
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry
+from ckpt_cli.ops import crossframework
 from ckpt_cli.ops import policy as policy_mod
 from ckpt_cli.ops.source import open_checkpoint
 
@@ -274,7 +275,12 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
             atol = rules.atol
         if rules and rules.rtol is not None and not rtol:
             rtol = rules.rtol
-        compare(ckpt, other, atol, rtol, report)
+        mine, theirs = ckpt, other
+        layouts = {crossframework.detect_layout(ckpt), crossframework.detect_layout(other)}
+        if len(layouts) == 2 and "flat" not in layouts:  # one run in two frameworks: match by parameter name
+            mine, theirs = crossframework.by_parameter(ckpt), crossframework.by_parameter(other)
+            report.checks.append(f"by parameter name ({' vs '.join(sorted(layouts))} key layouts)")
+        compare(mine, theirs, atol, rtol, report)
     if rules:
         report.problems += policy_mod.check(ckpt, rules)
         report.checks.append(f"policy {options.policy}")
