@@ -152,3 +152,14 @@ def test_safe_unpickler_refuses_globals_and_reads_plain_values():
     assert loaded["a"] == value["a"] and np.array_equal(loaded["arr"], value["arr"])
     with pytest.raises(DataError, match="unreadable pickle"):
         safe_loads(b"\x80\x02}q\x00(X", "f.pt")
+
+
+def test_key_layout():
+    """get_state_dict nests model/optim; torchtitan keeps model keys at the top (an HF model's own "model." too)."""
+    from ckpt_cli.core.roles import key_layout
+
+    assert key_layout([("model", "w"), ("optim", "state", "w", "exp_avg"), ("step",)]) == "get_state_dict"
+    assert key_layout([("model", "w"), ("optimizer", "state", "w", "exp_avg"), ("lr_scheduler", "last_epoch")]) == "get_state_dict"
+    assert key_layout([("w",), ("optimizer", "state.w.exp_avg"), ("train_state", "step")]) == "torchtitan"
+    assert key_layout([("model", "layers", "w"), ("lm_head", "w"), ("optimizer", "state.model.layers.w.exp_avg")]) == "torchtitan"
+    assert key_layout([("model", "w")]) == "get_state_dict" and key_layout([("w",)]) == "flat"

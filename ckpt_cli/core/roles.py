@@ -19,6 +19,21 @@ STEP_KEYS = ("global_step", "step", "iteration", "global_steps", "steps")
 NON_MODEL = OPTIMIZER_KEYS | SCHEDULER_KEYS | RNG_KEYS | DATALOADER_KEYS | {"client_state", "extra_state"}
 
 
+def key_layout(paths: list[PathKey]) -> str:
+    """How a training checkpoint's keys are laid out (from key paths alone):
+    'get_state_dict': the model nested under `model`, the optimizer under `optim` (or `optimizer`) with
+    `state`/`param_groups` nested, as torch's get_state_dict returns them; 'torchtitan': model keys at
+    the top level, the optimizer under `optimizer` (flattened per parameter by torchtitan); 'flat': a
+    state dict with no optimizer."""
+    tops = {str(p[0]) for p in paths if p}
+    optimizer = "optim" if "optim" in tops else "optimizer" if "optimizer" in tops else None
+    if optimizer is None:
+        return "get_state_dict" if "model" in tops else "flat"
+    rest = [p for p in paths if p and str(p[0]) not in NON_MODEL and str(p[0]) not in STEP_KEYS and str(p[0]) != "train_state"]
+    nested = bool(rest) and all(str(p[0]) == "model" and len(p) > 1 for p in rest)  # HF models have top-level "model.*" too
+    return "get_state_dict" if nested or optimizer == "optim" else "torchtitan"
+
+
 def _top(path: PathKey) -> str:
     return str(path[0]).lower() if path else ""
 

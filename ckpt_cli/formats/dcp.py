@@ -221,16 +221,6 @@ def _object(files: _Files, fqn: str, info: StorageInfoRec, options: ReadOptions)
     return value, raw
 
 
-def key_layout(paths: list[tuple[Any, ...]]) -> str:
-    """`get_state_dict` nests under model/optim; torchtitan keeps model keys at the top, optimizer under `optimizer`."""
-    tops = {str(p[0]) for p in paths if p}
-    if "model" in tops or "optim" in tops:
-        return "get_state_dict"
-    if "optimizer" in tops:
-        return "torchtitan"
-    return "flat"
-
-
 def world_size_of(storage: dict[Any, StorageInfoRec]) -> int:
     ranks = {int(m.group(1)) for info in storage.values() if (m := DATA_FILE.search(info.relative_path))}
     return max(ranks) + 1 if ranks else 1
@@ -300,7 +290,7 @@ class DCPReader:
         chunk_counts = [len(t.pieces) for t in tensors.values()]
         return {
             "dcp_version": getattr(meta, "version", None),
-            "key_layout": key_layout(list(planner.values()) or [(k,) for k in meta.state_dict_metadata]),
+            "key_layout": roles.key_layout(list(planner.values()) or [(k,) for k in meta.state_dict_metadata]),
             "planner_data": bool(planner),
             "data_files": len(data_files),
             "chunks": sum(chunk_counts),

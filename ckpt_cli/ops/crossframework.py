@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ckpt_cli.core import roles
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
@@ -125,12 +126,7 @@ def detect_layout(ckpt: Checkpoint) -> str:
     """'deepspeed', 'get_state_dict', 'torchtitan' or 'flat' (a state dict with no optimizer)."""
     if ckpt.format == "deepspeed":
         return "deepspeed"
-    tops = {str(e.path[0]) for e in [*ckpt.tensors.values(), *ckpt.objects.values()] if e.path}
-    if "model" in tops or "optim" in tops:
-        return "get_state_dict"
-    if "optimizer" in tops:
-        return "torchtitan"
-    return "flat"
+    return roles.key_layout([e.path for e in [*ckpt.tensors.values(), *ckpt.objects.values()]])
 
 
 def from_checkpoint(ckpt: Checkpoint, names: NameMap) -> TrainingState:
@@ -169,9 +165,8 @@ def _renamed(state: TrainingState, names: NameMap) -> TrainingState:
             raise UsageError(f"two weights are both named '{new}' after renaming; adjust --rename/--name-map")
         weights[new] = entry
     changed = [(a, rename(a)) for a in state.weights if rename(a) != a]
-    if changed:
-        a, b = changed[0]
-        state.notes.append(f"names: {names.describe()}: {len(changed)} renamed (e.g. {a} -> {b})")
+    example = f" (e.g. {changed[0][0]} -> {changed[0][1]})" if changed else ""
+    state.notes.append(f"names: {names.describe()}: {len(changed)} renamed{example}")
     state.weights = weights
     state.moments = {rename(k): v for k, v in state.moments.items()}
     state.groups = [{**g, "params": [rename(p) for p in g["params"]]} for g in state.groups]
