@@ -224,6 +224,15 @@ def tasks(group: str, src: Path, out: Path) -> list[Task]:
                 multi_file=True,
             ),
             Task("to_torch", "peer: dcp_to_torch_save", "peer", [PY, "-c", DCP_TO_TORCH, str(src), str(o / "peer.pt")], o / "peer.pt"),
+            Task(
+                "convert_to_deepspeed",
+                "ckpt convert --to deepspeed --zero-stage 2 --world-size 3",
+                "ckpt",
+                [*CKPT, "convert", str(src), str(o / "ds"), "--to", "deepspeed", "--zero-stage", "2", "--world-size", "3", "-q"],
+                o / "ds",
+                peer="to_torch",
+                multi_file=True,
+            ),
         ]
     else:  # deepspeed2, deepspeed3
         tag = (src / "latest").read_text().strip()
@@ -258,6 +267,15 @@ def tasks(group: str, src: Path, out: Path) -> list[Task]:
                 "ckpt",
                 [*CKPT, "reshard", str(src), str(o / "r3"), "--world-size", "3", "-q"],
                 o / "r3",
+                peer="universal",
+                multi_file=True,
+            ),
+            Task(
+                "convert_to_dcp",
+                "ckpt convert --to dcp --world-size 3 (training state)",
+                "ckpt",
+                [*CKPT, "convert", str(src), str(o / "dcp"), "--to", "dcp", "--world-size", "3", "-q"],
+                o / "dcp",
                 peer="universal",
                 multi_file=True,
             ),
