@@ -47,13 +47,6 @@ def _sync_file_range() -> Callable[[int], None]:
 start_writeback = _sync_file_range()
 
 
-def _write_all(fd: int, data: Any) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
 class SourceFiles:
     """Open file descriptors of the sources, and the one materialised non-contiguous piece."""
 
@@ -191,114 +184,243 @@ def as_bytes(tensor: Any) -> Any:
     return tensor.contiguous().view(torch.uint8).numpy()
 
 
-def _copy_range(src_fd: int, dst_fd: int, offset: int, nbytes: int, path: str, progress: Progress | None = None) -> None:
-    while nbytes:
-        try:
-            n = os.copy_file_range(src_fd, dst_fd, min(nbytes, COPY_BYTES), offset)
-        except OSError:
-            n = -1
-        if n < 0:  # not supported here (other filesystems): fall back to read/write
-            os.lseek(src_fd, offset, os.SEEK_SET)
-            chunk = os.read(src_fd, min(nbytes, BLOCK_BYTES))
-            if not chunk:
-                raise DataError(f"{path}: truncated at offset {offset}")
-            _write_all(dst_fd, chunk)
-            n = len(chunk)
-        elif n == 0:
-            raise DataError(f"{path}: truncated: expected {nbytes} more bytes at offset {offset}")
-        offset += n
-        nbytes -= n
-        if progress:
-            progress(n)
+class _Out:
+    """Positional writes into one output file from `offset` on (threads may fill other ranges of it)."""
+
+    def __init__(self, fd: int, offset: int, progress: Progress | None) -> None:
+        self.fd, self.offset, self.progress = fd, offset, progress
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.pwrite(self.fd, view, self.offset)
+            view = view[n:]
+            self.offset += n
+            if self.progress:
+                self.progress(n)
+
+    def copy(self, src_fd: int, offset: int, nbytes: int, path: str) -> None:
+        """`nbytes` of a source from `offset`, in the kernel (copy_file_range) where it can."""
+        while nbytes:
+            try:
+                n = os.copy_file_range(src_fd, self.fd, min(nbytes, COPY_BYTES), offset, self.offset)
+            except OSError:
+                n = -1
+            if n < 0:  # not supported here (other filesystems): fall back to read/write
+                chunk = os.pread(src_fd, min(nbytes, BLOCK_BYTES), offset)
+                if not chunk:
+                    raise DataError(f"{path}: truncated at offset {offset}")
+                self.write(chunk)
+                n = len(chunk)
+            elif n == 0:
+                raise DataError(f"{path}: truncated: expected {nbytes} more bytes at offset {offset}")
+            else:
+                self.offset += n
+                if self.progress:
+                    self.progress(n)
+            offset += n
+            nbytes -= n
 
 
 def _check_tiling(entry: TensorEntry, runs: list[tuple[int, int, Any, int]]) -> None:
     pos = 0
-    for gstart, length, _, _ in runs:
-        if gstart != pos:
+    for start, length, _, _ in runs:
+        if start != pos:
             break
         pos += length
     if pos != entry.numel or len(runs) and runs[-1][0] + runs[-1][1] != entry.numel:
         raise DataError(f"{entry.name}: {entry.tiling_problem() or 'pieces do not cover the tensor'}")
 
 
-def stream_tensor(seg: TensorData, fd: int, sources: SourceFiles, progress: Progress | None) -> int:
-    """Write the tensor's elements to `fd` in order; return their CRC32 (0 when not asked for).
+ByteRun = tuple[str, int, int]  # (source path, byte offset, byte count)
 
-    Stored bytes that are already what the output needs are copied as bytes: in the kernel when no
-    CRC is wanted, else through one reusable buffer. Anything else (casts, strided pieces) goes
-    through torch, one window at a time.
-    """
+
+def byte_runs(seg: TensorData) -> list[ByteRun] | None:
+    """The stored bytes that make up the segment, in order; None when a cast or a strided piece needs torch."""
     entry, dst = seg.tensor, seg.dtype
     runs = entry.runs()
     _check_tiling(entry, runs)
     if not all(p.data.dtype == dst and p.data.is_contiguous for _, _, p, _ in runs):
-        return _stream_converted(seg, fd, sources, progress)
+        return None
+    return [
+        (p.data.path, p.data.offset + (p.data.storage_offset + lstart) * dst.itemsize, length * dst.itemsize)
+        for _, length, p, lstart in runs
+    ]
+
+
+def copy_runs(runs: list[ByteRun], out: _Out, sources: SourceFiles, with_crc: bool) -> int:
+    """Copy byte runs to `out`: in the kernel when no CRC is wanted, else through the reusable buffer."""
     crc = 0
-    for _, length, piece, lstart in runs:
-        array = piece.data
-        offset = array.offset + (array.storage_offset + lstart) * dst.itemsize
-        nbytes = length * dst.itemsize
-        if seg.crc_key is None and array.path != ZEROS:
-            _copy_range(sources.fd(array.path), fd, offset, nbytes, array.path, progress)
-        else:
-            crc = _copy_with_crc(sources, array.path, offset, nbytes, fd, crc, progress)
+    for path, offset, nbytes in runs:
+        if not with_crc and path != ZEROS:
+            out.copy(sources.fd(path), offset, nbytes, path)
+            continue
+        while nbytes:
+            view = sources.read_block(path, offset, min(nbytes, BLOCK_BYTES))
+            crc = zlib.crc32(view, crc)
+            out.write(view)
+            offset += len(view)
+            nbytes -= len(view)
     return crc
 
 
-def _copy_with_crc(sources: SourceFiles, path: str, offset: int, nbytes: int, fd: int, crc: int, progress: Progress | None) -> int:
-    while nbytes:
-        view = sources.read_block(path, offset, min(nbytes, BLOCK_BYTES))
-        crc = zlib.crc32(view, crc)
-        _write_all(fd, view)
-        offset += len(view)
-        nbytes -= len(view)
-        if progress:
-            progress(len(view))
-    return crc
+def stream_tensor(seg: TensorData, out: _Out, sources: SourceFiles) -> int:
+    """Write the tensor's elements in order; return their CRC32 (0 when not asked for).
+
+    Stored bytes that are already what the output needs are copied as bytes; anything else (casts,
+    strided pieces) goes through torch, one window at a time.
+    """
+    runs = byte_runs(seg)
+    if runs is None:
+        return _stream_converted(seg, out, sources)
+    return copy_runs(runs, out, sources, seg.crc_key is not None)
 
 
-def _stream_converted(seg: TensorData, fd: int, sources: SourceFiles, progress: Progress | None) -> int:
+def _stream_converted(seg: TensorData, out: _Out, sources: SourceFiles) -> int:
     entry, dst = seg.tensor, seg.dtype
     crc = 0
     for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
-        out = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
+        data = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
         if seg.crc_key is not None:
-            crc = zlib.crc32(out, crc)
-        _write_all(fd, out)
-        if progress:
-            progress(len(out))
+            crc = zlib.crc32(data, crc)
+        out.write(data)
     return crc
 
 
-def write_file(path: Path, out: OutputFile, sources: SourceFiles, progress: Progress | None) -> None:
-    crcs: dict[str, int] = {}
+def split_runs(runs: list[ByteRun], size: int) -> list[list[ByteRun]]:
+    """Consecutive pieces of about `size` bytes (a run may be cut in two), for threads to copy at once."""
+    chunks: list[list[ByteRun]] = [[]]
+    room = size
+    for path, offset, nbytes in runs:
+        while nbytes:
+            take = min(nbytes, room)
+            chunks[-1].append((path, offset, take))
+            offset, nbytes, room = offset + take, nbytes - take, room - take
+            if not room:
+                chunks.append([])
+                room = size
+    return [c for c in chunks if c]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of A+B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's zlib lacks)."""
+
+    def times(mat: list[int], vec: int) -> int:
+        out, i = 0, 0
+        while vec:
+            if vec & 1:
+                out ^= mat[i]
+            vec >>= 1
+            i += 1
+        return out
+
+    def square(mat: list[int]) -> list[int]:
+        return [times(mat, mat[n]) for n in range(32)]
+
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = square(odd)  # two zero bits
+    odd = square(even)  # four zero bits
+    while len2:  # apply len2 zero bytes to crc1, one bit of len2 at a time
+        even = square(odd)
+        if len2 & 1:
+            crc1 = times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = square(even)
+        if len2 & 1:
+            crc1 = times(odd, crc1)
+        len2 >>= 1
+    return crc1 ^ crc2
+
+
+CHUNK_BYTES = 64 << 20  # a large tensor is cut into pieces of this size when threads share its file
+
+
+def write_file(path: Path, out: OutputFile, progress: Progress | None, threads: int = 1) -> None:
+    """Write one output file. Literal bytes go out at once; tensor data is copied by `threads` threads at
+    known offsets (large CRC-bearing tensors in CHUNK_BYTES pieces, their CRCs combined in order); the
+    CRC-dependent trailers (Deferred) come last."""
+    lock = threading.Lock()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     pending = 0
 
     def advance(nbytes: int) -> None:
         nonlocal pending
-        pending += nbytes
-        if pending >= WRITEBACK_BYTES:  # let the disk work while we produce the next bytes
+        with lock:
+            pending += nbytes
+            flush = pending >= WRITEBACK_BYTES
+            if flush:
+                pending = 0
+        if flush:  # let the disk work while we produce the next bytes
             start_writeback(fd)
-            pending = 0
         if progress:
             progress(nbytes)
 
+    jobs: list[tuple[int, int, Callable[[SourceFiles], int]]] = []  # (segment, byte count, job -> CRC)
+    deferred: list[tuple[int, Deferred]] = []
+    pos = 0
     try:
-        for seg in out.segments:
+        for index, seg in enumerate(out.segments):
             if isinstance(seg, Literal):
-                _write_all(fd, seg.data)
+                _Out(fd, pos, None).write(seg.data)
             elif isinstance(seg, TensorData):
-                crc = stream_tensor(seg, fd, sources, advance)
-                if seg.crc_key is not None:
-                    crcs[seg.crc_key] = crc
+                jobs += _tensor_jobs(index, seg, fd, pos, advance, threads)
             elif isinstance(seg, Deferred):
-                data = seg.build(crcs)
-                assert len(data) == seg.size, "deferred segment size differs from its plan"
-                _write_all(fd, data)
+                deferred.append((pos, seg))
+            pos += seg.size
+        crcs = _run_jobs(jobs, threads)
+        for offset, seg in deferred:
+            data = seg.build({out.segments[i].crc_key: crc for i, crc in crcs.items()})  # type: ignore[union-attr]
+            assert len(data) == seg.size, "deferred segment size differs from its plan"
+            _Out(fd, offset, None).write(data)
     finally:
         os.close(fd)
+
+
+def _tensor_jobs(
+    index: int, seg: TensorData, fd: int, pos: int, advance: Progress, threads: int
+) -> list[tuple[int, int, Callable[[SourceFiles], int]]]:
+    # Only CRC-bearing data is shared: reads and CRCs run in parallel, while writes into one file are
+    # serialised by the filesystem anyway (the inode lock), so kernel copies gain nothing from threads.
+    shared = threads > 1 and seg.crc_key is not None and seg.size > 2 * CHUNK_BYTES
+    runs = byte_runs(seg) if shared else None
+    if runs is None:  # one job: the whole segment in order
+        return [(index, seg.size, lambda sources: stream_tensor(seg, _Out(fd, pos, advance), sources))]
+    jobs = []
+    for chunk in split_runs(runs, CHUNK_BYTES):
+        size = sum(n for _, _, n in chunk)
+        jobs.append((index, size, lambda sources, c=chunk, at=pos: copy_runs(c, _Out(fd, at, advance), sources, seg.crc_key is not None)))
+        pos += size
+    return jobs
+
+
+def _run_jobs(jobs: list[tuple[int, int, Callable[[SourceFiles], int]]], threads: int) -> dict[int, int]:
+    """Run the jobs (each thread with its own source descriptors and buffer); the CRC of each segment."""
+    local = threading.local()
+    opened: list[SourceFiles] = []
+
+    def run(job: Callable[[SourceFiles], int]) -> int:
+        if not hasattr(local, "sources"):
+            local.sources = SourceFiles()
+            opened.append(local.sources)
+        return job(local.sources)
+
+    try:
+        if threads == 1 or len(jobs) <= 1:
+            results = [run(job) for _, _, job in jobs]
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                results = list(pool.map(run, [job for _, _, job in jobs]))
+    finally:
+        for sources in opened:
+            sources.close()
+    crcs: dict[int, int] = {}
+    for (index, size, _), crc in zip(jobs, results):
+        crcs[index] = crc32_combine(crcs[index], crc, size) if index in crcs else crc
+    return crcs
 
 
 def fsync_path(path: Path) -> None:
@@ -319,7 +441,8 @@ class _Cancelled(Exception):
 
 
 def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None) -> None:
-    """Write `files`, up to `workers` at once (each thread with its own descriptors and buffer), and fsync them."""
+    """Write `files`, up to `workers` at once, and fsync them. With fewer files than workers, the spare
+    workers share the large CRC-bearing tensors of a file (one big DeepSpeed optimizer file, say)."""
     cancel = threading.Event()
     lock = threading.Lock()
 
@@ -330,13 +453,11 @@ def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Pr
             with lock:
                 progress(nbytes)
 
+    threads = max(1, workers // max(1, len(files)))
+
     def write_one(target: Path, out: OutputFile) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        sources = SourceFiles()
-        try:
-            write_file(target, out, sources, tick)
-        finally:
-            sources.close()
+        write_file(target, out, tick, threads)
 
     if workers == 1 or len(files) <= 1:
         for target, out in files:
