@@ -195,7 +195,11 @@ def _model_states(
     training_dtype: Any,
 ) -> dict[str, Any]:
     buffers = [n for n in state.weights if n in state.buffers]
-    module = OrderedDict((n, _module_entry(e, n, training_dtype, tgt.stage == 3 and n not in buffers)) for n, e in state.weights.items())
+    module = OrderedDict(
+        # DeepSpeed casts a bf16 run's parameters, not its buffers: buffers keep their dtype
+        (n, _module_entry(e, n, e.dtype if n in buffers else training_dtype, tgt.stage == 3 and n not in buffers))
+        for n, e in state.weights.items()
+    )
     save_frozen = tgt.stage >= 2  # engine: only when gradients are partitioned
     frozen_shapes = OrderedDict((n, TorchSize(state.weights[n].shape)) for n in frozen)
     fragments = OrderedDict((n, _module_entry(state.weights[n], n, training_dtype, False)) for n in frozen)
