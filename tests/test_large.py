@@ -65,3 +65,34 @@ def test_over_4gib_tensor_roundtrips_through_torch_and_safetensors(ckpt, big_dir
             return path.stat().st_size - 8 - struct.unpack("<Q", f.read(8))[0]
 
     assert data_bytes(tmp_path / "back.safetensors") == data_bytes(src) == BIG * 4 + 12
+
+
+@pytest.mark.slow
+def test_over_4gib_tensor_through_dcp_and_hf_writers(ckpt, big_dir):
+    """One 4 GiB+ DCP chunk (a zip64 record inside a .distcp file), loaded by torch's dcp.load; and an hf shard whose
+    offsets pass 2^32, read by safetensors."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp_path = big_dir
+    src = tmp_path / "big.safetensors"
+    sparse_source(src)
+    assert ckpt("convert", src, tmp_path / "dcp", "--to", "dcp", "--world-size", "1", "-q").code == 0
+    state = {"big": torch.empty(BIG), "tail": torch.empty(3)}
+    dcp.load(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert state["tail"].tolist() == [1.0, 2.0, 3.0]
+    for index, value in MARKS.items():
+        assert state["big"][index].item() == value
+    del state
+    for f in (tmp_path / "dcp").iterdir():
+        f.unlink()
+    (tmp_path / "dcp").rmdir()
+    assert ckpt("split", src, tmp_path / "hf", "--max-shard-size", "1GB", "-q").code == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shard = tmp_path / "hf" / index["weight_map"]["big"]
+    with safe_open(shard, "pt") as f:
+        big = f.get_slice("big")
+        for i, value in MARKS.items():
+            assert big[i : i + 1].item() == value
+    for f in (tmp_path / "hf").iterdir():
+        f.unlink()
+    (tmp_path / "hf").rmdir()
