@@ -174,6 +174,19 @@ def ds_saves(tmp_path_factory) -> dict[int, Path]:
     return out
 
 
+def ds_to_universal(tag_folder: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """DeepSpeed's own per-parameter extraction of a ZeRO checkpoint (its universal-checkpoint tool):
+    parameter name -> {fp32, exp_avg, exp_avg_sq, step} (frozen params and tied aliases: fp32 only)."""
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_folder)]
+    cmd += ["--output_folder", str(out), "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    params = {}
+    for param in (p for p in (out / "zero").iterdir() if p.is_dir()):
+        loaded = {f.stem: torch.load(f, weights_only=False) for f in param.iterdir()}
+        params[param.name] = {k: v["param"] if isinstance(v, dict) else v for k, v in loaded.items()}
+    return params
+
+
 def assert_fails(res: Result, *needles: str) -> None:
     """Exit code 1, no traceback, and every needle named in the output."""
     text = res.out + res.err

@@ -14,13 +14,11 @@ from __future__ import annotations
 import glob
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DS_CONFIGS, torchrun
+from conftest import DS_CONFIGS, ds_to_universal, torchrun
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -165,30 +163,8 @@ def test_fsdp2_resumes_exactly(runs, via):
 
 
 def universal(tag_folder: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """DeepSpeed's own per-parameter extraction of a ZeRO checkpoint: name -> {fp32, exp_avg, exp_avg_sq, step}."""
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder",
-            str(tag_folder),
-            "--output_folder",
-            str(out),
-            "--inject_missing_state",
-            "--num_extract_workers",
-            "1",
-            "--num_merge_workers",
-            "1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    params = {}
-    for param in (p for p in (out / "zero").iterdir() if p.is_dir() and (p / "exp_avg.pt").exists()):
-        loaded = {f.stem: torch.load(f, weights_only=False) for f in param.iterdir()}
-        params[param.name] = {k: v["param"] if isinstance(v, dict) else v for k, v in loaded.items()}
-    return params
+    """The optimizer-owned parameters of DeepSpeed's own extraction (ds_to_universal)."""
+    return {name: state for name, state in ds_to_universal(tag_folder, out).items() if "exp_avg" in state}
 
 
 def group_lrs_and_steps(optim_file: Path) -> tuple[list[float], list[float]]:
