@@ -364,58 +364,30 @@ def test_name_mapping(runs, ckpt, tmp_path):
 
 
 def test_refusals(runs, ckpt, tmp_path, mixed_files):
-    ds_config = tmp_path / "fp16.json"
-    ds_config.write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
+    fp16 = tmp_path / "fp16.json"
+    fp16.write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
+    auto = tmp_path / "auto.json"  # as Hugging Face Trainer configs leave them
+    auto.write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}))
+    x = tmp_path / "x"
+    to_ds = ("--to", "deepspeed", "--world-size", "2")
+    to_dcp = ("--to", "dcp", "--world-size", "2")
+    fsdp, ds = runs / "fsdp/at3", runs / "ds2/at3"
     cases = [
-        (("convert", runs / "fsdp/at3", tmp_path / "x", "--to", "deepspeed", "--world-size", "2"), "--zero-stage"),
-        (("convert", runs / "fsdp/at3", tmp_path / "x", "--to", "deepspeed", "--world-size", "2", "--ds-config", ds_config), "fp16"),
-        (
-            (
-                "convert",
-                runs / "fsdp/at3",
-                tmp_path / "x",
-                "--to",
-                "deepspeed",
-                "--world-size",
-                "2",
-                "--zero-stage",
-                "3",
-                "--ds-config",
-                runs / "ds2.json",
-            ),
-            "disagrees",
-        ),
-        (
-            ("convert", mixed_files["torch"], tmp_path / "x", "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2"),
-            "no optimizer state",
-        ),
-        (("convert", runs / "ds2/at3", tmp_path / "x", "--to", "dcp", "--world-size", "2", "--layout", "megatron"), "--layout"),
-        (("convert", runs / "ds2/at3", tmp_path / "x", "--to", "dcp", "--world-size", "2", "--rename", "(=x"), "bad regular expression"),
-        (
-            (
-                "convert",
-                runs / "ds2/at3",
-                tmp_path / "x",
-                "--to",
-                "dcp",
-                "--world-size",
-                "2",
-                "--select",
-                "embed*",
-                "--layout",
-                "torchtitan",
-            ),
-            "--select",
-        ),
-        (
-            ("convert", runs / "ds2/at3", tmp_path / "x", "--to", "dcp", "--world-size", "2", "--name-map", tmp_path / "none.yaml"),
-            "name map",
-        ),
+        ((fsdp, x, *to_ds), "--zero-stage"),
+        ((fsdp, x, *to_ds, "--ds-config", fp16), "fp16"),
+        ((fsdp, x, *to_ds, "--ds-config", auto), '"auto"'),
+        ((fsdp, x, *to_ds, "--zero-stage", "3", "--ds-config", runs / "ds2.json"), "disagrees"),
+        ((mixed_files["torch"], x, *to_ds, "--zero-stage", "2"), "no optimizer state"),
+        ((ds, x, *to_dcp, "--layout", "megatron"), "--layout"),
+        ((ds, x, *to_dcp, "--rename", "(=x"), "bad regular expression"),
+        ((ds, x, *to_dcp, "--rename", "(embed)=\\2"), "invalid group"),
+        ((ds, x, *to_dcp, "--select", "embed*", "--layout", "torchtitan"), "--select"),
+        ((ds, x, *to_dcp, "--name-map", tmp_path / "none.yaml"), "name map"),
     ]
     for args, needle in cases:
-        res = ckpt(*args)
+        res = ckpt("convert", *args)
         assert res.code == 2 and needle in res.err and "Traceback" not in res.err, (args, res.err)
-        assert not (tmp_path / "x").exists()
+        assert not x.exists()
 
 
 def test_verify_against_across_frameworks(runs, ckpt):
@@ -457,3 +429,31 @@ def test_every_deepspeed_variant_round_trips_through_dcp(ds_saves, ckpt, tmp_pat
     assert res.code == 0, res.err
     doc = json.loads(ckpt("verify", tmp_path / "back", "--against", src, "--json").out)
     assert doc["ok"], doc["problems"]
+
+
+def test_deepspeed_reshard_applies_the_per_rank_rule(runs, ckpt, tmp_path):
+    """Client state with per-rank keys (here from FSDP2's dataloader) follows --per-rank-state in a DeepSpeed reshard."""
+    res = ckpt("reshard", runs / "fsdp-ds", tmp_path / "ds3", "--world-size", "3")
+    assert res.code == 0 and "per-rank state dataloader.dp_rank_{}.position, rng.rank_{} (2 ranks -> 3): rule 'wrap'" in res.err
+    tree = torch.load(tmp_path / "ds3/global_step3/mp_rank_00_model_states.pt", weights_only=False)
+    assert tree["dataloader"]["dp_rank_2"] == {"position": 3} and torch.equal(tree["rng"]["rank_2"], tree["rng"]["rank_0"])
+    res = ckpt("reshard", runs / "fsdp-ds", tmp_path / "drop", "--world-size", "3", "--per-rank-state", "drop")
+    tree = torch.load(tmp_path / "drop/global_step3/mp_rank_00_model_states.pt", weights_only=False)
+    assert res.code == 0 and tree["dataloader"] == {"offset": 6} and "rng" not in tree
+
+
+def test_per_rank_keys_are_data_parallel_ranks_only():
+    from ckpt_cli.core.model import ObjectEntry
+    from ckpt_cli.ops.crossframework import apply_per_rank_rule
+
+    def entry(*path):
+        return ObjectEntry(".".join(path), path[-1], path=path)
+
+    names = [("rng", "rank_0"), ("rng", "rank_1"), ("cfg", "lora_rank_16"), ("tp_rank_0",), ("x", "rank_00"), ("x", "rank_01")]
+    entries = [entry(*p) for p in names] + [entry("gap", "rank_1")]
+    out, note = apply_per_rank_rule(entries, 3, "wrap")
+    assert note == "per-rank state rng.rank_{}, x.rank_{} (2 ranks -> 3): rule 'wrap': new rank r takes old rank r mod 2"
+    paths = {e.path for e in out}
+    assert ("rng", "rank_2") in paths and ("x", "rank_02") in paths  # zero padding kept
+    assert {("cfg", "lora_rank_16"), ("tp_rank_0",), ("gap", "rank_1")} <= paths and len(out) == 9
+    assert apply_per_rank_rule(entries, 2, "wrap") == (entries, None)

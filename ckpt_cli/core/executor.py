@@ -339,7 +339,7 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 CHUNK_BYTES = 64 << 20  # a large tensor is cut into pieces of this size when threads share its file
 
 
-def write_file(path: Path, out: OutputFile, progress: Progress | None, threads: int = 1) -> None:
+def write_file(path: Path, out: OutputFile, progress: Progress | None, threads: int = 1, cancel: threading.Event | None = None) -> None:
     """Write one output file. Literal bytes go out at once; tensor data is copied by `threads` threads at
     known offsets (large CRC-bearing tensors in CHUNK_BYTES pieces, their CRCs combined in order); the
     CRC-dependent trailers (Deferred) come last."""
@@ -371,7 +371,7 @@ def write_file(path: Path, out: OutputFile, progress: Progress | None, threads: 
             elif isinstance(seg, Deferred):
                 deferred.append((pos, seg))
             pos += seg.size
-        crcs = _run_jobs(jobs, threads)
+        crcs = _run_jobs(jobs, threads, cancel)
         for offset, seg in deferred:
             data = seg.build({out.segments[i].crc_key: crc for i, crc in crcs.items()})  # type: ignore[union-attr]
             assert len(data) == seg.size, "deferred segment size differs from its plan"
@@ -397,8 +397,10 @@ def _tensor_jobs(
     return jobs
 
 
-def _run_jobs(jobs: list[tuple[int, int, Callable[[SourceFiles], int]]], threads: int) -> dict[int, int]:
-    """Run the jobs (each thread with its own source descriptors and buffer); the CRC of each segment."""
+def _run_jobs(jobs: list[tuple[int, int, Callable[[SourceFiles], int]]], threads: int, cancel: threading.Event | None) -> dict[int, int]:
+    """Run the jobs (each thread with its own source descriptors and buffer); the CRC of each segment.
+    On an error or Ctrl-C, `cancel` stops the running jobs at their next block (their progress callback
+    checks it) and the rest never start; descriptors are closed only once every job has returned."""
     local = threading.local()
     opened: list[SourceFiles] = []
 
@@ -412,8 +414,16 @@ def _run_jobs(jobs: list[tuple[int, int, Callable[[SourceFiles], int]]], threads
         if threads == 1 or len(jobs) <= 1:
             results = [run(job) for _, _, job in jobs]
         else:
-            with ThreadPoolExecutor(threads) as pool:
-                results = list(pool.map(run, [job for _, _, job in jobs]))
+            pool = ThreadPoolExecutor(threads)
+            futures = [pool.submit(run, job) for _, _, job in jobs]
+            try:
+                results = [f.result() for f in futures]
+            except BaseException:
+                if cancel is not None:
+                    cancel.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            pool.shutdown()
     finally:
         for sources in opened:
             sources.close()
@@ -457,11 +467,15 @@ def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Pr
 
     def write_one(target: Path, out: OutputFile) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_file(target, out, tick, threads)
+        write_file(target, out, tick, threads, cancel)
 
     if workers == 1 or len(files) <= 1:
-        for target, out in files:
-            write_one(target, out)
+        try:
+            for target, out in files:
+                write_one(target, out)
+        except BaseException:
+            cancel.set()
+            raise
     else:
         with ThreadPoolExecutor(min(workers, len(files))) as pool:
             futures = [pool.submit(write_one, target, out) for target, out in files]

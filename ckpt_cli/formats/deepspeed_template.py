@@ -64,6 +64,9 @@ def read_config(path: Path) -> dict[str, Any]:
 def target(config_path: Path | None, zero_stage: int | None, world: int) -> Target:
     """The target run from --ds-config and --zero-stage (they must agree when both are given)."""
     config = read_config(config_path) if config_path else {}
+    auto = _auto_keys(config)
+    if auto:
+        raise UsageError(f"{config_path}: '{auto[0]}' is \"auto\" (a Hugging Face Trainer placeholder); give the value the run used")
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage") if config_path else None
     if zero_stage is not None and stage is not None and zero_stage != stage:
@@ -86,6 +89,12 @@ def target(config_path: Path | None, zero_stage: int | None, world: int) -> Targ
             f"{GRADIENT_CLIPPING_DEFAULT}; DeepSpeed restores clipping from the checkpoint, so pass the run's config"
         )
     return Target(stage, precision, config, world, notes)
+
+
+def _auto_keys(config: Any, prefix: str = "") -> list[str]:
+    if isinstance(config, dict):
+        return [k for key, value in config.items() for k in _auto_keys(value, f"{prefix}{key}.")]
+    return [prefix[:-1]] if config == "auto" else []
 
 
 @dataclass
@@ -130,6 +139,13 @@ class BuiltSource:
 
 def build(state: TrainingState, tgt: Target, tag: str, rule: str) -> Checkpoint:
     """A Checkpoint named like the DeepSpeed reader names one, whose `source` the DeepSpeed writer cuts."""
+    empty = [i for i, g in enumerate(state.groups) if not any(p in state.moments for p in g["params"])]
+    if empty and tgt.stage < 3:
+        raise UsageError(
+            f"param group {empty[0]} holds no parameter with optimizer state; DeepSpeed ZeRO-{tgt.stage} cannot hold an "
+            "empty group (ZeRO-3 drops it)"
+        )
+    state.groups = [g for i, g in enumerate(state.groups) if i not in empty]  # stage3.py: only trainable groups
     trainable = state.trainable()
     # Frozen: in a param group without optimizer state, or neither trainable, a buffer nor a tied alias
     # (DCP does not record requires_grad; FSDP2 shards frozen params like the others).
@@ -225,16 +241,11 @@ def _model_states(
         "ds_config": tgt.config,
         "ds_version": DS_VERSION,
     }
-    client = _nest([(e.path, e.value if isinstance(e, ObjectEntry) else e) for e in extras])
+    client = unflatten([(e.path, e.value if isinstance(e, ObjectEntry) else e) for e in extras], state.containers)
     if "lr_scheduler" in client:
         tree["lr_scheduler"] = client.pop("lr_scheduler")
     tree.update(client)  # engine.save_checkpoint: state.update(client_state)
     return tree
-
-
-def _nest(items: list[tuple[Any, Any]]) -> dict[str, Any]:
-    """Client state values (and tensors) back into nested dicts under their top-level keys."""
-    return unflatten(items, {})
 
 
 def _optimizer_states(state: TrainingState, tgt: Target, shapes: list[OrderedDict[str, tuple[int, ...]]]) -> dict[str, Any]:

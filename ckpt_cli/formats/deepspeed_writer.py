@@ -21,9 +21,9 @@ from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Piece, TensorEntry, concat_flat, sub_tensor
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
-from ckpt_cli.core.tree import flatten, path_name
+from ckpt_cli.core.tree import flatten, path_name, unflatten
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats.deepspeed import LATEST, RankFile, Source, fragment_address
+from ckpt_cli.formats.deepspeed import ENGINE_KEYS, LATEST, LAYOUT_KEYS, RankFile, Source, fragment_address
 from ckpt_cli.formats.deepspeed_template import BuiltSource, TreeFile
 from ckpt_cli.formats.torch_save import torch_file_segments
 
@@ -66,6 +66,22 @@ def file_segments(tree: Any, where: str) -> list[Any]:
     return torch_file_segments(Checkpoint("deepspeed", where, tensors, objects, containers=containers))
 
 
+def rekey_client_state(tree: dict[str, Any], world: int, rule: str) -> str | None:
+    """Apply the per-rank rule (ops/crossframework.py) to the client state of a model-states tree in place."""
+    from ckpt_cli.ops.crossframework import apply_per_rank_rule
+
+    client = {k: v for k, v in tree.items() if k not in LAYOUT_KEYS and k not in ENGINE_KEYS}
+    if not client:
+        return None
+    tensors, values, containers = flatten(client, lambda v: isinstance(v, TensorEntry), "client state")
+    entries, note = apply_per_rank_rule([ObjectEntry(path_name(p), v, "other", p) for p, v in tensors + values], world, rule)
+    if note:
+        for key in client:
+            del tree[key]
+        tree.update(unflatten([(e.path, e.value) for e in entries], containers))
+    return note
+
+
 def round_robin_order(count: int, world: int) -> list[int]:
     """Original indices in DeepSpeed's round-robin flat order: all i % W == 0, then 1, ... (stage_1_and_2.py)."""
     return [i for j in range(min(world, count)) for i in range(j, count, world)]
@@ -96,8 +112,11 @@ class DeepSpeedWriter:
         if self.round_robin and src.layout.details()["alignment_padding"]:
             raise UsageError("reshard of checkpoints saved with both round_robin_gradients and parameter_alignment is not supported")
         tag = ckpt.tag or src.folder.name
+        self.per_rank_rule, self.per_rank_note = options.per_rank_rule, None
         if src.stage == 3:
-            files = Stage3Reshard(ckpt, src, world, zero_config.get("sub_group_size", 10**9)).files(tag)
+            stage3 = Stage3Reshard(ckpt, src, world, zero_config.get("sub_group_size", 10**9), options.per_rank_rule)
+            files = stage3.files(tag)
+            self.per_rank_note = stage3.per_rank_note
         else:
             files = [OutputFile(f"{tag}/mp_rank_00_model_states.pt", self._model_states(src, world, tag))]
             for rank in range(world):
@@ -115,11 +134,14 @@ class DeepSpeedWriter:
                 f"engine.load_checkpoint() on {world} ranks with the same DeepSpeed config"
             ]
         )
+        if self.per_rank_note:
+            notes.append(self.per_rank_note)
         return WritePlan(self.name, dest, True, files, notes)
 
     def _model_states(self, src: Source, world: int, tag: str) -> list[Any]:
         tree = tensorize(src.model)
         tree["dp_world_size"] = world  # the one value load_checkpoint compares with the live world size
+        self.per_rank_note = rekey_client_state(tree, world, self.per_rank_rule)
         if self.round_robin:  # param_shapes records the flat order, which round robin makes depend on W
             tree["param_shapes"] = [
                 OrderedDict((n, TorchSize(shape)) for n, shape, _ in self._params(src, g, world)) for g in range(len(src.layout.shapes))
@@ -212,8 +234,9 @@ class Stage3Reshard:
     """ZeRO-3 at a new world size: per-parameter partitions of ceil(n/W) elements, sub-groups re-formed
     (their number depends on W through the partition sizes), frozen fragments re-cut (FORMATS §2.7-2.9)."""
 
-    def __init__(self, ckpt: Checkpoint, src: Source, world: int, sub_group_size: int | None) -> None:
+    def __init__(self, ckpt: Checkpoint, src: Source, world: int, sub_group_size: int | None, per_rank_rule: str = "wrap") -> None:
         self.ckpt, self.src, self.world = ckpt, src, world
+        self.per_rank_rule, self.per_rank_note = per_rank_rule, None
         layout = src.layout
         by_sub = [list(shapes.items()) for shapes in layout.shapes]
         self.subs: list[list[tuple[str, tuple[int, ...]]]] = []
@@ -269,6 +292,7 @@ class Stage3Reshard:
     def _model_states(self, rank: int) -> Any:
         tree = tensorize(self.src.models[0])
         tree["dp_world_size"] = self.world
+        self.per_rank_note = rekey_client_state(tree, self.world, self.per_rank_rule)
         tree["param_shapes"] = [OrderedDict((n, TorchSize(shape)) for n, shape in sub) for sub in self.subs]
         fragments = tree.get("frozen_param_fragments")
         if fragments:

@@ -6,6 +6,7 @@ from metadata (shown by --dry-run) and hands it to the executor.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ def prepare(
 ) -> Job:
     ckpt = open_checkpoint(src, source.format, source.tag, source.trust_pickle)
     cross = cross or CrossOptions()
+    write = dataclasses.replace(write, per_rank_rule=cross.per_rank)
     if carries_training_state(ckpt, to, t, cross):
         view = training_view(ckpt, to, t, write, cross)
     else:

@@ -31,6 +31,10 @@ LAYOUTS = ("get_state_dict", "torchtitan")
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 PER_RANK_RULES = ("wrap", "first", "drop")
 _RANK_KEY = re.compile(r"^((?:.*[_.-])?(?:dp_)?rank_?)(\d+)$")  # rank_3, dp_rank_3, rng_rank3
+# Rank keys of other parallel dimensions or none at all: never re-keyed by the data-parallel world size.
+_NOT_DP_RANK = re.compile(r"(?:^|[_.-])(?:tp|pp|mp|ep|sp|cp|expert|lora|low)_?rank_?$")
+# Top-level keys of a torchtitan save that are not model weights.
+_TITAN_STATE = {"optimizer", "lr_scheduler", "lr_schedulers", "dataloader", "train_state", "rng", "step"}
 # DeepSpeed engine bookkeeping with no meaning outside DeepSpeed (recomputed when writing DeepSpeed).
 _DS_ENGINE_ONLY = ("skipped_steps", "global_samples", "data_sampler", "random_ltd", "dp_world_size", "mp_world_size")
 
@@ -62,11 +66,14 @@ class NameMap:
             if not isinstance(item, dict) or set(item) != {"from", "to"}:
                 raise UsageError(f"{path}: each rename is {{from: REGEX, to: REPLACEMENT}}")
             renames.append((str(item["from"]), str(item["to"])))
+        segments = data.get("strip_segments", WRAPPER_SEGMENTS) or ()
+        if isinstance(segments, str) or not all(isinstance(x, str) for x in segments):
+            raise UsageError(f"{path}: strip_segments is a list of names")
         tied = data.get("tied") or {}
         if not isinstance(tied, dict):
             raise UsageError(f"{path}: tied maps alias names to owner names")
         return cls(
-            tuple(data.get("strip_segments", WRAPPER_SEGMENTS) or ()),
+            tuple(segments),
             tuple(renames),
             tuple((str(a), str(o)) for a, o in tied.items()),
         ).checked(str(path))
@@ -93,7 +100,10 @@ class NameMap:
         parts = [p for p in name.split(".") if p not in self.strip_segments]
         out = ".".join(parts)
         for pattern, repl in self.renames:
-            out = re.sub(pattern, repl, out)
+            try:
+                out = re.sub(pattern, repl, out)
+            except re.error as exc:
+                raise UsageError(f"rename /{pattern}/ -> '{repl}': {exc}") from exc
         return out
 
     def describe(self) -> str:
@@ -117,6 +127,7 @@ class TrainingState:
     tied: dict[str, str] = field(default_factory=dict)  # alias -> owner
     world_size: int = 1
     notes: list[str] = field(default_factory=list)
+    containers: dict[PathKey, str] = field(default_factory=dict)  # which extras' paths were lists or tuples
 
     def trainable(self) -> list[str]:
         return [p for g in self.groups for p in g["params"] if p in self.moments]
@@ -129,7 +140,7 @@ def detect_layout(ckpt: Checkpoint) -> str:
     return roles.key_layout([e.path for e in [*ckpt.tensors.values(), *ckpt.objects.values()]])
 
 
-def from_checkpoint(ckpt: Checkpoint, names: NameMap) -> TrainingState:
+def from_checkpoint(ckpt: Checkpoint, names: NameMap, need_optimizer: bool = True) -> TrainingState:
     layout = detect_layout(ckpt)
     tops = {str(e.path[0]) for e in [*ckpt.tensors.values(), *ckpt.objects.values()] if e.path}
     optim_key = "optim" if "optim" in tops else "optimizer"  # {"model": ..., "optimizer": ...} is common too
@@ -139,12 +150,15 @@ def from_checkpoint(ckpt: Checkpoint, names: NameMap) -> TrainingState:
         state = _from_nested(ckpt, "model", optim_key)
     elif layout == "torchtitan":
         state = _from_nested(ckpt, None, "optimizer")
+    elif not need_optimizer:
+        state = TrainingState({n: t for n, t in ckpt.tensors.items() if t.role == "model"}, {}, [], ckpt.step)
     else:
         raise UsageError(
             f"{ckpt.path}: no optimizer state under 'optim' (get_state_dict) or 'optimizer' (torchtitan): "
             "there is no training state to carry"
         )
-    if not state.moments:
+    state.containers = dict(ckpt.containers)
+    if not state.moments and need_optimizer:
         raise UsageError(f"{ckpt.path}: the optimizer holds no per-parameter state (saved before the first step?)")
     if all(fqn.isdigit() for fqn in state.moments) or any(not isinstance(p, str) for g in state.groups for p in g["params"]):
         raise UsageError(
@@ -175,15 +189,20 @@ def _renamed(state: TrainingState, names: NameMap) -> TrainingState:
     for alias, owner in state.tied.items():
         if alias not in state.weights or owner not in state.weights:
             raise UsageError(f"tied weight {alias} -> {owner}: {'alias' if alias not in state.weights else 'owner'} not in the checkpoint")
-    for fqn in state.moments:
+    for fqn in [*state.moments, *(p for g in state.groups for p in g["params"])]:
         if fqn not in state.weights:
-            raise DataError(f"optimizer state for '{fqn}', which is not among the model weights")
+            raise DataError(
+                f"the optimizer names '{fqn}', which is not among the model weights "
+                "(saved with get_state_dict(..., ignore_frozen_params=True)? or renamed differently)"
+            )
     return state
 
 
-def _split_extras(ckpt: Checkpoint, skip: set[str]) -> tuple[list[ObjectEntry], list[TensorEntry]]:
+def _split_extras(ckpt: Checkpoint, skip: set[str], weights: dict[str, TensorEntry]) -> tuple[list[ObjectEntry], list[TensorEntry]]:
+    """Everything that is neither model weight nor optimizer state, kept by its top-level key."""
+    taken = {id(e) for e in weights.values()}
     objects = [o for o in ckpt.objects.values() if str(o.path[0]) not in skip]
-    tensors = [t for t in ckpt.tensors.values() if str(t.path[0]) not in skip and t.role == "other"]
+    tensors = [t for t in ckpt.tensors.values() if str(t.path[0]) not in skip and id(t) not in taken]
     return objects, tensors
 
 
@@ -229,18 +248,34 @@ def _from_nested(ckpt: Checkpoint, model_key: str | None, optim_key: str) -> Tra
             moments.setdefault(fqn, {})[key] = entry
         elif model_key is not None and top == model_key:
             weights[path_name(entry.path[1:])] = entry
-        elif model_key is None and entry.role == "model":
+        elif model_key is None and entry.role == "model" and top not in _TITAN_STATE:
             weights[entry.name] = entry
     groups = _param_groups([o for o in ckpt.objects.values() if str(o.path[0]) == optim_key], ckpt.path) if moments else []
     skip = {optim_key, *([model_key] if model_key else [])}
-    objects, tensors = _split_extras(ckpt, skip)
+    objects, tensors = _split_extras(ckpt, skip, weights)
     step = None
+    step_paths = (("step",), ("train_state", "step"))
     for obj in objects:
-        if obj.path in (("step",), ("train_state", "step")) and isinstance(obj.value, int):
+        if obj.path in step_paths and isinstance(obj.value, int) and not isinstance(obj.value, bool):
             step = obj.value
-    objects = [o for o in objects if o.path != ("step",) and o.path != ("train_state", "step")]
+    for entry in tensors:
+        if entry.path in step_paths and not entry.shape and not entry.dtype.is_float:  # torchtitan: a 0-d int tensor
+            step = _read_scalar(entry)
+    objects = [o for o in objects if o.path not in step_paths]
+    tensors = [t for t in tensors if t.path not in step_paths or step is None]
     buffers = {n for n, e in weights.items() if ckpt.format == "dcp" and len(e.pieces) == 1 and (ckpt.world_size or 1) > 1}
     return TrainingState(weights, moments, groups, step, objects, tensors, buffers=buffers & _not_in_groups(weights, groups))
+
+
+def _read_scalar(entry: TensorEntry) -> int:
+    """The value of a 0-d integer tensor (a few bytes read from the source)."""
+    from ckpt_cli.core.executor import SourceFiles, read_elements
+
+    sources = SourceFiles()
+    try:
+        return int(read_elements(entry, 0, 1, sources)[0])
+    finally:
+        sources.close()
 
 
 def _not_in_groups(weights: dict[str, TensorEntry], groups: list[dict[str, Any]]) -> set[str]:
@@ -289,7 +324,7 @@ def _param_groups(objects: list[ObjectEntry], where: str) -> list[dict[str, Any]
 def by_parameter(ckpt: Checkpoint) -> Checkpoint:
     """The checkpoint's weights and optimizer state under neutral names (FQN, optimizer.state.FQN.KEY), so that two
     checkpoints of one run in different frameworks compare tensor by tensor."""
-    state = from_checkpoint(ckpt, NameMap())
+    state = from_checkpoint(ckpt, NameMap(), need_optimizer=False)
     tensors = {n: dataclasses.replace(e, name=n, path=(n,)) for n, e in state.weights.items()}
     for fqn, keys in state.moments.items():
         for key, entry in keys.items():
@@ -305,47 +340,47 @@ Entry = TypeVar("Entry", ObjectEntry, TensorEntry)
 
 
 def per_rank_entries(entries: list[Entry]) -> dict[tuple[PathKey, int], dict[int, Entry]]:
-    """Values saved once per rank, recognised by a `rank_R` / `dp_rank_R` / `..._rank_R` key:
-    (path template, position) -> rank -> entry."""
+    """Values saved once per data-parallel rank, recognised by a `rank_R` / `dp_rank_R` / `..._rank_R` key
+    whose ranks run 0, 1, ... without a gap: (path template, position) -> rank -> entry. `lora_rank_16`,
+    `tp_rank_1` and the like are not data-parallel ranks."""
     found: dict[tuple[PathKey, int], dict[int, Entry]] = {}
     for entry in entries:
         for i, part in enumerate(entry.path):
             m = _RANK_KEY.match(str(part))
-            if m:
-                template = (*entry.path[:i], m.group(1) + "{}", *entry.path[i + 1 :])
+            if m and not _NOT_DP_RANK.search(m.group(1)):
+                width = len(m.group(2)) if m.group(2).startswith("0") and len(m.group(2)) > 1 else 0
+                slot = "{:0" + str(width) + "d}" if width else "{}"  # keeps zero padding: rank_01 -> rank_02
+                template = (*entry.path[:i], m.group(1) + slot, *entry.path[i + 1 :])
                 found.setdefault((template, i), {})[int(m.group(2))] = entry
                 break
-    return found
+    return {key: ranks for key, ranks in found.items() if sorted(ranks) == list(range(len(ranks)))}
 
 
 def _rekeyed(entry: Entry, path: PathKey) -> Entry:
-    if isinstance(entry, ObjectEntry):
-        return dataclasses.replace(entry, name=path_name(path), path=path, raw=None)  # re-pickled under its new key
-    return dataclasses.replace(entry, name=path_name(path), path=path)
+    return dataclasses.replace(entry, name=path_name(path), path=path)  # a DCP value's saved bytes hold no key
 
 
 def apply_per_rank_rule(entries: list[Entry], world: int, rule: str) -> tuple[list[Entry], str | None]:
     """Re-key per-rank values (objects or tensors, e.g. RNG states) for `world` ranks: 'wrap' (new rank r
     takes old rank r mod W), 'first' (every rank takes rank 0's) or 'drop'. Returns the new list and the
     rule as printed (None when nothing changes)."""
-    groups = per_rank_entries(entries)
+    groups = {key: ranks for key, ranks in per_rank_entries(entries).items() if not (rule == "wrap" and len(ranks) == world)}
     if not groups:
-        return entries, None
-    old = max(max(ranks) + 1 for ranks in groups.values())
-    if rule == "wrap" and old == world:
-        return entries, None  # every rank keeps its own
+        return entries, None  # nothing per rank, or (wrap at the same world size) every rank keeps its own
     ids = {id(e) for ranks in groups.values() for e in ranks.values()}
     out = [e for e in entries if id(e) not in ids]
     for (template, pos), ranks in groups.items():
         if rule == "drop":
             continue
         for r in range(world):
-            src = ranks.get(r % old if rule == "wrap" else 0) or ranks[min(ranks)]
+            src = ranks[r % len(ranks) if rule == "wrap" else 0]
             if src is ranks.get(r):
                 out.append(src)  # this rank keeps its own value (as saved)
                 continue
             out.append(_rekeyed(src, (*template[:pos], str(template[pos]).format(r), *template[pos + 1 :])))
-    names = sorted({path_name(t) for t, _ in groups})
+    olds = sorted({len(ranks) for ranks in groups.values()})
+    old = "/".join(map(str, olds))
+    names = sorted({re.sub(r"\{[^}]*\}", "{}", path_name(t)) for t, _ in groups})
     how = {
         "wrap": f"new rank r takes old rank r mod {old}",
         "first": "every new rank takes old rank 0's",
