@@ -66,6 +66,9 @@ def file_segments(tree: Any, where: str) -> list[Any]:
     return torch_file_segments(Checkpoint("deepspeed", where, tensors, objects, containers=containers))
 
 
+AnySource = Source | BuiltSource  # a read DeepSpeed checkpoint, or one built from a training state
+
+
 def rekey_client_state(tree: dict[str, Any], world: int, rule: str) -> str | None:
     """Apply the per-rank rule (ops/crossframework.py) to the client state of a model-states tree in place."""
     from ckpt_cli.ops.crossframework import apply_per_rank_rule
@@ -138,7 +141,7 @@ class DeepSpeedWriter:
             notes.append(self.per_rank_note)
         return WritePlan(self.name, dest, True, files, notes)
 
-    def _model_states(self, src: Source, world: int, tag: str) -> list[Any]:
+    def _model_states(self, src: AnySource, world: int, tag: str) -> list[Any]:
         tree = tensorize(src.model)
         tree["dp_world_size"] = world  # the one value load_checkpoint compares with the live world size
         self.per_rank_note = rekey_client_state(tree, world, self.per_rank_rule)
@@ -148,7 +151,7 @@ class DeepSpeedWriter:
             ]
         return file_segments(tree, f"{tag}/mp_rank_00_model_states.pt")
 
-    def _params(self, src: Source, g: int, world: int) -> list[tuple[str, tuple[int, ...], int]]:
+    def _params(self, src: AnySource, g: int, world: int) -> list[tuple[str, tuple[int, ...], int]]:
         """(name, shape, offset) of group g's params in the new flat order."""
         params = src.layout.offsets(g)
         if not self.round_robin:
@@ -162,7 +165,7 @@ class DeepSpeedWriter:
             offset += math.prod(shape)
         return out
 
-    def _mapping_offsets(self, src: Source, g: int, world: int) -> list[tuple[str, tuple[int, ...], int]]:
+    def _mapping_offsets(self, src: AnySource, g: int, world: int) -> list[tuple[str, tuple[int, ...], int]]:
         """param_slice_mappings walk the params in their original order; without alignment pads DeepSpeed takes
         running sums in that order, ignoring round robin (mixed_precision_linkage.py; reproduced to match its files)."""
         params = self._params(src, g, world)
@@ -176,7 +179,7 @@ class DeepSpeedWriter:
             offset += math.prod(shape)
         return out
 
-    def _optimizer_file(self, ckpt: Checkpoint, src: Source, world: int, rank: int, where: str) -> list[Any]:
+    def _optimizer_file(self, ckpt: Checkpoint, src: AnySource, world: int, rank: int, where: str) -> list[Any]:
         layout = src.layout
         tree = tensorize(src.optims[0])
         osd = tree["optimizer_state_dict"]
@@ -234,7 +237,7 @@ class Stage3Reshard:
     """ZeRO-3 at a new world size: per-parameter partitions of ceil(n/W) elements, sub-groups re-formed
     (their number depends on W through the partition sizes), frozen fragments re-cut (FORMATS §2.7-2.9)."""
 
-    def __init__(self, ckpt: Checkpoint, src: Source, world: int, sub_group_size: int | None, per_rank_rule: str = "wrap") -> None:
+    def __init__(self, ckpt: Checkpoint, src: AnySource, world: int, sub_group_size: int | None, per_rank_rule: str = "wrap") -> None:
         self.ckpt, self.src, self.world = ckpt, src, world
         self.per_rank_rule, self.per_rank_note = per_rank_rule, None
         layout = src.layout
