@@ -217,6 +217,9 @@ def test_fsdp2_to_deepspeed_at_another_world_size(runs, tmp_path):
         assert float(state["step"]) == float(source[f"optim.{name}.step"]) == 3.0
     lrs, steps = group_lrs_and_steps(runs / "fsdp-ds3-run/loaded/global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt")
     assert lrs == source["lr"] and steps == [3.0, 3.0]
+    written = torch.load(runs / "fsdp-ds3/global_step3/mp_rank_00_model_states.pt", weights_only=False)
+    assert written["shared_params"] == {"head.weight": "embed.weight"}  # found by equal bytes
+    assert list(written["frozen_param_shapes"]) == ["frozen.weight", "frozen.bias"] and written["buffer_names"] == ["scale"]
     assert_losses_close(runs / "fsdp-ds3-run/losses.json", runs / "fsdp/losses.json")
     # Per-rank values under 3 ranks, rule 'wrap': rank 2 takes rank 0's; DeepSpeed hands every rank the client state.
     loaded_client = json.loads((runs / "fsdp-ds3-run/loaded-dataloader-rank0.json").read_text())

@@ -116,6 +116,11 @@ def training_view(ckpt: Checkpoint, to: str, t: transform.Transform, write: Writ
     if cross.layout is not None:
         raise UsageError("--layout applies to dcp targets")
     target = deepspeed_template.target(cross.ds_config, cross.zero_stage, write.world_size)
+    if ckpt.format != "deepspeed":  # DeepSpeed records its ties (shared_params); DCP saves the tensor twice
+        found = crossframework.find_ties(state)
+        if found:
+            state.tied.update(found)
+            state.notes.append("tied weights (equal bytes): " + ", ".join(f"{a} -> {o}" for a, o in found.items()))
     return deepspeed_template.build(state, target, f"global_step{state.step or 0}", cross.per_rank)
 
 

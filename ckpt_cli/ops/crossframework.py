@@ -267,6 +267,42 @@ def _from_nested(ckpt: Checkpoint, model_key: str | None, optim_key: str) -> Tra
     return TrainingState(weights, moments, groups, step, objects, tensors, buffers=buffers & _not_in_groups(weights, groups))
 
 
+def find_ties(state: TrainingState) -> dict[str, str]:
+    """Weights outside every param group whose bytes equal a trainable parameter's: tied aliases, which DCP does
+    not record (an FSDP2 save holds the tied tensor under both names). Candidates of the same shape and dtype are
+    compared on their first elements, and in full only when those agree, so unrelated weights cost a few KB."""
+    import torch
+
+    from ckpt_cli.core.executor import SourceFiles, element_windows, read_elements
+
+    held = {p for g in state.groups for p in g["params"]}
+    owners: dict[tuple[Any, ...], list[str]] = {}
+    for p in state.trainable():
+        owners.setdefault((state.weights[p].shape, state.weights[p].dtype), []).append(p)
+
+    def same(a: TensorEntry, b: TensorEntry, sources: SourceFiles) -> bool:
+        head = min(a.numel, 1024)
+        if not torch.equal(read_elements(a, 0, head, sources).view(torch.uint8), read_elements(b, 0, head, sources).view(torch.uint8)):
+            return False
+        return all(
+            torch.equal(read_elements(a, start, n, sources).view(torch.uint8), read_elements(b, start, n, sources).view(torch.uint8))
+            for start, n in element_windows(a)
+        )
+
+    ties: dict[str, str] = {}
+    sources = SourceFiles()
+    try:
+        for name, entry in state.weights.items():
+            if name in held or name in state.tied or name in state.buffers or not entry.numel:
+                continue
+            owner = next((o for o in owners.get((entry.shape, entry.dtype), []) if same(entry, state.weights[o], sources)), None)
+            if owner is not None:
+                ties[name] = owner
+    finally:
+        sources.close()
+    return ties
+
+
 def _read_scalar(entry: TensorEntry) -> int:
     """The value of a 0-d integer tensor (a few bytes read from the source)."""
     from ckpt_cli.core.executor import SourceFiles, read_elements
