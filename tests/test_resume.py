@@ -332,7 +332,11 @@ def test_real_torchtitan_layout(runs, ckpt, tmp_path):
     """A DCP save in torchtitan's layout (real FSDP2, flatten_optimizer_state_dict=True) is detected, converts to the
     same DeepSpeed checkpoint as the get_state_dict save of the same state, and ckpt's own torchtitan output has its keys."""
     titan = runs / "fsdp/at3-torchtitan"
-    assert json.loads(ckpt("inspect", titan, "--json").out)["details"]["key_layout"] == "torchtitan"
+    doc = json.loads(ckpt("inspect", titan, "--json").out)
+    assert doc["details"]["key_layout"] == "torchtitan" and doc["step"] == 3  # train_state.step
+    optimizer = doc["training_state"]["optimizer"]
+    assert optimizer["states"] == ["exp_avg", "exp_avg_sq", "step"] and optimizer["param_groups"] == 2
+    assert doc["training_state"]["client_state"] is None
     res = ckpt("convert", titan, tmp_path / "ds", "--to", "deepspeed", "--world-size", "2", "--ds-config", runs / "ds2.json")
     assert res.code == 0, res.err
     for f in sorted((runs / "fsdp-ds").rglob("*.pt")):

@@ -52,9 +52,11 @@ def object_role(path: PathKey) -> str:
 
 
 def find_step(ckpt: Checkpoint) -> int | None:
+    """The step saved at the top level (`step`, `global_step`, ...) or in torchtitan's `train_state`."""
     for key in STEP_KEYS:
         for obj in ckpt.objects.values():
-            if len(obj.path) == 1 and str(obj.path[0]) == key and isinstance(obj.value, int) and not isinstance(obj.value, bool):
+            where = tuple(str(p) for p in obj.path)
+            if where in ((key,), ("train_state", key)) and isinstance(obj.value, int) and not isinstance(obj.value, bool):
                 return obj.value
     return None
 
@@ -69,7 +71,7 @@ def infer_training_state(ckpt: Checkpoint) -> dict[str, Any]:
     state: dict[str, Any] = {"optimizer": None, "lr_scheduler": None, "rng": None, "dataloader": None, "client_state": None}
     opt_tensors = [t for t in ckpt.tensors.values() if t.role == "optimizer"]
     if opt_tensors:
-        kinds = sorted({str(t.path[-1]) for t in opt_tensors})
+        kinds = sorted({str(t.path[-1]).rsplit(".", 1)[-1] for t in opt_tensors})  # torchtitan: "state.FQN.exp_avg"
         name = (
             "Adam/AdamW" if {"exp_avg", "exp_avg_sq"} <= set(kinds) else ("SGD with momentum" if "momentum_buffer" in kinds else "unknown")
         )
@@ -88,7 +90,7 @@ def infer_training_state(ckpt: Checkpoint) -> dict[str, Any]:
             state["rng"] = state["rng"] or {"keys": [str(obj.path[0])]}
         elif top in DATALOADER_KEYS:
             state["dataloader"] = state["dataloader"] or _object_summary(ckpt, obj.path[0])
-        elif top not in OPTIMIZER_KEYS and top not in MODEL_KEYS and top not in STEP_KEYS:
+        elif top not in OPTIMIZER_KEYS and top not in MODEL_KEYS and top not in STEP_KEYS and top != "train_state":
             client.append(obj.name)
     for t in ckpt.tensors.values():
         if _top(t.path) in RNG_KEYS and not state["rng"]:
@@ -99,15 +101,23 @@ def infer_training_state(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def param_group_count(ckpt: Checkpoint) -> int | None:
-    """Param groups as one pickled list (torch files) or flattened per hyper-parameter (DCP)."""
+    """Param groups as one pickled list (torch files), flattened per hyper-parameter (DCP), or per parameter
+    (torchtitan's `param_groups.FQN.key`: parameters with the same hyper-parameters make one group)."""
     positions = set()
+    per_param: dict[str, dict[str, str]] = {}
     for o in ckpt.objects.values():
         if str(o.path[-1]) == "param_groups" and isinstance(o.value, list):
             return len(o.value)
         for i, part in enumerate(o.path[:-1]):
             if part == "param_groups" and isinstance(o.path[i + 1], int):
                 positions.add(o.path[i + 1])
-    return len(positions) or None
+        last = str(o.path[-1])
+        if last.startswith("param_groups."):
+            fqn, _, key = last[len("param_groups.") :].rpartition(".")
+            per_param.setdefault(fqn, {})[key] = repr(o.value)
+    if positions:
+        return len(positions)
+    return len({tuple(sorted(h.items())) for h in per_param.values()}) or None
 
 
 def _object_summary(ckpt: Checkpoint, top: Any) -> dict[str, Any]:
