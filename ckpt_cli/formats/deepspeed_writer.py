@@ -293,7 +293,10 @@ class Stage3Reshard:
         return out
 
     def _model_states(self, rank: int) -> Any:
-        tree = tensorize(self.src.models[0])
+        # Every rank saves its own model states at stage 3, client state included (a per-rank RNG, say), and loads
+        # its own: new rank r starts from old rank r mod W ('wrap', as the per-rank rule), else from rank 0.
+        old = len(self.src.models)
+        tree = tensorize(self.src.models[rank % old if self.per_rank_rule == "wrap" else 0])
         tree["dp_world_size"] = self.world
         self.per_rank_note = rekey_client_state(tree, self.world, self.per_rank_rule)
         tree["param_shapes"] = [OrderedDict((n, TorchSize(shape)) for n, shape in sub) for sub in self.subs]

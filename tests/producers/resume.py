@@ -78,11 +78,14 @@ def deepspeed_task(stage: str, config_path: str, out: str, load: str | None = No
         assert engine.global_steps == STEPS, engine.global_steps
         with open(os.path.join(out, f"loaded-dataloader-rank{dist.get_rank()}.json"), "w") as f:
             json.dump(client.get("dataloader"), f)
+        with open(os.path.join(out, f"loaded-seen-by-rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(client.get("seen_by_rank"), f)
         engine.save_checkpoint(os.path.join(out, "loaded"), client_state={"dataloader": client.get("dataloader")})
     losses = []
     for step in range(engine.global_steps, TOTAL):
         if step == STEPS and not load:
-            engine.save_checkpoint(os.path.join(out, "at3"), client_state={"dataloader": {"offset": STEPS * 2}})
+            client = {"dataloader": {"offset": STEPS * 2}, "seen_by_rank": dist.get_rank()}  # stage 3: each rank's own
+            engine.save_checkpoint(os.path.join(out, "at3"), client_state=client)
         loss = loss_of(engine(batch(step)), batch(step))
         engine.backward(loss)
         engine.step()
