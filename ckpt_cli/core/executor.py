@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core.atomic import staged
+from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.errors import DataError
@@ -161,21 +162,12 @@ def tensor_bytes(entry: TensorEntry, sources: SourceFiles) -> Iterator[Any]:
     Contiguous pieces already in the tensor's dtype are read as bytes (no torch); anything else is
     gathered through torch one window at a time. Buffers are reused: consume each before the next.
     """
-    runs = entry.runs()
-    _check_tiling(entry, runs)
-    if not all(p.data.dtype == entry.dtype and p.data.is_contiguous for _, _, p, _ in runs):
+    runs = byte_runs(entry, entry.dtype)
+    if runs is None:
         for start, count in element_windows(entry):
             yield as_bytes(read_elements(entry, start, count, sources))
         return
-    for _, length, piece, lstart in runs:
-        array = piece.data
-        offset = array.offset + (array.storage_offset + lstart) * entry.dtype.itemsize
-        remaining = length * entry.dtype.itemsize
-        while remaining:
-            view = sources.read_block(array.path, offset, min(remaining, BLOCK_BYTES))
-            yield view
-            offset += len(view)
-            remaining -= len(view)
+    yield from read_runs(runs, sources)
 
 
 def as_bytes(tensor: Any) -> Any:
@@ -235,9 +227,8 @@ def _check_tiling(entry: TensorEntry, runs: list[tuple[int, int, Any, int]]) -> 
 ByteRun = tuple[str, int, int]  # (source path, byte offset, byte count)
 
 
-def byte_runs(seg: TensorData) -> list[ByteRun] | None:
-    """The stored bytes that make up the segment, in order; None when a cast or a strided piece needs torch."""
-    entry, dst = seg.tensor, seg.dtype
+def byte_runs(entry: TensorEntry, dst: DType) -> list[ByteRun] | None:
+    """The stored bytes that make up the tensor as `dst`, in order; None when a cast or a strided piece needs torch."""
     runs = entry.runs()
     _check_tiling(entry, runs)
     if not all(p.data.dtype == dst and p.data.is_contiguous for _, _, p, _ in runs):
@@ -248,6 +239,16 @@ def byte_runs(seg: TensorData) -> list[ByteRun] | None:
     ]
 
 
+def read_runs(runs: list[ByteRun], sources: SourceFiles) -> Iterator[memoryview]:
+    """The runs' bytes, a block at a time, in the reused buffer: consume each block before the next."""
+    for path, offset, nbytes in runs:
+        while nbytes:
+            view = sources.read_block(path, offset, min(nbytes, BLOCK_BYTES))
+            yield view
+            offset += len(view)
+            nbytes -= len(view)
+
+
 def copy_runs(runs: list[ByteRun], out: _Out, sources: SourceFiles, with_crc: bool) -> int:
     """Copy byte runs to `out`: in the kernel when no CRC is wanted, else through the reusable buffer."""
     crc = 0
@@ -255,12 +256,9 @@ def copy_runs(runs: list[ByteRun], out: _Out, sources: SourceFiles, with_crc: bo
         if not with_crc and path != ZEROS:
             out.copy(sources.fd(path), offset, nbytes, path)
             continue
-        while nbytes:
-            view = sources.read_block(path, offset, min(nbytes, BLOCK_BYTES))
+        for view in read_runs([(path, offset, nbytes)], sources):
             crc = zlib.crc32(view, crc)
             out.write(view)
-            offset += len(view)
-            nbytes -= len(view)
     return crc
 
 
@@ -270,7 +268,7 @@ def stream_tensor(seg: TensorData, out: _Out, sources: SourceFiles) -> int:
     Stored bytes that are already what the output needs are copied as bytes; anything else (casts,
     strided pieces) goes through torch, one window at a time.
     """
-    runs = byte_runs(seg)
+    runs = byte_runs(seg.tensor, seg.dtype)
     if runs is None:
         return _stream_converted(seg, out, sources)
     return copy_runs(runs, out, sources, seg.crc_key is not None)
@@ -386,7 +384,7 @@ def _tensor_jobs(
     # Only CRC-bearing data is shared: reads and CRCs run in parallel, while writes into one file are
     # serialised by the filesystem anyway (the inode lock), so kernel copies gain nothing from threads.
     shared = threads > 1 and seg.crc_key is not None and seg.size > 2 * CHUNK_BYTES
-    runs = byte_runs(seg) if shared else None
+    runs = byte_runs(seg.tensor, seg.dtype) if shared else None
     if runs is None:  # one job: the whole segment in order
         return [(index, seg.size, lambda sources: stream_tensor(seg, _Out(fd, pos, advance), sources))]
     jobs = []
