@@ -165,6 +165,10 @@ class RankFile:
     def array(self, ref: TensorRef) -> StoredArray:
         return stored_array(ref, self.records, str(self.path))
 
+    def whole(self, ref: TensorRef) -> list[Piece]:
+        """The stored tensor as the one piece of a logical tensor of its shape."""
+        return [Piece(Box((0,) * len(ref.shape), ref.shape), self.array(ref))]
+
 
 def _load(path: Path, options: ReadOptions) -> RankFile:
     try:
@@ -264,8 +268,8 @@ class DeepSpeedReader:
                 tensors[alias] = TensorEntry(alias, tensors[owner].dtype, tensors[owner].shape, "model", tensors[owner].pieces)
         tensors.update(layout.optimizer_tensors())
         tensors.update(self._training_dtype_weights(first_model, stage))
-        tensors.update(self._client_tensors(first_model))
-        objects = self._objects(model, layout.param_groups())
+        client_tensors, objects = self._client_state(first_model, layout.param_groups())
+        tensors.update(client_tensors)
         files = [first_model.path] + [m.path for r, m in sorted(models.items()) if m.path != first_model.path]
         files += [o.path for _, o in sorted(optims.items())]
         wrapper = "BF16_Optimizer" if stage is None else f"DeepSpeedZeroOptimizer{'_Stage3' if stage == 3 else ''}"
@@ -307,7 +311,7 @@ class DeepSpeedReader:
             ref = module.get(name)
             if isinstance(ref, TensorRef):
                 logical = dtypes.FLOAT32 if ref.dtype.is_float else ref.dtype
-                out[name] = TensorEntry(name, logical, ref.shape, "model", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))])
+                out[name] = TensorEntry(name, logical, ref.shape, "model", first.whole(ref))
         shapes = model.get("frozen_param_shapes") or {}
         for name, shape in shapes.items():
             shape = tuple(shape)
@@ -328,9 +332,7 @@ class DeepSpeedReader:
             owned = {n for group in model.get("param_shapes") or [] for n in group} | set(model.get("shared_params") or {})
             for name, ref in module.items():
                 if isinstance(ref, TensorRef) and name not in owned and name not in out and math.prod(ref.shape):
-                    out[name] = TensorEntry(
-                        name, ref.dtype, ref.shape, "model", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))]
-                    )
+                    out[name] = TensorEntry(name, ref.dtype, ref.shape, "model", first.whole(ref))
         return out
 
     def _training_dtype_weights(self, first: RankFile, stage: int | None) -> dict[str, TensorEntry]:
@@ -344,29 +346,18 @@ class DeepSpeedReader:
             ref = module.get(name)
             if isinstance(ref, TensorRef) and math.prod(ref.shape):
                 path = ("module", name)
-                out[path_name(path)] = TensorEntry(
-                    path_name(path), ref.dtype, ref.shape, "other", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))], path
-                )
+                out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, ref.shape, "other", first.whole(ref), path)
         return out
 
-    def _client_tensors(self, first: RankFile) -> dict[str, TensorEntry]:
-        """Tensors in the client state (a per-rank RNG state, say), as saved by rank 0."""
+    def _client_state(self, first: RankFile, param_groups: list[dict[str, Any]]) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry]]:
+        """Everything beside the layout keys (engine counters, LR scheduler, client state) as saved by rank 0: its
+        tensors (a per-rank RNG state, say) and its other values, plus the param groups by parameter name."""
         rest = {k: v for k, v in first.tree.items() if k not in LAYOUT_KEYS}
-        refs, _, _ = flatten(rest, lambda v: isinstance(v, TensorRef), "model states") if rest else ([], [], {})
-        out = {}
-        for path, ref in refs:
-            name = path_name(path)
-            out[name] = TensorEntry(
-                name, ref.dtype, ref.shape, "other", [Piece(Box((0,) * len(ref.shape), ref.shape), first.array(ref))], path
-            )
-        return out
-
-    def _objects(self, model: dict[str, Any], param_groups: list[dict[str, Any]]) -> dict[str, ObjectEntry]:
-        rest = {k: v for k, v in model.items() if k not in LAYOUT_KEYS}
-        _, leaves, _ = flatten(rest, lambda v: isinstance(v, TensorRef), "model states") if rest else ([], [], {})
+        refs, leaves, _ = flatten(rest, lambda v: isinstance(v, TensorRef), "model states") if rest else ([], [], {})
+        tensors = {path_name(p): TensorEntry(path_name(p), ref.dtype, ref.shape, "other", first.whole(ref), p) for p, ref in refs}
         objects = {path_name(p): ObjectEntry(path_name(p), v, "other", p) for p, v in leaves}
         objects["optimizer.param_groups"] = ObjectEntry("optimizer.param_groups", param_groups, "optimizer", ("optimizer", "param_groups"))
-        return objects
+        return tensors, objects
 
     def _precision(self, model: dict[str, Any], optim_paths: dict[int, Path]) -> str:
         config = model.get("ds_config") or {}
