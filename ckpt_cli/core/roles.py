@@ -19,6 +19,11 @@ STEP_KEYS = ("global_step", "step", "iteration", "global_steps", "steps")
 NON_MODEL = OPTIMIZER_KEYS | SCHEDULER_KEYS | RNG_KEYS | DATALOADER_KEYS | {"client_state", "extra_state"}
 
 
+def optimizer_key(tops: set[str]) -> str | None:
+    """The top-level key a training checkpoint keeps its optimizer under: get_state_dict's `optim`, else `optimizer`."""
+    return "optim" if "optim" in tops else "optimizer" if "optimizer" in tops else None
+
+
 def key_layout(paths: list[PathKey]) -> str:
     """How a training checkpoint's keys are laid out (from key paths alone):
     'get_state_dict': the model nested under `model`, the optimizer under `optim` (or `optimizer`) with
@@ -26,7 +31,7 @@ def key_layout(paths: list[PathKey]) -> str:
     the top level, the optimizer under `optimizer` (flattened per parameter by torchtitan); 'flat': a
     state dict with no optimizer."""
     tops = {str(p[0]) for p in paths if p}
-    optimizer = "optim" if "optim" in tops else "optimizer" if "optimizer" in tops else None
+    optimizer = optimizer_key(tops)
     if optimizer is None:
         return "get_state_dict" if "model" in tops else "flat"
     rest = [p for p in paths if p and str(p[0]) not in NON_MODEL and str(p[0]) not in STEP_KEYS and str(p[0]) != "train_state"]

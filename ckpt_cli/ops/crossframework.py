@@ -143,7 +143,7 @@ def detect_layout(ckpt: Checkpoint) -> str:
 def from_checkpoint(ckpt: Checkpoint, names: NameMap, need_optimizer: bool = True) -> TrainingState:
     layout = detect_layout(ckpt)
     tops = {str(e.path[0]) for e in [*ckpt.tensors.values(), *ckpt.objects.values()] if e.path}
-    optim_key = "optim" if "optim" in tops else "optimizer"  # {"model": ..., "optimizer": ...} is common too
+    optim_key = roles.optimizer_key(tops) or "optimizer"  # {"model": ..., "optimizer": ...} is common too
     if layout == "deepspeed":
         state = _from_deepspeed(ckpt)
     elif layout == "get_state_dict":
