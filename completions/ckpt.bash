@@ -10,6 +10,8 @@ _ckpt() {
         --to) COMPREPLY=($(compgen -W "deepspeed dcp hf safetensors torch" -- "$cur")); return ;;
         --format) COMPREPLY=($(compgen -W "deepspeed dcp hf safetensors torch" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "keep fp32 bf16 fp16" -- "$cur")); return ;;
+        --layout) COMPREPLY=($(compgen -W "get_state_dict torchtitan" -- "$cur")); return ;;
+        --per-rank-state) COMPREPLY=($(compgen -W "wrap first drop" -- "$cur")); return ;;
     esac
     local opts=""
     case "${words[1]}" in

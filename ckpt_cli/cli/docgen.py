@@ -16,12 +16,15 @@ import typer.main
 from ckpt_cli import __version__
 from ckpt_cli.cli.app import app
 from ckpt_cli.formats import registry
+from ckpt_cli.ops.crossframework import LAYOUTS, PER_RANK_RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 VALUE_CHOICES = {
     "--to": [name for name, f in registry.FORMATS.items() if f.writer is not None],
     "--format": list(registry.FORMATS),
     "--dtype": ["keep", "fp32", "bf16", "fp16"],
+    "--layout": list(LAYOUTS),
+    "--per-rank-state": list(PER_RANK_RULES),
 }
 
 
