@@ -456,7 +456,7 @@ def test_deepspeed_reshard_applies_the_per_rank_rule(runs, ckpt, tmp_path):
 
 def test_per_rank_keys_are_data_parallel_ranks_only():
     from ckpt_cli.core.model import ObjectEntry
-    from ckpt_cli.ops.crossframework import apply_per_rank_rule
+    from ckpt_cli.core.training import apply_per_rank_rule
 
     def entry(*path):
         return ObjectEntry(".".join(path), path[-1], path=path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -39,11 +40,11 @@ from ckpt_cli.core.atomic import check_destination
 from ckpt_cli.core.distributed import is_main_process
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.sizes import human_bytes, parse_size
+from ckpt_cli.core.training import PER_RANK_RULES, NameMap
 from ckpt_cli.errors import Interrupted, UsageError
+from ckpt_cli.formats.dcp_training import LAYOUTS
 from ckpt_cli.formats.registry import FORMATS
 from ckpt_cli.ops import convert as convert_op
-from ckpt_cli.ops.crossframework import LAYOUTS, PER_RANK_RULES, NameMap
-from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.transform import Transform
 
 
@@ -69,21 +70,45 @@ def _cross_options(
     return convert_op.CrossOptions(layout, zero_stage, ds_config, names, per_rank, bool(rename or name_map))
 
 
-def _run(src, dest, to, source, transform, write, overwrite, dry_run, quiet, json_, workers=None, cross=None) -> None:  # noqa: ANN001
-    quiet = quiet or not is_main_process()  # under torchrun, rank 0 speaks for all
-    job = convert_op.prepare(src, dest, to, source, transform, write, cross)
-    if dry_run:
-        if dest.exists() and not overwrite:
+@dataclass(frozen=True)
+class Output:
+    """How a writing command reports and runs: the flags that do not change what is written."""
+
+    overwrite: bool = False
+    dry_run: bool = False
+    quiet: bool = False
+    json: bool = False
+    workers: int | None = None
+
+
+def plan_text(job: convert_op.Job) -> str:
+    """What --dry-run prints: the files, their sizes and the notes."""
+    d = convert_op.describe(job)
+    lines = [f"plan: write {d['format']} to {d['destination']} ({len(d['files'])} files, {human_bytes(d['total_bytes'])})"]
+    lines += [f"  {f['path']}  {human_bytes(f['bytes'])}  {f['tensors']} tensors" for f in d["files"]]
+    lines.append(
+        f"estimated peak memory: {human_bytes(d['estimated_peak_rss'])} (largest tensor {human_bytes(d['largest_tensor_bytes'])}, streamed)"
+    )
+    lines += [f"note: {n}" for n in d["notes"]]
+    return "\n".join(lines)
+
+
+def _run(request: convert_op.Request, out: Output) -> None:
+    quiet = out.quiet or not is_main_process()  # under torchrun, rank 0 speaks for all
+    dest = request.dest
+    job = convert_op.prepare(request)
+    if out.dry_run:
+        if dest.exists() and not out.overwrite:
             job.notes.append(f"{dest} exists: the real run needs --overwrite")
-        output.emit_json(convert_op.describe(job)) if json_ else output.emit(convert_op.describe_text(job))
+        output.emit_json(convert_op.describe(job)) if out.json else output.emit(plan_text(job))
         return
     if is_main_process():
-        check_destination(dest, overwrite)
+        check_destination(dest, out.overwrite)
     for note in job.notes:
         output.info(f"note: {note}", quiet)
-    with output.progress(job.plan.total_bytes, f"{to} -> {dest.name}", quiet) as bar:
+    with output.progress(job.plan.total_bytes, f"{job.plan.format} -> {dest.name}", quiet) as bar:
         try:
-            convert_op.run(job, overwrite, bar, workers)
+            convert_op.run(job, out.overwrite, bar, out.workers)
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted; nothing was written to {dest}") from None
     output.info(f"wrote {job.plan.format} {dest} ({len(job.plan.files)} files, {human_bytes(job.plan.total_bytes)})", quiet)
@@ -120,20 +145,16 @@ def convert(
 ) -> None:
     """Convert any readable checkpoint to another format, streamed. Between DeepSpeed and dcp the whole training
     state moves (weights, Adam moments, param groups, step, scheduler, dataloader), so a run resumes in the other framework."""
-    _run(
+    request = convert_op.Request(
         src,
         dest,
         to,
         convert_op.SourceOptions(format_, tag, trust_pickle),
         _transform(dtype, weights_only, select, strip_prefix, add_prefix),
         _write_options(world_size, max_shard_size, num_shards),
-        overwrite,
-        dry_run,
-        quiet,
-        json_,
-        workers,
         _cross_options(layout, zero_stage, ds_config, rename, name_map, per_rank_state),
     )
+    _run(request, Output(overwrite, dry_run, quiet, json_, workers))
 
 
 def reshard(
@@ -161,23 +182,16 @@ def reshard(
     per_rank_state: PerRankState = "wrap",
 ) -> None:
     """Same format, new layout: --world-size N (dcp, deepspeed) or --num-shards/--max-shard-size (hf)."""
-    write = _write_options(world_size, max_shard_size, num_shards)
-    source = convert_op.SourceOptions(format_, tag, trust_pickle)
-    to = convert_op.reshard_target(open_checkpoint(src, format_, tag, trust_pickle).format, write)
-    _run(
+    request = convert_op.Request(
         src,
         dest,
-        to,
-        source,
+        None,  # the source's own format
+        convert_op.SourceOptions(format_, tag, trust_pickle),
         _transform(dtype, weights_only, select, strip_prefix, add_prefix),
-        write,
-        overwrite,
-        dry_run,
-        quiet,
-        json_,
-        workers,
+        _write_options(world_size, max_shard_size, num_shards),
         _cross_options(layout, None, None, rename, name_map, per_rank_state),
     )
+    _run(request, Output(overwrite, dry_run, quiet, json_, workers))
 
 
 def merge(
@@ -200,20 +214,14 @@ def merge(
     workers: Workers = None,
 ) -> None:
     """All shards into one file: DST.safetensors or DST.pt (model weights unless --all)."""
-    to = convert_op.merge_target(dest, all_)
-    _run(
+    request = convert_op.Request(
         src,
         dest,
-        to,
+        convert_op.merge_target(dest, all_),
         convert_op.SourceOptions(format_, tag, trust_pickle),
         _transform(dtype, not all_, select, strip_prefix, add_prefix),
-        WriteOptions(),
-        overwrite,
-        dry_run,
-        quiet,
-        json_,
-        workers,
     )
+    _run(request, Output(overwrite, dry_run, quiet, json_, workers))
 
 
 def split(
@@ -235,16 +243,12 @@ def split(
     workers: Workers = None,
 ) -> None:
     """One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB)."""
-    _run(
+    request = convert_op.Request(
         src,
         dest,
         "hf",
         convert_op.SourceOptions(format_, tag, trust_pickle),
         _transform(dtype, True, select, strip_prefix, add_prefix),
         _write_options(None, max_shard_size, num_shards),
-        overwrite,
-        dry_run,
-        quiet,
-        json_,
-        workers,
     )
+    _run(request, Output(overwrite, dry_run, quiet, json_, workers))

@@ -15,8 +15,9 @@ import typer.main
 
 from ckpt_cli import __version__
 from ckpt_cli.cli.app import app
+from ckpt_cli.core.training import PER_RANK_RULES
 from ckpt_cli.formats import registry
-from ckpt_cli.ops.crossframework import LAYOUTS, PER_RANK_RULES
+from ckpt_cli.formats.dcp_training import LAYOUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 VALUE_CHOICES = {

@@ -4,11 +4,12 @@ Every model weight and optimizer moment of rank >= 1 is cut along dim 0 with `to
 semantics (ranks past the end keep an empty chunk, listed once); 0-d tensors, buffers and other
 replicated tensors are one whole chunk; non-tensor values are BYTE_IO items (copied verbatim from
 a DCP source). Replicated items go to the rank file chosen the way `dedup_save_plans` chooses.
-`.metadata` is built from DCP's own classes and written last. Facts: ../shared/FORMATS.md §1.5-1.9.
+`.metadata` is built from DCP's own classes and written last. Facts: docs/formats.md §1.5-1.9.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import uuid
@@ -21,6 +22,7 @@ from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Opaque, PathKey, TensorEntry, sub_tensor
 from ckpt_cli.core.pickler import Global, Instance, Reduce, size
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
+from ckpt_cli.core.training import apply_per_rank_rule
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import torch_save
 
@@ -153,6 +155,20 @@ def _object_bytes(obj: ObjectEntry) -> bytes:
     return torch_save.object_archive(obj.value)
 
 
+def _per_rank_view(ckpt: Checkpoint, world: int, rule: str) -> tuple[Checkpoint, str | None]:
+    """Per-rank values (dataloader positions, RNG states) re-keyed for the new world size by `rule`."""
+    if ckpt.details.get("per_rank_applied"):  # a training state laid out for `world` ranks already
+        return ckpt, None
+    extras = [*ckpt.objects.values(), *(t for t in ckpt.tensors.values() if t.role == "other")]
+    entries, note = apply_per_rank_rule(extras, world, rule)
+    if not note:
+        return ckpt, None
+    objects = {e.name: e for e in entries if isinstance(e, ObjectEntry)}
+    kept = {e.name: e for e in entries if isinstance(e, TensorEntry)}
+    tensors = {n: t for n, t in ckpt.tensors.items() if t.role != "other"} | kept
+    return dataclasses.replace(ckpt, tensors=tensors, objects=objects), note
+
+
 class DCPWriter:
     name = "dcp"
     dest_is_dir = True
@@ -161,7 +177,8 @@ class DCPWriter:
         world_size = options.world_size or ckpt.world_size
         if not world_size:
             raise UsageError("writing dcp needs --world-size N (the number of FSDP2 ranks to lay it out for)")
-        notes = []
+        ckpt, per_rank_note = _per_rank_view(ckpt, world_size, options.per_rank_rule)
+        notes = [per_rank_note] if per_rank_note else []
         opaque = [o.name for o in ckpt.objects.values() if isinstance(o.value, Opaque) and o.raw is None]
         if opaque:
             raise UsageError(f"cannot write non-tensor values that were not parsed: {', '.join(opaque[:3])} (try --trust-pickle)")

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt_cli.core.interface import Reader, Writer
+from ckpt_cli.core.training import TrainingFormat
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats import dcp, dcp_writer, deepspeed, deepspeed_writer, hf, safetensors, torch_save
+from ckpt_cli.formats import dcp, dcp_training, dcp_writer, deepspeed, deepspeed_training, deepspeed_writer, hf, safetensors, torch_save
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class Format:
     summary: str
     has_checksums: bool  # records carry CRCs that check(deep=True) verifies
     own_tags: bool = False  # the reader resolves --tag itself (DeepSpeed's latest + global_stepN)
+    reshard_by: str | None = None  # what `reshard` changes: "world_size" (ranks) or "shards" (files); None: one file
+    training: TrainingFormat | None = None  # holds a whole training run that moves to and from other frameworks
+    writes_any_state_dict: bool = True  # False: the writer needs a source of its own format (or a training state)
 
 
 # Detection order: the most specific layouts first.
@@ -31,22 +35,30 @@ FORMATS: dict[str, Format] = {
             deepspeed_writer.WRITER,
             "DeepSpeed ZeRO stage 1/2/3: latest + global_stepN/*_states.pt",
             True,
-            True,
+            own_tags=True,
+            reshard_by="world_size",
+            training=deepspeed_training.TRAINING,
+            writes_any_state_dict=False,
         ),
-        Format("dcp", dcp.READER, dcp_writer.WRITER, "PyTorch Distributed Checkpoint: .metadata + __R_I.distcp", True),
-        Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json", False),
+        Format(
+            "dcp",
+            dcp.READER,
+            dcp_writer.WRITER,
+            "PyTorch Distributed Checkpoint: .metadata + __R_I.distcp",
+            True,
+            reshard_by="world_size",
+            training=dcp_training.TRAINING,
+        ),
+        Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json", False, reshard_by="shards"),
         Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file", False),
         Format("torch", torch_save.READER, torch_save.WRITER, "one torch.save file (.pt/.pth/.bin)", True),
     )
 }
-PENDING: dict[str, str] = {}
 
 
 def get(name: str) -> Format:
     if name in FORMATS:
         return FORMATS[name]
-    if name in PENDING:
-        raise UsageError(f"format '{name}' ({PENDING[name]}) is not supported yet by this version of ckpt")
     raise UsageError(f"unknown format '{name}' (known: {', '.join(FORMATS)})")
 
 

@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core.executor import BLOCK_BYTES, Progress, execute
+from ckpt_cli.core import distributed, executor
+from ckpt_cli.core.executor import BLOCK_BYTES, Progress
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
+from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.core.plan import TensorData, WritePlan
-from ckpt_cli.core.sizes import human_bytes
+from ckpt_cli.core.training import NameMap, StateOptions
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import registry
 from ckpt_cli.ops import crossframework, transform
-from ckpt_cli.ops.crossframework import NameMap
 from ckpt_cli.ops.source import open_checkpoint
 
 # Measured floors of resident memory: the CLI alone (plain byte copies never import torch), and
@@ -28,7 +28,7 @@ BASE_RSS = 40 * 10**6
 TORCH_RSS = 260 * 10**6
 
 
-@dataclass
+@dataclass(frozen=True)
 class SourceOptions:
     format: str | None = None
     tag: str | None = None
@@ -37,7 +37,7 @@ class SourceOptions:
 
 @dataclass(frozen=True)
 class CrossOptions:
-    """Carrying a run's training state between DeepSpeed and FSDP2 (convert --to dcp|deepspeed)."""
+    """Carrying a run's training state between frameworks (convert --to dcp|deepspeed)."""
 
     layout: str | None = None  # DCP key layout to write: get_state_dict or torchtitan
     zero_stage: int | None = None  # DeepSpeed target
@@ -45,6 +45,19 @@ class CrossOptions:
     names: NameMap = NameMap()
     per_rank: str = "wrap"  # rule for per-rank values under a new world size
     names_given: bool = False  # --rename or --name-map was passed
+
+
+@dataclass(frozen=True)
+class Request:
+    """One writing command: source, destination, target format (None: the source's own, as reshard keeps it)."""
+
+    src: Path
+    dest: Path
+    to: str | None = None
+    source: SourceOptions = SourceOptions()
+    transform: transform.Transform = transform.Transform()
+    write: WriteOptions = WriteOptions()
+    cross: CrossOptions = CrossOptions()
 
 
 @dataclass
@@ -55,99 +68,74 @@ class Job:
     notes: list[str] = field(default_factory=list)
 
 
-def prepare(
-    src: str | Path,
-    dest: str | Path,
-    to: str,
-    source: SourceOptions,
-    t: transform.Transform,
-    write: WriteOptions,
-    cross: CrossOptions | None = None,
-) -> Job:
-    ckpt = open_checkpoint(src, source.format, source.tag, source.trust_pickle)
-    cross = cross or CrossOptions()
-    write = dataclasses.replace(write, per_rank_rule=cross.per_rank)
-    if carries_training_state(ckpt, to, t, cross):
-        view = training_view(ckpt, to, t, write, cross)
-    else:
-        view = transform.apply(ckpt, t)
-        if to == "dcp":
-            _rekey_per_rank(view, write.world_size or ckpt.world_size or 1, cross.per_rank)
-    writer = registry.writer(to)
-    if write.world_size is not None and to not in ("dcp", "deepspeed"):
-        raise UsageError(f"--world-size applies to dcp and deepspeed targets, not {to}")
-    if (write.num_shards or write.max_shard_size) and to != "hf":
-        raise UsageError(f"--num-shards/--max-shard-size apply to hf targets, not {to}")
-    plan = writer.plan(view, Path(dest), write)
+def prepare(request: Request) -> Job:
+    """Open the source once and plan the write (metadata only; nothing is written)."""
+    src = request.source
+    ckpt = open_checkpoint(request.src, src.format, src.tag, src.trust_pickle)
+    target = registry.get(request.to) if request.to else reshard_target(ckpt.format, request.write)
+    writer = registry.writer(target.name)
+    write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
+    if write.world_size is not None and target.reshard_by != "world_size":
+        raise UsageError(f"--world-size applies to {_targets_by('world_size')} targets, not {target.name}")
+    if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards":
+        raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
+    view = training_view(ckpt, target, t, write, cross) if carries_training_state(ckpt, target, t, cross) else transform.apply(ckpt, t)
+    plan = writer.plan(view, request.dest, write)
     return Job(plan, list(view.notes) + plan.notes)
 
 
-def carries_training_state(ckpt: Checkpoint, to: str, t: transform.Transform, cross: CrossOptions) -> bool:
-    """Whether the write goes through the framework-neutral training state: DeepSpeed <-> DCP, a DCP key
-    layout change, a DeepSpeed stage or config change, or parameter renames in a dcp/deepspeed target."""
-    if to not in ("dcp", "deepspeed") or t.weights_only:
+def _targets_by(kind: str) -> str:
+    return " and ".join(n for n, f in registry.FORMATS.items() if f.reshard_by == kind and f.writer is not None)
+
+
+def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transform.Transform, cross: CrossOptions) -> bool:
+    """Whether the write goes through the framework-neutral training state: between two training formats, into a
+    format whose writer needs one (DeepSpeed from a state dict), a layout change (ZeRO stage, DCP key layout), or
+    parameter renames in a training target."""
+    if target.training is None or t.weights_only:
         return False
-    if to == "deepspeed":
-        if ckpt.format != "deepspeed" or cross.ds_config is not None:
-            return True
-        stage = ckpt.details.get("zero_stage")
-        return cross.zero_stage not in (None, stage) or cross.names_given
-    if ckpt.format == "deepspeed" or cross.names_given:
+    if cross.names_given:
         return True
-    return cross.layout is not None and crossframework.detect_layout(ckpt) != cross.layout
+    if ckpt.format != target.name:
+        source = registry.FORMATS.get(ckpt.format)
+        return (source is not None and source.training is not None) or not target.writes_any_state_dict
+    return target.training.changes_layout(ckpt, _state_options(write_world=None, cross=cross))
 
 
-def training_view(ckpt: Checkpoint, to: str, t: transform.Transform, write: WriteOptions, cross: CrossOptions) -> Checkpoint:
+def _state_options(write_world: int | None, cross: CrossOptions) -> StateOptions:
+    return StateOptions(write_world or 0, cross.per_rank, cross.layout, cross.zero_stage, cross.ds_config)
+
+
+def training_view(
+    ckpt: Checkpoint, target: registry.Format, t: transform.Transform, write: WriteOptions, cross: CrossOptions
+) -> Checkpoint:
     """The source's training state laid out for the target framework (names by FQN, moments, groups, step)."""
-    from ckpt_cli.formats import deepspeed_template
-
+    assert target.training is not None
     if t != transform.Transform():
         raise UsageError(
             "carrying training state between frameworks keeps every tensor as it is: --select, --strip-prefix, --add-prefix "
             "and --dtype do not apply (rename parameters with --rename or --name-map; --weights-only writes the weights alone)"
         )
     if not write.world_size:
-        raise UsageError(f"writing {to} needs --world-size N")
+        raise UsageError(f"writing {target.name} needs --world-size N")
     state = crossframework.from_checkpoint(ckpt, cross.names)
-    if to == "dcp":
-        if cross.zero_stage is not None or cross.ds_config is not None:
-            raise UsageError("--zero-stage and --ds-config apply to deepspeed targets")
-        return crossframework.to_dcp(state, cross.layout or "get_state_dict", write.world_size, cross.per_rank)
-    if cross.layout is not None:
-        raise UsageError("--layout applies to dcp targets")
-    target = deepspeed_template.target(cross.ds_config, cross.zero_stage, write.world_size)
-    if ckpt.format != "deepspeed":  # DeepSpeed records its ties (shared_params); DCP saves the tensor twice
-        found = crossframework.find_ties(state)
-        if found:
-            state.tied.update(found)
-            state.notes.append("tied weights (equal bytes): " + ", ".join(f"{a} -> {o}" for a, o in found.items()))
-    return deepspeed_template.build(state, target, f"global_step{state.step or 0}", cross.per_rank)
+    return target.training.write_state(state, _state_options(write.world_size, cross))
 
 
-def _rekey_per_rank(view: Checkpoint, world: int, rule: str) -> None:
-    """Per-rank values (dataloader positions, RNG states) re-keyed for the new world size by `rule`."""
-    extras = [*view.objects.values(), *(t for t in view.tensors.values() if t.role == "other")]
-    entries, note = crossframework.apply_per_rank_rule(extras, world, rule)
-    if note:
-        view.objects = {e.name: e for e in entries if isinstance(e, ObjectEntry)}
-        kept = {e.name: e for e in entries if isinstance(e, TensorEntry)}
-        view.tensors = {n: t for n, t in view.tensors.items() if t.role != "other"} | kept
-        view.notes.append(note)
-
-
-def reshard_target(ckpt_format: str, write: WriteOptions) -> str:
+def reshard_target(ckpt_format: str, write: WriteOptions) -> registry.Format:
     """`reshard` keeps the format; say plainly what each format can be resharded by."""
-    if ckpt_format == "hf":
+    fmt = registry.get(ckpt_format)
+    if fmt.reshard_by == "shards":
         if write.world_size is not None:
-            raise UsageError("hf checkpoints are resharded by --num-shards or --max-shard-size, not --world-size")
+            raise UsageError(f"{fmt.name} checkpoints are resharded by --num-shards or --max-shard-size, not --world-size")
         if not (write.num_shards or write.max_shard_size):
-            raise UsageError("reshard of an hf checkpoint needs --num-shards N or --max-shard-size SIZE")
-        return "hf"
-    if ckpt_format in ("dcp", "deepspeed"):
+            raise UsageError(f"reshard of an {fmt.name} checkpoint needs --num-shards N or --max-shard-size SIZE")
+    elif fmt.reshard_by == "world_size":
         if write.world_size is None:
-            raise UsageError(f"reshard of a {ckpt_format} checkpoint needs --world-size N")
-        return ckpt_format
-    raise UsageError(f"a {ckpt_format} checkpoint is one file; use 'ckpt split' to shard it")
+            raise UsageError(f"reshard of a {fmt.name} checkpoint needs --world-size N")
+    else:
+        raise UsageError(f"a {fmt.name} checkpoint is one file; use 'ckpt split' to shard it")
+    return fmt
 
 
 def merge_target(dest: Path, keep_all: bool) -> str:
@@ -194,16 +182,6 @@ def describe(job: Job) -> dict[str, Any]:
     }
 
 
-def describe_text(job: Job) -> str:
-    d = describe(job)
-    lines = [f"plan: write {d['format']} to {d['destination']} ({len(d['files'])} files, {human_bytes(d['total_bytes'])})"]
-    lines += [f"  {f['path']}  {human_bytes(f['bytes'])}  {f['tensors']} tensors" for f in d["files"]]
-    lines.append(
-        f"estimated peak memory: {human_bytes(d['estimated_peak_rss'])} (largest tensor {human_bytes(d['largest_tensor_bytes'])}, streamed)"
-    )
-    lines += [f"note: {n}" for n in d["notes"]]
-    return "\n".join(lines)
-
-
 def run(job: Job, overwrite: bool, progress: Progress | None = None, workers: int | None = None) -> None:
+    execute = distributed.execute if distributed.rank_and_world() is not None else executor.execute  # ranks share the files under torchrun
     execute(job.plan, overwrite=overwrite, progress=progress, workers=workers)

@@ -1,0 +1,94 @@
+"""The package's shape: layers import downwards only, no import cycle, small files, no paths outside the repository."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ckpt_cli"
+# What each layer may not import: core is pure, formats know nothing of commands, ops nothing of the CLI.
+FORBIDDEN = {
+    "core": ("ckpt_cli.formats", "ckpt_cli.ops", "ckpt_cli.cli"),
+    "formats": ("ckpt_cli.ops", "ckpt_cli.cli"),
+    "ops": ("ckpt_cli.cli",),
+}
+MAX_LINES = 500
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ckpt_cli module this file imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("ckpt_cli")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ckpt_cli"):
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from ckpt_cli.formats import dcp`
+    return found
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+GRAPH = {name: {m for m in _imports(path) if m in MODULES and m != name} for name, path in MODULES.items()}
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layers_import_downwards_only(layer):
+    wrong = [
+        f"{name} imports {target}"
+        for name, targets in GRAPH.items()
+        if name.startswith(f"ckpt_cli.{layer}.")
+        for target in targets
+        if target.startswith(FORBIDDEN[layer])
+    ]
+    assert not wrong, wrong
+
+
+def test_no_import_cycle():
+    # Package __init__ files only re-export; an edge into a package is an edge into what it names.
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        stack.append(name)
+        for target in sorted(GRAPH[name]):
+            if MODULES[target].name == "__init__.py":
+                continue
+            if state.get(target) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(target) :] + [target]))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[name] = 2
+
+    for name in GRAPH:
+        if name not in state:
+            visit(name)
+
+
+def test_no_file_over_the_size_limit():
+    long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_nothing_points_outside_the_repository():
+    tracked = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py"), ROOT / "README.md"]
+    tracked += list((ROOT / "docs").rglob("*.md"))
+    needle = "/".join(("..", "shared"))  # spelled apart so that this file does not match itself
+    hits = [str(p.relative_to(ROOT)) for p in tracked if needle in p.read_text()]
+    assert not hits, hits
+
+
+def test_build_outputs_are_not_tracked():
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert not [f for f in files if ".egg-info/" in f]
