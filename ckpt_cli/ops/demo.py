@@ -2,7 +2,9 @@
 
 A tiny language model (tied embedding, two blocks) trains three AdamW steps with a warmup schedule;
 then torch.save and torch.distributed.checkpoint write the full training state, safetensors writes
-the weights, ckpt's own hf writer shards them, and a run folder holds two steps. Every command can be tried on the result.
+the weights, ckpt's own hf writer shards them, ckpt's own DeepSpeed writer turns the DCP training state
+into a ZeRO-2 checkpoint (no DeepSpeed needed), and a run folder holds two steps. Every command can be
+tried on the result.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from ckpt_cli.core.executor import execute
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.formats import hf
 
+# The DeepSpeed sample: what `ckpt convert demo/dcp X --to deepspeed --zero-stage 2 --world-size 2` writes.
+DS_ZERO_STAGE, DS_WORLD_SIZE = 2, 2
 VOCAB, DIM, LAYERS, STEPS = 96, 32, 2, 3
 
 
@@ -70,6 +74,20 @@ def _save_dcp(state: dict[str, Any], path: Path) -> None:
         dcp.save(state, checkpoint_id=path, no_dist=True)
 
 
+def _write_deepspeed(dcp_dir: Path, dest: Path) -> None:
+    """The DCP training state as a DeepSpeed ZeRO checkpoint, through ckpt's own writer (the one call into convert)."""
+    from ckpt_cli.ops import convert
+
+    request = convert.Request(
+        dcp_dir,
+        dest,
+        "deepspeed",
+        write=WriteOptions(world_size=DS_WORLD_SIZE),
+        cross=convert.CrossOptions(zero_stage=DS_ZERO_STAGE),
+    )
+    convert.run(convert.prepare(request), overwrite=False)
+
+
 def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
     """Write the samples into `folder` (atomically); return the checkpoints written."""
     import torch
@@ -96,11 +114,12 @@ def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         weights = open_checkpoint(tmp / "model.safetensors")
         execute(hf.WRITER.plan(weights, tmp / "hf", WriteOptions(num_shards=3)))
+        _write_deepspeed(tmp / "dcp", tmp / "deepspeed")
         (tmp / "run").mkdir()
         for step in (100, 200):  # a run folder: `--tag` picks one, the highest step by default
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1e-3)
             save_model(model, str(tmp / "run" / f"step_{step}.safetensors"), metadata={"format": "pt"})
-    names = ["training_state.pt", "dcp", "model.safetensors", "hf", "run"]
+    names = ["training_state.pt", "dcp", "deepspeed", "model.safetensors", "hf", "run"]
     return [folder / n for n in names]

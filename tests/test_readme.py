@@ -1,0 +1,112 @@
+"""The README's console examples run verbatim and print what the README shows.
+
+Every ```console block of README.md is a test. In a block, a line starting with `$ ` is a command and
+the lines after it, up to the next command, are its expected output (stdout and stderr together, in the
+order a terminal shows them). All blocks run in order in one temporary directory, as a newcomer would
+type them after `ckpt demo demo` (the README's first block), so later blocks use what earlier ones wrote.
+Each command runs in its own `bash -c` with the venv's `ckpt` first on PATH and a fixed terminal width.
+
+The output must match byte for byte, sizes and counts included; nothing is normalised, because nothing
+shown varies: the demo trains from a fixed seed, and ckpt's writers are reproducible (the `save_id` of a
+DCP checkpoint ckpt writes is a hash of its metadata). Keep it so: `torch.distributed.checkpoint` draws a
+random `save_id` on every save, so the README does not show `inspect demo/dcp`, and it shows no timings.
+
+```bash``` blocks (torchrun launches, a user's own DeepSpeed config) are documentation and are not run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@dataclass(frozen=True)
+class Step:
+    command: str
+    expected: str  # every line newline-terminated, as the command prints it
+
+
+def console_blocks(text: str) -> list[list[Step]]:
+    """The ```console blocks of a markdown text, each as its commands and their expected output."""
+    blocks: list[list[Step]] = []
+    for body in re.findall(r"^```console\n(.*?)^```$", text, flags=re.DOTALL | re.MULTILINE):
+        steps: list[Step] = []
+        for line in body.splitlines():
+            if line.startswith("$ "):
+                steps.append(Step(line[2:], ""))
+            elif not steps:
+                raise ValueError(f"README console block starts with output, not a '$ ' command: {line!r}")
+            else:
+                steps[-1] = Step(steps[-1].command, steps[-1].expected + line + "\n")
+        blocks.append(steps)
+    return blocks
+
+
+def shell_env() -> dict[str, str]:
+    """A newcomer's shell: the venv's `ckpt` on PATH, a fixed width, no colours, no debug tracebacks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # stdout unbuffered, so that stdout and stderr interleave as they do on a terminal
+    env.update(COLUMNS="100", LINES="50", NO_COLOR="1", TERM="dumb", PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_command(command: str, cwd: Path) -> str:
+    """What the command prints, stdout and stderr together."""
+    proc = subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=shell_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
+    )
+    return proc.stdout
+
+
+BLOCKS = console_blocks(README.read_text())
+
+
+class Tour:
+    """The shared working directory; blocks run in README order, each at most once."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        self.done = 0
+
+    def run_block(self, index: int) -> list[tuple[str, str, str]]:
+        """Run the blocks before `index` that have not run (their files are needed), then block `index`:
+        (command, expected, actual) for each of its commands."""
+        while self.done < index:
+            for step in BLOCKS[self.done]:
+                run_command(step.command, self.cwd)
+            self.done += 1
+        results = [(s.command, s.expected, run_command(s.command, self.cwd)) for s in BLOCKS[index]]
+        self.done = index + 1
+        return results
+
+
+@pytest.fixture(scope="session")
+def tour(tmp_path_factory) -> Tour:
+    return Tour(tmp_path_factory.mktemp("readme"))
+
+
+def _block_id(index: int) -> str:
+    first = BLOCKS[index][0].command
+    return f"{index:02d} {first[:60]}"
+
+
+def test_readme_has_console_examples():
+    assert BLOCKS and BLOCKS[0][0].command == "ckpt demo demo", "the README's first console block runs the demo"
+    assert all(BLOCKS), "an empty console block"
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=_block_id)
+def test_console_block(tour, index):
+    if tour.done > index:
+        pytest.skip("ran already, as a prerequisite of a later block (blocks run once, in README order)")
+    for command, expected, actual in tour.run_block(index):
+        assert actual == expected, f"README command: $ {command}"
