@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class CkptError(Exception):
-    """Base class: the message is the whole user-facing explanation."""
+    """Base class: the message states the facts (what failed, which file); a front end adds how to act on them."""
 
     exit_code = 1
 
@@ -25,10 +25,8 @@ class UnsafePickleError(DataError):
     """A pickle names a global outside the allow list; nothing was executed."""
 
     def __init__(self, path: str, global_name: str) -> None:
-        super().__init__(
-            f"{path}: refusing to load pickled global '{global_name}' (not on the allow list; "
-            "nothing was executed). If you trust this file, pass --trust-pickle."
-        )
+        super().__init__(f"{path}: refusing to load pickled global '{global_name}' (not on the allow list; nothing was executed)")
+        self.path = path
         self.global_name = global_name
 
 

@@ -375,31 +375,44 @@ def test_name_mapping(runs, ckpt, tmp_path):
     assert "head.weight" not in model["frozen_param_shapes"]
 
 
-def test_refusals(runs, ckpt, tmp_path, mixed_files):
+# Refused cross-framework calls: (source, extra arguments, what the one-line error must say). Sources and files by
+# placeholder: FSDP and DS are runs of the resume fixture, TORCH a torch file without optimizer, FP16/AUTO/DS2/NONE configs.
+TO_DS = ("--to", "deepspeed", "--world-size", "2")
+TO_DCP = ("--to", "dcp", "--world-size", "2")
+REFUSALS = {
+    "no-stage": ("FSDP", TO_DS, "--zero-stage"),
+    "fp16-target": ("FSDP", (*TO_DS, "--ds-config", "FP16"), "fp16"),
+    "auto-config": ("FSDP", (*TO_DS, "--ds-config", "AUTO"), '"auto"'),
+    "stage-disagrees": ("FSDP", (*TO_DS, "--zero-stage", "3", "--ds-config", "DS2"), "disagrees"),
+    "no-optimizer": ("TORCH", (*TO_DS, "--zero-stage", "2"), "no optimizer state"),
+    "bad-layout": ("DS", (*TO_DCP, "--layout", "megatron"), "--layout"),
+    "bad-regex": ("DS", (*TO_DCP, "--rename", "(=x"), "bad regular expression"),
+    "bad-group": ("DS", (*TO_DCP, "--rename", "(embed)=\\2"), "invalid group"),
+    "select-with-state": ("DS", (*TO_DCP, "--select", "embed*", "--layout", "torchtitan"), "--select"),
+    "missing-name-map": ("DS", (*TO_DCP, "--name-map", "NONE"), "name map"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refusals(runs, ckpt, tmp_path, mixed_files, case):
     fp16 = tmp_path / "fp16.json"
     fp16.write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
     auto = tmp_path / "auto.json"  # as Hugging Face Trainer configs leave them
     auto.write_text(json.dumps({**CONFIG, "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}))
+    files = {
+        "FSDP": runs / "fsdp/at3",
+        "DS": runs / "ds2/at3",
+        "TORCH": mixed_files["torch"],
+        "FP16": fp16,
+        "AUTO": auto,
+        "DS2": runs / "ds2.json",
+        "NONE": tmp_path / "none.yaml",
+    }
+    source, extra, needle = REFUSALS[case]
     x = tmp_path / "x"
-    to_ds = ("--to", "deepspeed", "--world-size", "2")
-    to_dcp = ("--to", "dcp", "--world-size", "2")
-    fsdp, ds = runs / "fsdp/at3", runs / "ds2/at3"
-    cases = [
-        ((fsdp, x, *to_ds), "--zero-stage"),
-        ((fsdp, x, *to_ds, "--ds-config", fp16), "fp16"),
-        ((fsdp, x, *to_ds, "--ds-config", auto), '"auto"'),
-        ((fsdp, x, *to_ds, "--zero-stage", "3", "--ds-config", runs / "ds2.json"), "disagrees"),
-        ((mixed_files["torch"], x, *to_ds, "--zero-stage", "2"), "no optimizer state"),
-        ((ds, x, *to_dcp, "--layout", "megatron"), "--layout"),
-        ((ds, x, *to_dcp, "--rename", "(=x"), "bad regular expression"),
-        ((ds, x, *to_dcp, "--rename", "(embed)=\\2"), "invalid group"),
-        ((ds, x, *to_dcp, "--select", "embed*", "--layout", "torchtitan"), "--select"),
-        ((ds, x, *to_dcp, "--name-map", tmp_path / "none.yaml"), "name map"),
-    ]
-    for args, needle in cases:
-        res = ckpt("convert", *args)
-        assert res.code == 2 and needle in res.err and "Traceback" not in res.err, (args, res.err)
-        assert not x.exists()
+    res = ckpt("convert", files[source], x, *(files.get(a, a) for a in extra))
+    assert res.code == 2 and needle in res.err and "Traceback" not in res.err, res.err
+    assert not x.exists()
 
 
 def test_verify_against_across_frameworks(runs, ckpt):

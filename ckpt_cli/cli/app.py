@@ -10,7 +10,7 @@ import typer
 from ckpt_cli import __version__
 from ckpt_cli.cli import convert_cmd, demo_cmd, inspect_cmd, verify_cmd
 from ckpt_cli.cli.output import error
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, UnsafePickleError
 
 try:  # typer >= 0.29 vendors click
     from typer._click import exceptions as click_errors
@@ -49,6 +49,13 @@ app.command("split")(convert_cmd.split)
 app.command("demo")(demo_cmd.demo)
 
 
+def _hint(exc: CkptError) -> str:
+    """What the user can do about a library error, in the CLI's own terms."""
+    if isinstance(exc, UnsafePickleError):
+        return ". If you trust this file, pass --trust-pickle."
+    return ""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; exit 0 on success, 1 when the data is wrong, 2 when the call is wrong."""
     debug = bool(os.environ.get("CKPT_DEBUG"))
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     except CkptError as exc:
         if debug:
             raise
-        error(str(exc))
+        error(str(exc) + _hint(exc))
         code = exc.exit_code
     except click_errors.UsageError as exc:
         exc.show()

@@ -65,5 +65,7 @@ def verify(
         output.emit("\n".join(f"  {p}" for p in shown))
         if len(report.problems) > MAX_SHOWN:
             output.emit(f"  ... and {len(report.problems) - MAX_SHOWN} more (--json lists all)")
+        if report.refused_pickle:
+            output.emit("  If you trust this file, pass --trust-pickle.")
     if not report.ok:
         raise typer.Exit(1)
