@@ -16,7 +16,7 @@ import torch
 from conftest import DS_CONFIGS, Evil, assert_fails, assert_same_tensors, ds_to_universal
 from safetensors.torch import load_file
 
-from ckpt_cli.core.executor import SourceFiles, read_elements
+from ckpt_cli.core.reading import SourceFiles, read_elements
 from ckpt_cli.ops.source import open_checkpoint
 
 ZERO_CONFIGS = [c for c in DS_CONFIGS if not c.endswith("acc32")]  # zero_to_fp32 refuses BF16_Optimizer checkpoints

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from ckpt_cli.core.atomic import commit, prepare_partial, remove
-from ckpt_cli.core.executor import Progress, targets, write_files
+from ckpt_cli.core.executor import Progress, targets, worker_count, write_files
 from ckpt_cli.core.plan import WritePlan
 from ckpt_cli.errors import CkptError, DataError
 
@@ -34,8 +34,9 @@ def _all_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def execute(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int) -> None:
-    """Write this rank's share of the plan; rank 0 commits once every rank has succeeded."""
+def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None) -> None:
+    """Write this rank's share of the plan; rank 0 commits once every rank has succeeded (call it under
+    torchrun, where rank_and_world() is not None; executor.execute is the one-process counterpart)."""
     import torch.distributed as dist
 
     context = rank_and_world()
@@ -45,7 +46,7 @@ def execute(plan: WritePlan, overwrite: bool, progress: Progress | None, workers
     if owned:
         dist.init_process_group("gloo")
     try:
-        _execute(plan, overwrite, progress, workers, rank, world)
+        _execute(plan, overwrite, progress, worker_count(workers), rank, world)
     finally:
         if owned:
             dist.destroy_process_group()

@@ -1,31 +1,27 @@
-"""The streaming executor: carries out a WritePlan with a bounded amount of tensor data in memory.
+"""The write engine: carries out a WritePlan in one process, with a bounded amount of tensor data in memory.
 
 Same-dtype contiguous data moves with copy_file_range (in the kernel, no user-space copy); data
-that needs a CRC or a cast goes through one reusable buffer of BLOCK_BYTES. Only a stored piece
-that is not contiguous (a transposed chunk) is materialised, one piece at a time. Writeback to
-disk starts every WRITEBACK_BYTES, so the final fsync finds little left to flush.
+that needs a CRC or a cast goes through one reusable buffer of BLOCK_BYTES (reads: core/reading.py).
+Writeback to disk starts every WRITEBACK_BYTES, so the final fsync finds little left to flush.
+Under torchrun the caller uses core/distributed.py instead, which shares the files out over ranks.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core.atomic import staged
-from ckpt_cli.core.dtypes import DType
-from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
+from ckpt_cli.core.model import ZEROS
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
+from ckpt_cli.core.reading import BLOCK_BYTES, ByteRun, SourceFiles, as_bytes, byte_runs, element_windows, read_elements, read_runs
 from ckpt_cli.errors import DataError
 
-# 4 MiB stays in cache between the read, the CRC and the write; 32 MiB made the kernel's copy into
-# the page cache 3-10x slower on a 2-core VM (benchmarks/run.py, perf: copy_folio_from_iter_atomic).
-BLOCK_BYTES = 4 << 20
 COPY_BYTES = 64 << 20  # one copy_file_range call
 WRITEBACK_BYTES = 64 << 20
 Progress = Callable[[int], None]
@@ -46,134 +42,6 @@ def _sync_file_range() -> Callable[[int], None]:
 
 
 start_writeback = _sync_file_range()
-
-
-class SourceFiles:
-    """Open file descriptors of the sources, and the one materialised non-contiguous piece."""
-
-    def __init__(self) -> None:
-        self.fds: dict[str, int] = {}
-        self._buffer: bytearray | None = None
-        self._materialised: tuple[StoredArray, Any] | None = None
-
-    def fd(self, path: str) -> int:
-        if path not in self.fds:
-            try:
-                self.fds[path] = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
-        return self.fds[path]
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-    def pread_into(self, path: str, offset: int, buf: bytearray) -> None:
-        """Fill `buf` with the bytes of `path` from `offset`; DataError if the file ends first."""
-        self._pread(path, offset, memoryview(buf))
-
-    def _pread(self, path: str, offset: int, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            n = os.preadv(self.fd(path), [view[got:]], offset + got)
-            if n == 0:
-                raise DataError(f"{path}: truncated: expected {len(view)} bytes at offset {offset}, file ends first")
-            got += n
-
-    def read_block(self, path: str, offset: int, nbytes: int) -> memoryview:
-        """Bytes of `path` in a buffer reused from call to call (nbytes <= BLOCK_BYTES)."""
-        if self._buffer is None:
-            self._buffer = bytearray(BLOCK_BYTES)
-        view = memoryview(self._buffer)[:nbytes]
-        if path == ZEROS:
-            view[:] = bytes(nbytes)
-        else:
-            self._pread(path, offset, view)
-        return view
-
-    def materialised(self, array: StoredArray) -> Any:
-        """The elements of a non-contiguous stored array as a flat contiguous torch tensor."""
-        if self._materialised is None or self._materialised[0] != array:
-            self._materialised = None
-            self._materialised = (array, materialise(array))
-        return self._materialised[1]
-
-
-def materialise(array: StoredArray) -> Any:
-    """Read a strided stored array through a private memory map into a flat contiguous tensor."""
-    import torch
-
-    start, end = array.extent()
-    base = array.offset
-    with open(array.path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if end > size:
-            raise DataError(f"{array.path}: truncated: data needs bytes up to {end}, file has {size}")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    storage_elems = (end - base) // array.dtype.itemsize
-    flat = torch.frombuffer(mm, dtype=array.dtype.torch(), count=storage_elems, offset=base)
-    view = flat.as_strided(array.shape, array.stride, array.storage_offset)
-    return view.contiguous().reshape(-1)
-
-
-def read_stored(array: StoredArray, start: int, count: int, sources: SourceFiles) -> Any:
-    """Elements [start, start+count) of a stored array (row-major order) as a 1-d torch tensor."""
-    import torch
-
-    if count == 0:
-        return torch.empty(0, dtype=array.dtype.torch())
-    if array.path == ZEROS:
-        return torch.zeros(count, dtype=array.dtype.torch())
-    if not array.is_contiguous:
-        return sources.materialised(array)[start : start + count]
-    itemsize = array.dtype.itemsize
-    raw = bytearray(count * itemsize)
-    sources.pread_into(array.path, array.offset + (array.storage_offset + start) * itemsize, raw)
-    return torch.frombuffer(raw, dtype=array.dtype.torch())
-
-
-def read_elements(entry: TensorEntry, start: int, count: int, sources: SourceFiles) -> Any:
-    """Elements [start, start+count) of a logical tensor, gathered from its pieces, as its dtype."""
-    import torch
-
-    out = torch.empty(count, dtype=entry.dtype.torch())
-    filled = 0
-    for gstart, length, piece, lstart in entry.runs():
-        lo, hi = max(gstart, start), min(gstart + length, start + count)
-        if lo < hi:
-            out[lo - start : hi - start] = read_stored(piece.data, lstart + lo - gstart, hi - lo, sources)
-            filled += hi - lo
-    if filled != count:
-        raise DataError(f"{entry.name}: {entry.tiling_problem() or 'pieces do not cover the tensor'}")
-    return out
-
-
-def element_windows(entry: TensorEntry, itemsize: int | None = None) -> Iterator[tuple[int, int]]:
-    """(start, count) windows of at most BLOCK_BYTES that walk a tensor in order."""
-    step = max(BLOCK_BYTES // (itemsize or entry.dtype.itemsize), 1)
-    for start in range(0, entry.numel, step):
-        yield start, min(step, entry.numel - start)
-
-
-def tensor_bytes(entry: TensorEntry, sources: SourceFiles) -> Iterator[Any]:
-    """The tensor's elements as little-endian bytes in row-major order, block by block.
-
-    Contiguous pieces already in the tensor's dtype are read as bytes (no torch); anything else is
-    gathered through torch one window at a time. Buffers are reused: consume each before the next.
-    """
-    runs = byte_runs(entry, entry.dtype)
-    if runs is None:
-        for start, count in element_windows(entry):
-            yield as_bytes(read_elements(entry, start, count, sources))
-        return
-    yield from read_runs(runs, sources)
-
-
-def as_bytes(tensor: Any) -> Any:
-    import torch
-
-    return tensor.contiguous().view(torch.uint8).numpy()
 
 
 class _Out:
@@ -212,41 +80,6 @@ class _Out:
                     self.progress(n)
             offset += n
             nbytes -= n
-
-
-def _check_tiling(entry: TensorEntry, runs: list[tuple[int, int, Any, int]]) -> None:
-    pos = 0
-    for start, length, _, _ in runs:
-        if start != pos:
-            break
-        pos += length
-    if pos != entry.numel or len(runs) and runs[-1][0] + runs[-1][1] != entry.numel:
-        raise DataError(f"{entry.name}: {entry.tiling_problem() or 'pieces do not cover the tensor'}")
-
-
-ByteRun = tuple[str, int, int]  # (source path, byte offset, byte count)
-
-
-def byte_runs(entry: TensorEntry, dst: DType) -> list[ByteRun] | None:
-    """The stored bytes that make up the tensor as `dst`, in order; None when a cast or a strided piece needs torch."""
-    runs = entry.runs()
-    _check_tiling(entry, runs)
-    if not all(p.data.dtype == dst and p.data.is_contiguous for _, _, p, _ in runs):
-        return None
-    return [
-        (p.data.path, p.data.offset + (p.data.storage_offset + lstart) * dst.itemsize, length * dst.itemsize)
-        for _, length, p, lstart in runs
-    ]
-
-
-def read_runs(runs: list[ByteRun], sources: SourceFiles) -> Iterator[memoryview]:
-    """The runs' bytes, a block at a time, in the reused buffer: consume each block before the next."""
-    for path, offset, nbytes in runs:
-        while nbytes:
-            view = sources.read_block(path, offset, min(nbytes, BLOCK_BYTES))
-            yield view
-            offset += len(view)
-            nbytes -= len(view)
 
 
 def copy_runs(runs: list[ByteRun], out: _Out, sources: SourceFiles, with_crc: bool) -> int:
@@ -439,9 +272,9 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def default_workers() -> int:
-    """Files written at once: reads, CRCs and writes release the GIL, so threads overlap them."""
-    return max(1, min(4, os.cpu_count() or 1))
+def worker_count(workers: int | None) -> int:
+    """Files written at once (the default when None): reads, CRCs and writes release the GIL, so threads overlap them."""
+    return max(1, workers or min(4, os.cpu_count() or 1))
 
 
 class _Cancelled(Exception):
@@ -498,15 +331,9 @@ def targets(plan: WritePlan, tmp: Path) -> tuple[list[tuple[Path, OutputFile]], 
 def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None) -> None:
     """Write every file of `plan` into a temporary sibling of the destination, then rename it.
 
-    Under torchrun (WORLD_SIZE > 1) the ranks share the work: see ckpt_cli.core.distributed.
+    One process only: under torchrun (WORLD_SIZE > 1) the caller uses ckpt_cli.core.distributed.execute.
     """
-    from ckpt_cli.core import distributed
-
-    workers = max(1, workers or default_workers())
-    if distributed.rank_and_world() is not None:
-        distributed.execute(plan, overwrite, progress, workers)
-        return
     with staged(plan.dest, plan.dest_is_dir, overwrite) as tmp:
         data, markers = targets(plan, tmp)
-        write_files(data, workers, progress)
+        write_files(data, worker_count(workers), progress)
         write_files(markers, 1, progress)  # last, so they are the newest files

@@ -143,6 +143,15 @@ def load_metadata(path: Path, trust: bool) -> MetadataRec:
     return meta
 
 
+@dataclass(frozen=True)
+class DCPSource:
+    """What `read` parsed, kept on the Checkpoint for check(): the folder and its `.metadata`, read once with
+    the user's --trust-pickle setting (check() neither reads it again nor trusts it more)."""
+
+    folder: Path
+    metadata: MetadataRec
+
+
 @dataclass
 class _Files:
     """Open data files of one checkpoint, with their sizes."""
@@ -281,6 +290,7 @@ class DCPReader:
             world_size=world_size_of(storage),
             containers=containers,
             details=self._details(meta, tensors, data_files, planner),
+            source=DCPSource(path, meta),
         )
         ckpt.step = roles.find_step(ckpt)
         return ckpt
@@ -300,13 +310,15 @@ class DCPReader:
         }
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
-        folder = Path(ckpt.path)
+        source = ckpt.source
+        if not isinstance(source, DCPSource):
+            raise TypeError(f"{ckpt.path}: DCPReader.check needs the checkpoint its read() returned")
+        folder, meta = source.folder, source.metadata
         problems = []
         leftovers = sorted(p.name for p in folder.iterdir() if p.name.endswith(".metadata.tmp"))
         if leftovers:
             problems.append(f"{folder / leftovers[0]}: leftover of a save that crashed before it committed")
         meta_path = folder / METADATA
-        meta = load_metadata(meta_path, True)
         referenced = {info.relative_path for info in meta.storage_data.values()}
         for p in sorted(folder.glob("*.distcp")):
             if p.name not in referenced:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core.executor import SourceFiles, element_windows, read_elements, tensor_bytes
 from ckpt_cli.core.model import ZEROS, Checkpoint, TensorEntry
+from ckpt_cli.core.reading import SourceFiles, element_windows, read_elements, tensor_bytes
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry
 from ckpt_cli.ops import crossframework
