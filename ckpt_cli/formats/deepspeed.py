@@ -5,24 +5,29 @@ one `zero_pp_rank_R_mp_rank_00_model_states.pt` per rank at stage 3) and one `[b
 per data-parallel rank. Every file is a torch.save archive; DeepSpeed's pickled classes are read through
 inert stubs. Each parameter's fp32 master weight and Adam moments become logical tensors whose pieces
 are byte ranges of the ranks' flat partitions, so nothing is gathered in memory.
-Partition math: ../shared/FORMATS.md §2.6 (stage 1/2), §2.7 (stage 3), §2.8 (frozen and shared params).
+Partition math: docs/formats.md §2.6 (stage 1/2), §2.7 (stage 3), §2.8 (frozen and shared params), written
+once in deepspeed_layout.py; deepspeed_partitions.py turns the saved partitions into logical tensors.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes, pickler, roles, zipio
 from ckpt_cli.core.interface import ReadOptions
-from ckpt_cli.core.model import Box, Checkpoint, FileInfo, FlatRange, ObjectEntry, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.pickler import Global, Instance, Reduce
 from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.formats import deepspeed_layout as zl
+from ckpt_cli.formats.deepspeed_layout import ZeroLayout
+from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, ZeroFile, flat_pieces
 from ckpt_cli.formats.torch_save import load_archive, stored_array
 
 LATEST = "latest"
@@ -95,7 +100,7 @@ _STUBS = {
 DS_GLOBALS: dict[tuple[str, str], Any] = {where: cls for cls, where in _STUBS.items()}
 DS_GLOBALS[("deepspeed.runtime.zero.config", "ZeroStageEnum")] = ZeroStage
 
-# Written back with the same pickle globals, so DeepSpeed reads what ckpt writes (FORMATS §2.5).
+# Written back with the same pickle globals, so DeepSpeed reads what ckpt writes (docs/formats.md §2.5).
 for _cls, (_module, _name) in _STUBS.items():
     pickler.register(_cls, lambda obj, g=Global(_module, _name): Instance(g, {k: v for k, v in obj.__dict__.items() if k != "args"}))
 pickler.register(ZeroStage, lambda v: Reduce(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(v),)))
@@ -141,19 +146,43 @@ def resolve_tag(path: Path, tag: str | None) -> tuple[Path, str, list[str]]:
     return path / tags[-1], tags[-1], [f"{path}: no 'latest' file; using the highest tag '{tags[-1]}'"]
 
 
+class ZeroSource(Protocol):
+    """What the DeepSpeed writer cuts for a new world size: the parsed files of a read checkpoint (Source)
+    or the trees built from another framework's training state (deepspeed_template.BuiltSource)."""
+
+    @property
+    def folder(self) -> Path: ...
+    @property
+    def stage(self) -> int | None: ...  # None: BF16_Optimizer
+    @property
+    def world(self) -> int: ...
+    @property
+    def model(self) -> ZeroFile: ...  # the (rank-0) model-states file
+    @property
+    def models(self) -> Mapping[int, ZeroFile]: ...  # stage 3: every rank's model states
+    @property
+    def optims(self) -> Mapping[int, ZeroFile]: ...
+    @property
+    def layout(self) -> ZeroLayout: ...
+    @property
+    def optim_prefix(self) -> str: ...  # "bf16_" or ""
+    @property
+    def dtypes(self) -> dict[str, Any]: ...  # the logical tensors as read: a writer refuses a view that selected, renamed or cast
+
+
 @dataclass
 class Source:
-    """The parsed files of one tag, kept for the DeepSpeed writer (resharding)."""
+    """The parsed files of one tag (a ZeroSource), kept for the DeepSpeed writer and for check()."""
 
     folder: Path
-    stage: int | None  # None: BF16_Optimizer
+    stage: int | None
     world: int
-    model: RankFile  # the (rank-0) model-states file
-    models: dict[int, RankFile]  # stage 3: every rank's model states
+    model: RankFile
+    models: dict[int, RankFile]
     optims: dict[int, RankFile]
-    layout: Any  # _Stage12 or _Stage3
-    optim_prefix: str  # "bf16_" or ""
-    dtypes: dict[str, Any]  # the logical tensors as read: a writer refuses a view that selected, renamed or cast
+    layout: Stage12Partitions | Stage3Partitions
+    optim_prefix: str
+    dtypes: dict[str, Any]
 
 
 @dataclass
@@ -210,16 +239,6 @@ def _refuse_variants(folder: Path, model: dict[str, Any]) -> None:
         raise UsageError(f"{folder}: hpZ/MiCS partitioning (partition group != data-parallel group) is not supported by ckpt")
 
 
-def _flat_pieces(start: int, numel: int, partitions: list[tuple[int, int, StoredArray, int]]) -> list[Piece]:
-    """Pieces of global flat elements [start, start+numel) held by partitions (flat start, length, array, array start)."""
-    pieces = []
-    for p_start, p_len, array, a_start in partitions:
-        lo, hi = max(start, p_start), min(start + numel, p_start + p_len)
-        if lo < hi:
-            pieces.append(Piece(FlatRange(lo - start, hi - lo), array, a_start + lo - p_start))
-    return pieces
-
-
 class DeepSpeedReader:
     name = "deepspeed"
 
@@ -260,7 +279,7 @@ class DeepSpeedReader:
         if stage == 3 and sorted(models) != list(range(world)):
             raise DataError(f"{folder}: stage 3 needs {world} model-states files, found {len(models)}")
         model = first_model.tree
-        layout = _Stage3(models, optims, world) if stage == 3 else _Stage12(first_model, optims, world, stage)
+        layout = Stage3Partitions(models, optims, world) if stage == 3 else Stage12Partitions(first_model, optims, world, stage)
         tensors = layout.model_tensors()
         tensors.update(self._frozen_and_buffers(first_model, models, world, stage))
         for alias, owner in (model.get("shared_params") or {}).items():
@@ -317,13 +336,13 @@ class DeepSpeedReader:
             shape = tuple(shape)
             n = math.prod(shape)
             if stage == 3:
-                pn = -(-n // world)
                 parts = []
                 for r in range(world):
                     ref = models[r].tree["frozen_param_fragments"][name]
-                    parts.append((r * pn, min(pn, max(n - r * pn, 0)), models[r].array(ref), 0))
+                    start, end = zl.stage3_rank_range(n, world, r)
+                    parts.append((start, end - start, models[r].array(ref), 0))
                 dtype = parts[0][2].dtype
-                out[name] = TensorEntry(name, dtype, shape, "model", _flat_pieces(0, n, parts))
+                out[name] = TensorEntry(name, dtype, shape, "model", flat_pieces(0, n, parts))
             else:
                 ref = model["frozen_param_fragments"][name]
                 out[name] = TensorEntry(name, ref.dtype, shape, "model", [Piece(Box((0,) * len(shape), shape), first.array(ref))])
@@ -387,12 +406,12 @@ class DeepSpeedReader:
                     "finish (DeepSpeed writes 'latest' last)"
                 )
         stages, counts = set(), set()
-        for info in ckpt.files:
-            if OPTIM_STATES.match(Path(info.path).name):
-                osd = _load(Path(info.path), ReadOptions(trust_pickle=True)).tree.get("optimizer_state_dict", {})
-                stages.add(osd.get("zero_stage"))
-                pc = osd.get("partition_count")
-                counts.add(tuple(pc) if isinstance(pc, list) else pc)
+        optims = ckpt.source.optims.values() if isinstance(ckpt.source, Source) else []  # as `read` parsed them
+        for optim in optims:
+            osd = optim.tree.get("optimizer_state_dict") or {}
+            stages.add(osd.get("zero_stage"))
+            pc = osd.get("partition_count")
+            counts.add(tuple(pc) if isinstance(pc, list) else pc)
         if len(stages) > 1 or len(counts) > 1:
             problems.append(
                 f"{ckpt.path}: rank files disagree: zero_stage {sorted(map(str, stages))}, partition_count {sorted(map(str, counts))}"
@@ -408,146 +427,6 @@ class DeepSpeedReader:
 def _tag_step(tag: str) -> int:
     m = re.search(r"(\d+)$", tag)
     return int(m.group(1)) if m else -1
-
-
-class _Stage12:
-    """Stage 1/2 and BF16_Optimizer: one flat fp32 buffer per param group, cut into W equal partitions."""
-
-    def __init__(self, model: RankFile, optims: dict[int, RankFile], world: int, stage: int | None) -> None:
-        self.model, self.optims, self.world, self.stage = model, optims, world, stage
-        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
-        self.shapes = model.tree.get("param_shapes") or []
-        base = self.osd[0]["base_optimizer_state"]
-        self.state, self.groups = base.get("state", {}), base.get("param_groups", [])
-
-    def offsets(self, g: int) -> list[tuple[str, tuple[int, ...], int]]:
-        pads = (self.osd[0].get("param_alignment_paddings") or [None] * len(self.shapes))[g] or [0] * len(self.shapes[g])
-        out, offset = [], 0
-        for (name, shape), pad in zip(self.shapes[g].items(), pads):
-            out.append((name, tuple(shape), offset))
-            offset += math.prod(shape) + pad
-        return out
-
-    def partition_size(self, g: int) -> int:
-        """P: every rank's share of group g's padded flat buffer (the fp32 copy may have its tail padding stripped)."""
-        osd = self.osd[0]
-        return (
-            osd["single_partition_of_fp32_groups"][g].shape[0] + osd["group_paddings"][g]
-            if self.stage is not None
-            else osd["single_partition_of_fp32_groups"][g].shape[0]
-        )
-
-    def _partitions(self, g: int, key: str | None) -> list[tuple[int, int, StoredArray, int]]:
-        size = self.partition_size(g)
-        parts = []
-        for r in range(self.world):
-            osd = self.osd[r]
-            ref = osd["single_partition_of_fp32_groups"][g] if key is None else osd["base_optimizer_state"]["state"][g][key]
-            parts.append((r * size, ref.shape[0], self.optims[r].array(ref), 0))
-        return parts
-
-    def model_tensors(self) -> dict[str, TensorEntry]:
-        out = {}
-        for g in range(len(self.shapes)):
-            parts = self._partitions(g, None)
-            for name, shape, offset in self.offsets(g):
-                out[name] = TensorEntry(name, dtypes.FLOAT32, shape, "model", _flat_pieces(offset, math.prod(shape), parts))
-        return out
-
-    def optimizer_tensors(self) -> dict[str, TensorEntry]:
-        out = {}
-        for g in range(len(self.shapes)):
-            state = self.state.get(g, {})
-            for key, ref in state.items():
-                if not isinstance(ref, TensorRef):
-                    continue
-                if not ref.shape:  # step: one value per group, the same on every rank
-                    array = self.optims[0].array(ref)
-                    for name, _, _ in self.offsets(g):
-                        path = ("optimizer", "state", name, key)
-                        out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, (), "optimizer", [Piece(Box((), ()), array)], path)
-                    continue
-                parts = self._partitions(g, key)
-                for name, shape, offset in self.offsets(g):
-                    path = ("optimizer", "state", name, key)
-                    out[path_name(path)] = TensorEntry(
-                        path_name(path), ref.dtype, shape, "optimizer", _flat_pieces(offset, math.prod(shape), parts), path
-                    )
-        return out
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": list(self.shapes[g])} for g, group in enumerate(self.groups)
-        ]
-
-    def details(self) -> dict[str, Any]:
-        config = (self.model.tree.get("ds_config") or {}).get("zero_optimization") or {}
-        return {
-            "round_robin_gradients": bool(config.get("round_robin_gradients")),
-            "alignment_padding": any(any(p) for p in self.osd[0].get("param_alignment_paddings") or []),
-        }
-
-
-class _Stage3:
-    """Stage 3: every parameter partitioned on its own (ceil(n/W) per rank), concatenated per sub-group."""
-
-    def __init__(self, models: dict[int, RankFile], optims: dict[int, RankFile], world: int) -> None:
-        self.models, self.optims, self.world = models, optims, world
-        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
-        self.shapes = models[0].tree.get("param_shapes") or []
-        inner = self.osd[0].get("optimizer_state_dict") or {}
-        self.state, self.groups = inner.get("state", {}), inner.get("param_groups", [])
-
-    def _layout(self, s: int) -> list[tuple[str, tuple[int, ...], int, int]]:
-        out, offset = [], 0
-        for name, shape in self.shapes[s].items():
-            n = math.prod(shape)
-            pn = -(-n // self.world)
-            out.append((name, tuple(shape), offset, pn))
-            offset += pn
-        return out
-
-    def _pieces(self, s: int, key: str | None, n: int, offset: int, pn: int) -> list[Piece]:
-        parts = []
-        for r in range(self.world):
-            osd = self.osd[r]
-            ref = osd["fp32_flat_groups"][s] if key is None else osd["optimizer_state_dict"]["state"][s][key]
-            parts.append((r * pn, min(pn, max(n - r * pn, 0)), self.optims[r].array(ref), offset))
-        return _flat_pieces(0, n, parts)
-
-    def model_tensors(self) -> dict[str, TensorEntry]:
-        return {
-            name: TensorEntry(name, dtypes.FLOAT32, shape, "model", self._pieces(s, None, math.prod(shape), offset, pn))
-            for s in range(len(self.shapes))
-            for name, shape, offset, pn in self._layout(s)
-        }
-
-    def optimizer_tensors(self) -> dict[str, TensorEntry]:
-        out = {}
-        for s in range(len(self.shapes)):
-            for key, ref in self.state.get(s, {}).items():
-                if not isinstance(ref, TensorRef):
-                    continue
-                for name, shape, offset, pn in self._layout(s):
-                    path = ("optimizer", "state", name, key)
-                    if not ref.shape:
-                        pieces = [Piece(Box((), ()), self.optims[0].array(ref))]
-                        shape_ = ()
-                    else:
-                        pieces, shape_ = self._pieces(s, key, math.prod(shape), offset, pn), shape
-                    out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, shape_, "optimizer", pieces, path)
-        return out
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        names = [list(shapes) for shapes in self.shapes]
-        out = []
-        for group in self.groups:
-            params = [n for s in group.get("params", []) for n in (names[s] if s < len(names) else [])]
-            out.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-        return out
-
-    def details(self) -> dict[str, Any]:
-        return {"sub_groups": len(self.shapes)}
 
 
 READER = DeepSpeedReader()

@@ -11,19 +11,19 @@ cuts for the requested world size, exactly as it reshards a DeepSpeed checkpoint
 from __future__ import annotations
 
 import json
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import dtypes
-from ckpt_cli.core.model import Checkpoint, ObjectEntry, Opaque, TensorEntry, concat_flat
-from ckpt_cli.core.safe_pickle import TorchSize
+from ckpt_cli.core.model import Checkpoint, ObjectEntry, Opaque, StoredArray, TensorEntry, concat_flat
+from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
+from ckpt_cli.core.training import TrainingState, apply_per_rank_rule
 from ckpt_cli.core.tree import unflatten
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.deepspeed import LossScaler, ZeroStage
-from ckpt_cli.ops.crossframework import TrainingState, apply_per_rank_rule
+from ckpt_cli.formats.deepspeed_layout import Slot, flat_slots
 
 # The DeepSpeed release whose layout this module reproduces (checked by loading in the test suite);
 # load_checkpoint only requires a version string to be present.
@@ -99,32 +99,30 @@ def _auto_keys(config: Any, prefix: str = "") -> list[str]:
 
 @dataclass
 class TreeFile:
-    """A file's tree, as the writer's templates take it from a DeepSpeed source."""
+    """A built file's tree (a ZeroFile): its tensors are TensorEntries already, with no stored references."""
 
     tree: Any
 
+    def array(self, ref: TensorRef) -> StoredArray:
+        raise TypeError("a built DeepSpeed tree holds TensorEntries, not stored tensor references")
+
 
 class BuiltLayout:
-    """Param groups as DeepSpeed flattens them: the group's trainable params in order, no alignment pads."""
+    """Param groups as DeepSpeed flattens them (a ZeroLayout): the group's trainable params in order, no alignment pads."""
+
+    alignment_padding = False
 
     def __init__(self, shapes: list[OrderedDict[str, tuple[int, ...]]]) -> None:
         self.shapes = shapes
         self.groups = [{"params": [g]} for g in range(len(shapes))]  # stage 3: one sub-group per group, re-cut later
 
-    def offsets(self, g: int) -> list[tuple[str, tuple[int, ...], int]]:
-        out, offset = [], 0
-        for name, shape in self.shapes[g].items():
-            out.append((name, shape, offset))
-            offset += math.prod(shape)
-        return out
-
-    def details(self) -> dict[str, Any]:
-        return {"alignment_padding": False}
+    def offsets(self, g: int) -> list[Slot]:
+        return flat_slots(list(self.shapes[g].items()))
 
 
 @dataclass
 class BuiltSource:
-    """Stands where the DeepSpeed writer expects a read DeepSpeed source (formats.deepspeed.Source)."""
+    """A ZeroSource built from a training state: stands where the DeepSpeed writer takes a read one (formats.deepspeed.Source)."""
 
     folder: Path
     stage: int

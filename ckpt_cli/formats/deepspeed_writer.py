@@ -5,15 +5,15 @@ Every file is rewritten from the source's own trees: the same keys, pickle globa
 hyper-parameters, with the flat fp32 partitions and Adam moments re-cut for the new world size and
 the bookkeeping that depends on it (dp_world_size, partition_count, group paddings, slice mappings,
 stage-3 sub-groups and frozen fragments) recomputed. Tensor data is streamed piece by piece from
-the source partitions. Rules: ../shared/FORMATS.md §2.6-2.9.
+the source partitions. Rules: docs/formats.md §2.6-2.9.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +21,18 @@ from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Piece, TensorEntry, concat_flat, sub_tensor
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
+from ckpt_cli.core.training import apply_per_rank_rule
 from ckpt_cli.core.tree import flatten, path_name, unflatten
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats.deepspeed import ENGINE_KEYS, LATEST, LAYOUT_KEYS, RankFile, Source, fragment_address
-from ckpt_cli.formats.deepspeed_template import BuiltSource, TreeFile
+from ckpt_cli.formats import deepspeed_layout as zl
+from ckpt_cli.formats.deepspeed import ENGINE_KEYS, LATEST, LAYOUT_KEYS, Source, ZeroSource, fragment_address
+from ckpt_cli.formats.deepspeed_layout import Slot
+from ckpt_cli.formats.deepspeed_partitions import ZeroFile
+from ckpt_cli.formats.deepspeed_template import BuiltSource
 from ckpt_cli.formats.torch_save import torch_file_segments
 
 
-def tensorize(rank_file: RankFile | TreeFile) -> Any:
+def tensorize(rank_file: ZeroFile) -> Any:
     """A copy of the file's tree whose tensors are TensorEntries over the stored bytes (module weights may tie)."""
 
     def convert(value: Any, under_module: bool) -> Any:
@@ -66,13 +70,8 @@ def file_segments(tree: Any, where: str) -> list[Any]:
     return torch_file_segments(Checkpoint("deepspeed", where, tensors, objects, containers=containers))
 
 
-AnySource = Source | BuiltSource  # a read DeepSpeed checkpoint, or one built from a training state
-
-
 def rekey_client_state(tree: dict[str, Any], world: int, rule: str) -> str | None:
-    """Apply the per-rank rule (ops/crossframework.py) to the client state of a model-states tree in place."""
-    from ckpt_cli.ops.crossframework import apply_per_rank_rule
-
+    """Apply the per-rank rule (core/training.py) to the client state of a model-states tree in place."""
     client = {k: v for k, v in tree.items() if k not in LAYOUT_KEYS and k not in ENGINE_KEYS}
     if not client:
         return None
@@ -85,16 +84,9 @@ def rekey_client_state(tree: dict[str, Any], world: int, rule: str) -> str | Non
     return note
 
 
-def round_robin_order(count: int, world: int) -> list[int]:
-    """Original indices in DeepSpeed's round-robin flat order: all i % W == 0, then 1, ... (stage_1_and_2.py)."""
-    return [i for j in range(min(world, count)) for i in range(j, count, world)]
-
-
-def _ceil_to(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 class DeepSpeedWriter:
+    """Keeps no state between calls: plan() makes a Stage12Reshard or Stage3Reshard for the one checkpoint."""
+
     name = "deepspeed"
     dest_is_dir = True
 
@@ -111,20 +103,16 @@ class DeepSpeedWriter:
                 "and --weights-only do not apply"
             )
         zero_config = (src.model.tree.get("ds_config") or {}).get("zero_optimization") or {}
-        self.round_robin = bool(zero_config.get("round_robin_gradients")) and src.stage in (1, 2)
-        if self.round_robin and src.layout.details()["alignment_padding"]:
-            raise UsageError("reshard of checkpoints saved with both round_robin_gradients and parameter_alignment is not supported")
-        tag = ckpt.tag or src.folder.name
-        self.per_rank_rule, self.per_rank_note = options.per_rank_rule, None
+        reshard: Stage12Reshard | Stage3Reshard
         if src.stage == 3:
-            stage3 = Stage3Reshard(ckpt, src, world, zero_config.get("sub_group_size", 10**9), options.per_rank_rule)
-            files = stage3.files(tag)
-            self.per_rank_note = stage3.per_rank_note
+            reshard = Stage3Reshard(ckpt, src, world, zero_config.get("sub_group_size", 10**9), options.per_rank_rule)
         else:
-            files = [OutputFile(f"{tag}/mp_rank_00_model_states.pt", self._model_states(src, world, tag))]
-            for rank in range(world):
-                name = f"{tag}/{src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-                files.append(OutputFile(name, self._optimizer_file(ckpt, src, world, rank, name)))
+            round_robin = bool(zero_config.get("round_robin_gradients")) and src.stage in (1, 2)
+            if round_robin and src.layout.alignment_padding:
+                raise UsageError("reshard of checkpoints saved with both round_robin_gradients and parameter_alignment is not supported")
+            reshard = Stage12Reshard(ckpt, src, world, round_robin, options.per_rank_rule)
+        tag = ckpt.tag or src.folder.name
+        files = reshard.files(tag)
         files.append(OutputFile(LATEST, [Literal(tag.encode())], commit_marker=True))
         notes = (
             [
@@ -137,151 +125,117 @@ class DeepSpeedWriter:
                 f"engine.load_checkpoint() on {world} ranks with the same DeepSpeed config"
             ]
         )
-        if self.per_rank_note:
-            notes.append(self.per_rank_note)
+        if reshard.per_rank_note:
+            notes.append(reshard.per_rank_note)
         return WritePlan(self.name, dest, True, files, notes)
 
-    def _model_states(self, src: AnySource, world: int, tag: str) -> list[Any]:
-        tree = tensorize(src.model)
-        tree["dp_world_size"] = world  # the one value load_checkpoint compares with the live world size
-        self.per_rank_note = rekey_client_state(tree, world, self.per_rank_rule)
+
+def _state_entry(ckpt: Checkpoint, param: str, key: str) -> TensorEntry:
+    """A param's fp32 master weight (key "") or its optimizer state `key`."""
+    return ckpt.tensors[param if not key else f"optimizer.state.{param}.{key}"]
+
+
+@dataclass
+class Stage12Reshard:
+    """ZeRO-1/2 and BF16_Optimizer at a new world size: each group's flat buffer cut into W' equal partitions
+    (re-ordered first under round_robin_gradients), group paddings and slice mappings recomputed (docs/formats.md §2.6)."""
+
+    ckpt: Checkpoint
+    src: ZeroSource
+    world: int
+    round_robin: bool
+    per_rank_rule: str
+    per_rank_note: str | None = None
+
+    def files(self, tag: str) -> list[OutputFile]:
+        name = f"{tag}/mp_rank_00_model_states.pt"
+        out = [OutputFile(name, self._model_states(name))]
+        for rank in range(self.world):
+            name = f"{tag}/{self.src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            out.append(OutputFile(name, self._optimizer_file(rank, name)))
+        return out
+
+    def slots(self, g: int) -> list[Slot]:
+        """Group g's params in the new flat order."""
+        slots = self.src.layout.offsets(g)
+        if not self.round_robin:
+            return slots  # the order, and with it the alignment pads, do not depend on W
+        params = [(slot.name, slot.shape) for slot in slots]
+        return zl.flat_slots(zl.round_robin(zl.undo_round_robin(params, self.src.world), self.world))
+
+    def _model_states(self, where: str) -> list[Any]:
+        tree = tensorize(self.src.model)
+        tree["dp_world_size"] = self.world  # the one value load_checkpoint compares with the live world size
+        self.per_rank_note = rekey_client_state(tree, self.world, self.per_rank_rule)
         if self.round_robin:  # param_shapes records the flat order, which round robin makes depend on W
-            tree["param_shapes"] = [
-                OrderedDict((n, TorchSize(shape)) for n, shape, _ in self._params(src, g, world)) for g in range(len(src.layout.shapes))
-            ]
-        return file_segments(tree, f"{tag}/mp_rank_00_model_states.pt")
+            groups = range(len(self.src.layout.shapes))
+            tree["param_shapes"] = [OrderedDict((slot.name, TorchSize(slot.shape)) for slot in self.slots(g)) for g in groups]
+        return file_segments(tree, where)
 
-    def _params(self, src: AnySource, g: int, world: int) -> list[tuple[str, tuple[int, ...], int]]:
-        """(name, shape, offset) of group g's params in the new flat order."""
-        params = src.layout.offsets(g)
-        if not self.round_robin:
-            return params  # the order, and with it the alignment pads, do not depend on W
-        saved = round_robin_order(len(params), src.world)  # position k of the saved flat holds original param saved[k]
-        original = [params[k] for k in sorted(range(len(params)), key=saved.__getitem__)]
-        reordered = [original[i] for i in round_robin_order(len(original), world)]
-        out, offset = [], 0
-        for name, shape, _ in reordered:
-            out.append((name, shape, offset))
-            offset += math.prod(shape)
-        return out
-
-    def _mapping_offsets(self, src: AnySource, g: int, world: int) -> list[tuple[str, tuple[int, ...], int]]:
-        """param_slice_mappings walk the params in their original order; without alignment pads DeepSpeed takes
-        running sums in that order, ignoring round robin (mixed_precision_linkage.py; reproduced to match its files)."""
-        params = self._params(src, g, world)
-        if not self.round_robin:
-            return params
-        position = {orig: k for k, orig in enumerate(round_robin_order(len(params), world))}
-        original = [params[position[i]] for i in range(len(params))]
-        out, offset = [], 0
-        for name, shape, _ in original:
-            out.append((name, shape, offset))
-            offset += math.prod(shape)
-        return out
-
-    def _optimizer_file(self, ckpt: Checkpoint, src: AnySource, world: int, rank: int, where: str) -> list[Any]:
-        layout = src.layout
-        tree = tensorize(src.optims[0])
+    def _optimizer_file(self, rank: int, where: str) -> list[Any]:
+        tree = tensorize(self.src.optims[0])
         osd = tree["optimizer_state_dict"]
-        bf16_optimizer = src.stage is None
+        bf16_optimizer = self.src.stage is None
         fp32, paddings, mappings = [], [], []
-        for g in range(len(layout.shapes)):
-            params = self._params(src, g, world)
-            end = params[-1][2] + math.prod(params[-1][1]) if params else 0  # N: data elements of the flat group
-            part = _ceil_to(end, 2 * world) // world  # P' (stage_1_and_2.py: flat aligned to 2*W, cut in W)
-            start = rank * part
-            pad = (
-                min(max(start + part - end, 0), part)
-                if not bf16_optimizer
-                else (_ceil_to(end, 2 * world) - end if rank == world - 1 else 0)
-            )
-            keep = part - pad if not bf16_optimizer else part  # BF16_Optimizer saves its fp32 partition padded
-            fp32.append(self._flat(ckpt, params, "", start, keep, f"fp32.{g}"))
+        for g in range(len(self.src.layout.shapes)):
+            slots = self.slots(g)
+            data = zl.flat_numel(slots)
+            size = zl.partition_size(data, self.world)
+            start = rank * size
+            pad = zl.group_padding(data, self.world, rank, bf16_optimizer)
+            fp32.append(self._flat(slots, "", start, zl.saved_partition_numel(size, pad, bf16_optimizer), f"fp32.{g}"))
             state = osd["base_optimizer_state"]["state"].get(g)
             if state is not None:
                 for key, value in list(state.items()):
                     if isinstance(value, TensorEntry) and value.shape:
-                        state[key] = self._flat(ckpt, params, key, start, part, f"{key}.{g}")
+                        state[key] = self._flat(slots, key, start, size, f"{key}.{g}")
             paddings.append(pad)
-            mappings.append(
-                OrderedDict(
-                    (name, fragment_address(min(offset + math.prod(shape), start + part) - max(offset, start), max(offset, start) - start))
-                    for name, shape, offset in params
-                    if max(offset, start) < min(offset + math.prod(shape), start + part)
-                )
-            )
+            mappings.append(OrderedDict((name, fragment_address(n, at)) for name, n, at in zl.slice_mappings(slots, start, size)))
         osd["single_partition_of_fp32_groups"] = fp32
         osd["group_paddings"] = paddings
-        osd["partition_count"] = [world] * len(fp32)
+        osd["partition_count"] = [self.world] * len(fp32)
         if "param_slice_mappings" in osd:
             osd["param_slice_mappings"] = mappings
         return file_segments(tree, where)
 
-    def _flat(
-        self, ckpt: Checkpoint, params: list[tuple[str, tuple[int, ...], int]], key: str, start: int, length: int, name: str
-    ) -> TensorEntry:
+    def _flat(self, slots: list[Slot], key: str, start: int, length: int, name: str) -> TensorEntry:
         """Elements [start, start+length) of a group's flat buffer: the params' master weights (key "") or moments."""
         parts = []
         dtype = None
-        for pname, shape, offset in params:
-            entry = ckpt.tensors[pname if not key else f"optimizer.state.{pname}.{key}"]
+        for slot in slots:
+            entry = _state_entry(self.ckpt, slot.name, key)
             dtype = entry.dtype
-            lo, hi = max(offset, start), min(offset + math.prod(shape), start + length)
-            if lo < hi:
-                parts.append((lo - start, sub_tensor(entry, name, lo - offset, (hi - lo,))))
+            if shared := zl.overlap(slot.offset, slot.numel, start, length):
+                lo, hi = shared
+                parts.append((lo - start, sub_tensor(entry, name, lo - slot.offset, (hi - lo,))))
         assert dtype is not None
         return concat_flat(name, dtype, length, parts)
 
 
 class Stage3Reshard:
     """ZeRO-3 at a new world size: per-parameter partitions of ceil(n/W) elements, sub-groups re-formed
-    (their number depends on W through the partition sizes), frozen fragments re-cut (FORMATS §2.7-2.9)."""
+    (their number depends on W through the partition sizes), frozen fragments re-cut (docs/formats.md §2.7-2.9)."""
 
-    def __init__(self, ckpt: Checkpoint, src: AnySource, world: int, sub_group_size: int | None, per_rank_rule: str = "wrap") -> None:
+    def __init__(self, ckpt: Checkpoint, src: ZeroSource, world: int, sub_group_size: int | None, per_rank_rule: str = "wrap") -> None:
         self.ckpt, self.src, self.world = ckpt, src, world
-        self.per_rank_rule, self.per_rank_note = per_rank_rule, None
-        layout = src.layout
-        by_sub = [list(shapes.items()) for shapes in layout.shapes]
-        self.subs: list[list[tuple[str, tuple[int, ...]]]] = []
-        self.group_subs: list[list[int]] = []
-        for group in layout.groups:
-            params = [(name, tuple(shape)) for s in group["params"] for name, shape in by_sub[s]]
-            subs = self._sub_groups(params, sub_group_size)
-            self.group_subs.append(list(range(len(self.subs), len(self.subs) + len(subs))))
-            self.subs += subs
-
-    def _pn(self, shape: tuple[int, ...]) -> int:
-        return -(-math.prod(shape) // self.world)
-
-    def _sub_groups(self, params: list[tuple[str, tuple[int, ...]]], size: int | None) -> list[list[tuple[str, tuple[int, ...]]]]:
-        """stage3.py _create_fp16_sub_groups: close a sub-group once its partition elements reach sub_group_size."""
-        if size is None or size >= sum(self._pn(shape) for _, shape in params):
-            return [params]
-        subs, current, total = [], [], 0
-        for i, (name, shape) in enumerate(params):
-            current.append((name, shape))
-            total += self._pn(shape)
-            if total >= size or i == len(params) - 1:
-                subs.append(current)
-                current, total = [], 0
-        return subs
+        self.per_rank_rule: str = per_rank_rule
+        self.per_rank_note: str | None = None
+        shapes = src.layout.shapes
+        groups = [[(name, tuple(shape)) for s in group["params"] for name, shape in shapes[s].items()] for group in src.layout.groups]
+        self.subs, self.group_subs = zl.stage3_group_sub_groups(groups, world, sub_group_size)
 
     def partition(self, entry: TensorEntry, rank: int, name: str) -> TensorEntry:
         """Rank's ceil(n/W) elements of a parameter, zero-padded past its end."""
-        pn = self._pn(entry.shape)
-        start, end = rank * pn, min((rank + 1) * pn, entry.numel)
+        start, end = zl.stage3_rank_range(entry.numel, self.world, rank)
         parts = [(0, sub_tensor(entry, name, start, (end - start,)))] if end > start else []
-        return concat_flat(name, entry.dtype, pn, parts)
+        return concat_flat(name, entry.dtype, zl.stage3_partition_size(entry.numel, self.world), parts)
 
-    def flat(self, sub: list[tuple[str, tuple[int, ...]]], key: str, rank: int, name: str) -> TensorEntry:
-        parts, pos, dtype = [], 0, None
-        for pname, shape in sub:
-            entry = self.ckpt.tensors[pname if not key else f"optimizer.state.{pname}.{key}"]
-            dtype = entry.dtype
-            parts.append((pos, self.partition(entry, rank, name)))
-            pos += self._pn(shape)
-        assert dtype is not None
-        return concat_flat(name, dtype, pos, parts)
+    def flat(self, sub: list[zl.Param], key: str, rank: int, name: str) -> TensorEntry:
+        """Rank's flat partition of a sub-group: its params' partitions end to end."""
+        slots = zl.stage3_slots(sub, self.world)
+        entries = [_state_entry(self.ckpt, slot.name, key) for slot in slots]
+        parts = [(slot.offset, self.partition(entry, rank, name)) for slot, entry in zip(slots, entries)]
+        return concat_flat(name, entries[-1].dtype, zl.stage3_flat_numel(sub, self.world), parts)
 
     def files(self, tag: str) -> list[OutputFile]:
         out = []

@@ -1,0 +1,152 @@
+"""A read ZeRO checkpoint's flat partitions as logical tensors: each parameter's fp32 master weight and
+optimizer state become pieces over the ranks' saved partitions, placed by the rules of deepspeed_layout.py."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from ckpt_cli.core import dtypes
+from ckpt_cli.core.model import Box, FlatRange, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.safe_pickle import TensorRef
+from ckpt_cli.core.tree import path_name
+from ckpt_cli.formats import deepspeed_layout as zl
+from ckpt_cli.formats.deepspeed_layout import Slot
+
+
+class ZeroFile(Protocol):
+    """One file's tree: a read file's (tensors as TensorRefs) or a built one's (tensors as TensorEntries)."""
+
+    @property
+    def tree(self) -> Any: ...
+
+    def array(self, ref: TensorRef) -> StoredArray: ...
+
+
+def flat_pieces(start: int, numel: int, partitions: list[tuple[int, int, StoredArray, int]]) -> list[Piece]:
+    """Pieces of global flat elements [start, start+numel) held by partitions (flat start, length, array, array start)."""
+    pieces = []
+    for p_start, p_len, array, a_start in partitions:
+        if shared := zl.overlap(start, numel, p_start, p_len):
+            lo, hi = shared
+            pieces.append(Piece(FlatRange(lo - start, hi - lo), array, a_start + lo - p_start))
+    return pieces
+
+
+class Stage12Partitions:
+    """Stage 1/2 and BF16_Optimizer: one flat fp32 buffer per param group, cut into W equal partitions."""
+
+    def __init__(self, model: ZeroFile, optims: Mapping[int, ZeroFile], world: int, stage: int | None) -> None:
+        self.model, self.optims, self.world, self.stage = model, optims, world, stage
+        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
+        self.shapes: list[dict[str, zl.Shape]] = model.tree.get("param_shapes") or []
+        base = self.osd[0]["base_optimizer_state"]
+        self.state, self.groups = base.get("state", {}), base.get("param_groups", [])
+        self.paddings = self.osd[0].get("param_alignment_paddings") or [None] * len(self.shapes)  # BF16_Optimizer saves none
+        self.alignment_padding = any(any(p or []) for p in self.paddings)
+
+    def offsets(self, g: int) -> list[Slot]:
+        return zl.flat_slots(list(self.shapes[g].items()), self.paddings[g])
+
+    def _partitions(self, g: int, key: str | None) -> list[tuple[int, int, StoredArray, int]]:
+        """Every rank's partition of group g's flat fp32 weights (key None) or of a moment: (flat start, saved length, array, 0)."""
+        osd = self.osd[0]
+        saved = osd["single_partition_of_fp32_groups"][g].shape[0]
+        size = zl.partition_size_of_saved(saved, osd["group_paddings"][g], self.stage is None)
+        parts = []
+        for r in range(self.world):
+            osd = self.osd[r]
+            ref = osd["single_partition_of_fp32_groups"][g] if key is None else osd["base_optimizer_state"]["state"][g][key]
+            parts.append((r * size, ref.shape[0], self.optims[r].array(ref), 0))
+        return parts
+
+    def model_tensors(self) -> dict[str, TensorEntry]:
+        out = {}
+        for g in range(len(self.shapes)):
+            parts = self._partitions(g, None)
+            for slot in self.offsets(g):
+                out[slot.name] = TensorEntry(slot.name, dtypes.FLOAT32, slot.shape, "model", flat_pieces(slot.offset, slot.numel, parts))
+        return out
+
+    def optimizer_tensors(self) -> dict[str, TensorEntry]:
+        out = {}
+        for g in range(len(self.shapes)):
+            for key, ref in self.state.get(g, {}).items():
+                if not isinstance(ref, TensorRef):
+                    continue
+                parts = self._partitions(g, key) if ref.shape else []
+                for slot in self.offsets(g):
+                    # step: one 0-d value per group, the same on every rank
+                    pieces = flat_pieces(slot.offset, slot.numel, parts) if ref.shape else [Piece(Box((), ()), self.optims[0].array(ref))]
+                    out.update(moment(slot, key, ref, pieces))
+        return out
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(self.shapes[g])} for g, group in enumerate(self.groups)
+        ]
+
+    def details(self) -> dict[str, Any]:
+        config = (self.model.tree.get("ds_config") or {}).get("zero_optimization") or {}
+        return {"round_robin_gradients": bool(config.get("round_robin_gradients")), "alignment_padding": self.alignment_padding}
+
+
+class Stage3Partitions:
+    """Stage 3: every parameter partitioned on its own (ceil(n/W) per rank), concatenated per sub-group."""
+
+    alignment_padding = False
+
+    def __init__(self, models: Mapping[int, ZeroFile], optims: Mapping[int, ZeroFile], world: int) -> None:
+        self.models, self.optims, self.world = models, optims, world
+        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
+        self.shapes: list[dict[str, zl.Shape]] = models[0].tree.get("param_shapes") or []
+        inner = self.osd[0].get("optimizer_state_dict") or {}
+        self.state, self.groups = inner.get("state", {}), inner.get("param_groups", [])
+
+    def offsets(self, s: int) -> list[Slot]:
+        """Sub-group s's params in every rank's flat partition."""
+        return zl.stage3_slots(list(self.shapes[s].items()), self.world)
+
+    def _pieces(self, s: int, key: str | None, slot: Slot) -> list[Piece]:
+        parts = []
+        for r in range(self.world):
+            osd = self.osd[r]
+            ref = osd["fp32_flat_groups"][s] if key is None else osd["optimizer_state_dict"]["state"][s][key]
+            start, end = zl.stage3_rank_range(slot.numel, self.world, r)
+            parts.append((start, end - start, self.optims[r].array(ref), slot.offset))
+        return flat_pieces(0, slot.numel, parts)
+
+    def model_tensors(self) -> dict[str, TensorEntry]:
+        return {
+            slot.name: TensorEntry(slot.name, dtypes.FLOAT32, slot.shape, "model", self._pieces(s, None, slot))
+            for s in range(len(self.shapes))
+            for slot in self.offsets(s)
+        }
+
+    def optimizer_tensors(self) -> dict[str, TensorEntry]:
+        out = {}
+        for s in range(len(self.shapes)):
+            for key, ref in self.state.get(s, {}).items():
+                if not isinstance(ref, TensorRef):
+                    continue
+                for slot in self.offsets(s):
+                    pieces = self._pieces(s, key, slot) if ref.shape else [Piece(Box((), ()), self.optims[0].array(ref))]
+                    out.update(moment(slot, key, ref, pieces))
+        return out
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        names = [list(shapes) for shapes in self.shapes]
+        out = []
+        for group in self.groups:
+            params = [n for s in group.get("params", []) for n in (names[s] if s < len(names) else [])]
+            out.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        return out
+
+    def details(self) -> dict[str, Any]:
+        return {"sub_groups": len(self.shapes)}
+
+
+def moment(slot: Slot, key: str, ref: TensorRef, pieces: list[Piece]) -> dict[str, TensorEntry]:
+    """A param's optimizer state `key` as a logical tensor: its shape, or 0-d for a per-group scalar (step)."""
+    path = ("optimizer", "state", slot.name, key)
+    return {path_name(path): TensorEntry(path_name(path), ref.dtype, slot.shape if ref.shape else (), "optimizer", pieces, path)}
