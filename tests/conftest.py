@@ -42,6 +42,16 @@ def ckpt(capsys):
     return run
 
 
+def ckpt_quiet(*args: str | Path | int) -> None:
+    """The CLI in-process, for session fixtures (no capsys there)."""
+    from ckpt_cli.cli.app import main
+
+    try:
+        main([str(a) for a in args] + ["--quiet"])
+    except SystemExit as exc:
+        assert not exc.code, f"ckpt {' '.join(map(str, args))} exited {exc.code}"
+
+
 def run_subprocess(*args: str | Path, env: dict[str, str] | None = None) -> Result:
     """The real entry point in a fresh process, as a user runs it."""
     proc = subprocess.run(

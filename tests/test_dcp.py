@@ -14,21 +14,11 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import Evil, assert_fails, assert_same_tensors, torchrun
+from conftest import Evil, assert_fails, assert_same_tensors, ckpt_quiet, torchrun
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ckpt_cli.cli.app import main
-
 RESHARDS = [(2, 3), (3, 2), (2, 1), (1, 4)]
-
-
-def ckpt_quiet(*args) -> None:
-    """The CLI in-process, for session fixtures (no capsys there)."""
-    try:
-        main([str(a) for a in args] + ["--quiet"])
-    except SystemExit as exc:
-        assert not exc.code, f"ckpt {' '.join(map(str, args))} exited {exc.code}"
 
 
 def flat_state(path) -> dict:

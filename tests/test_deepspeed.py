@@ -62,7 +62,7 @@ def test_weights_export_equals_zero_to_fp32(ckpt, ds_saves, tmp_path, world, con
 def test_fp32_master_equals_deepspeeds_own_view(ds_saves, world, config):
     """Every trainable parameter equals deepspeed.utils.safe_get_full_fp32_param at save time (BF16_Optimizer too).
     Not under round_robin_gradients: that API maps params by original-order offsets into the round-robin flat buffer
-    (mixed_precision_linkage.py, FORMATS §2.6 step 8) and returns other params' values at W > 1; zero_to_fp32 agrees
+    (mixed_precision_linkage.py, docs/formats.md §2.6 step 8) and returns other params' values at W > 1; zero_to_fp32 agrees
     with ckpt there (test_weights_export_equals_zero_to_fp32)."""
     src = ds_saves[world] / config
     ckpt = open_checkpoint(src)
@@ -211,8 +211,7 @@ RESHARDS = [(2, 1), (1, 2), (2, 3), (3, 2)]
 def ds_resumed(ds_saves, tmp_path_factory):
     """Every config resharded N->M, loaded by DeepSpeed at M (plain load_checkpoint), saved again at once and
     trained 2 more steps; beside it each original continued at its own N. One torchrun launch per world size."""
-    from conftest import torchrun
-    from test_dcp import ckpt_quiet
+    from conftest import ckpt_quiet, torchrun
 
     root = tmp_path_factory.mktemp("ds_resumed")
     tasks: dict[int, list[str]] = {1: [], 2: [], 3: []}
