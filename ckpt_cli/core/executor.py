@@ -2,6 +2,8 @@
 
 Same-dtype contiguous data moves with copy_file_range (in the kernel, no user-space copy); data
 that needs a CRC or a cast goes through one reusable buffer of BLOCK_BYTES (reads: core/reading.py).
+So does data read from a zip record (torch file, DeepSpeed rank file, DCP chunk): its CRC32 is
+checked on the way (core/crc.py), so a damaged source fails the write instead of being copied.
 Writeback to disk starts every WRITEBACK_BYTES, so the final fsync finds little left to flush.
 Under torchrun the caller uses core/distributed.py instead, which shares the files out over ranks.
 """
@@ -16,8 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core.atomic import staged
+from ckpt_cli.core.atomic import Guard, staged
+from ckpt_cli.core.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.model import ZEROS
+from ckpt_cli.core.paths import inside
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.core.reading import BLOCK_BYTES, ByteRun, SourceFiles, as_bytes, byte_runs, element_windows, read_elements, read_runs
 from ckpt_cli.errors import DataError
@@ -83,15 +87,23 @@ class _Out:
 
 
 def copy_runs(runs: list[ByteRun], out: _Out, sources: SourceFiles, with_crc: bool) -> int:
-    """Copy byte runs to `out`: in the kernel when no CRC is wanted, else through the reusable buffer."""
+    """Copy byte runs to `out`: in the kernel when no CRC is wanted (by the output, or to check the source
+    record they come from), else through the reusable buffer. Returns the CRC32 of all runs (0 when not
+    wanted); each run's own CRC32 goes to the source check."""
     crc = 0
+    check = sources.check
     for path, offset, nbytes in runs:
-        if not with_crc and path != ZEROS:
+        checked = check is not None and check.wants(path, offset, nbytes)
+        if not with_crc and not checked and path != ZEROS:
             out.copy(sources.fd(path), offset, nbytes, path)
             continue
+        run_crc = 0
         for view in read_runs([(path, offset, nbytes)], sources):
-            crc = zlib.crc32(view, crc)
+            run_crc = zlib.crc32(view, run_crc)
             out.write(view)
+        if checked:
+            check.add(path, offset, nbytes, run_crc)  # type: ignore[union-attr]
+        crc = crc32_combine(crc, run_crc, nbytes) if with_crc else 0
     return crc
 
 
@@ -133,47 +145,20 @@ def split_runs(runs: list[ByteRun], size: int) -> list[list[ByteRun]]:
     return [c for c in chunks if c]
 
 
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of A+B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's zlib lacks)."""
-
-    def times(mat: list[int], vec: int) -> int:
-        out, i = 0, 0
-        while vec:
-            if vec & 1:
-                out ^= mat[i]
-            vec >>= 1
-            i += 1
-        return out
-
-    def square(mat: list[int]) -> list[int]:
-        return [times(mat, mat[n]) for n in range(32)]
-
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = square(odd)  # two zero bits
-    odd = square(even)  # four zero bits
-    while len2:  # apply len2 zero bytes to crc1, one bit of len2 at a time
-        even = square(odd)
-        if len2 & 1:
-            crc1 = times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = square(even)
-        if len2 & 1:
-            crc1 = times(odd, crc1)
-        len2 >>= 1
-    return crc1 ^ crc2
-
-
 CHUNK_BYTES = 64 << 20  # a large tensor is cut into pieces of this size when threads share its file
 
 
-def write_file(path: Path, out: OutputFile, progress: Progress | None, threads: int = 1, cancel: threading.Event | None = None) -> None:
+def write_file(
+    path: Path,
+    out: OutputFile,
+    progress: Progress | None,
+    threads: int = 1,
+    cancel: threading.Event | None = None,
+    check: RecordCheck | None = None,
+) -> None:
     """Write one output file. Literal bytes go out at once; tensor data is copied by `threads` threads at
     known offsets (large CRC-bearing tensors in CHUNK_BYTES pieces, their CRCs combined in order); the
-    CRC-dependent trailers (Deferred) come last."""
+    CRC-dependent trailers (Deferred) come last. `check` verifies the source records the copies read."""
     lock = threading.Lock()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     pending = 0
@@ -202,7 +187,7 @@ def write_file(path: Path, out: OutputFile, progress: Progress | None, threads: 
             elif isinstance(seg, Deferred):
                 deferred.append((pos, seg))
             pos += seg.size
-        crcs = _run_jobs(jobs, threads, cancel)
+        crcs = _run_jobs(jobs, threads, cancel, check)
         for offset, seg in deferred:
             data = seg.build({out.segments[i].crc_key: crc for i, crc in crcs.items()})  # type: ignore[union-attr]
             assert len(data) == seg.size, "deferred segment size differs from its plan"
@@ -228,7 +213,12 @@ def _tensor_jobs(
     return jobs
 
 
-def _run_jobs(jobs: list[tuple[int, int, Callable[[SourceFiles], int]]], threads: int, cancel: threading.Event | None) -> dict[int, int]:
+def _run_jobs(
+    jobs: list[tuple[int, int, Callable[[SourceFiles], int]]],
+    threads: int,
+    cancel: threading.Event | None,
+    check: RecordCheck | None = None,
+) -> dict[int, int]:
     """Run the jobs (each thread with its own source descriptors and buffer); the CRC of each segment.
     On an error or Ctrl-C, `cancel` stops the running jobs at their next block (their progress callback
     checks it) and the rest never start; descriptors are closed only once every job has returned."""
@@ -237,7 +227,7 @@ def _run_jobs(jobs: list[tuple[int, int, Callable[[SourceFiles], int]]], threads
 
     def run(job: Callable[[SourceFiles], int]) -> int:
         if not hasattr(local, "sources"):
-            local.sources = SourceFiles()
+            local.sources = SourceFiles(check)
             opened.append(local.sources)
         return job(local.sources)
 
@@ -281,9 +271,23 @@ class _Cancelled(Exception):
     pass
 
 
+def source_records(files: list[tuple[Path, OutputFile]]) -> RecordCheck:
+    """The check of the zip records (with their CRC32) that the files' tensor data is read from."""
+    return RecordCheck(
+        (p.data.path, p.data.record)
+        for _, out in files
+        for s in out.segments
+        if isinstance(s, TensorData)
+        for p in s.tensor.pieces
+        if p.data.record is not None
+    )
+
+
 def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None) -> None:
     """Write `files`, up to `workers` at once, and fsync them. With fewer files than workers, the spare
-    workers share the large CRC-bearing tensors of a file (one big DeepSpeed optimizer file, say)."""
+    workers share the large CRC-bearing tensors of a file (one big DeepSpeed optimizer file, say). Every
+    source zip record read is checked against its CRC32 (DataError before anything is committed)."""
+    check = source_records(files)
     cancel = threading.Event()
     lock = threading.Lock()
 
@@ -298,7 +302,7 @@ def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Pr
 
     def write_one(target: Path, out: OutputFile) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_file(target, out, tick, threads, cancel)
+        write_file(target, out, tick, threads, cancel, check)
 
     if workers == 1 or len(files) <= 1:
         try:
@@ -316,6 +320,7 @@ def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Pr
             except BaseException:
                 cancel.set()
                 raise
+    check.finish()  # records copied only in part: read the rest and compare
     # Flush once all are written (the kernel writes back while we produce the next file), before
     # the rename makes the destination visible.
     for target, _ in files:
@@ -323,17 +328,32 @@ def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Pr
 
 
 def targets(plan: WritePlan, tmp: Path) -> tuple[list[tuple[Path, OutputFile]], list[tuple[Path, OutputFile]]]:
-    """(data files, commit markers) of the plan, placed under the temporary destination."""
-    placed = [(tmp / out.relpath if plan.dest_is_dir else tmp, out) for out in plan.files]
+    """(data files, commit markers) of the plan, placed under the temporary destination (DataError for a file
+    name that would leave it: names come from inside checkpoints)."""
+    placed = [(inside(tmp, out.relpath, str(plan.dest)) if plan.dest_is_dir else tmp, out) for out in plan.files]
     return [t for t in placed if not t[1].commit_marker], [t for t in placed if t[1].commit_marker]
 
 
-def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None) -> None:
-    """Write every file of `plan` into a temporary sibling of the destination, then rename it.
+def plan_sources(plan: WritePlan) -> tuple[str, ...]:
+    """The files the plan reads tensor data from (what --overwrite must never replace)."""
+    paths = {p.data.path for f in plan.files for s in f.segments if isinstance(s, TensorData) for p in s.tensor.pieces}
+    return tuple(sorted(paths - {ZEROS}))
+
+
+def default_guard(plan: WritePlan, guard: Guard | None) -> Guard:
+    return guard if guard is not None else Guard(plan_sources(plan))
+
+
+def execute(
+    plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None, guard: Guard | None = None
+) -> None:
+    """Write every file of `plan` into a temporary sibling of the destination, then rename it. `guard` says what
+    --overwrite must keep (default: the files the plan reads; only an empty folder is replaced).
 
     One process only: under torchrun (WORLD_SIZE > 1) the caller uses ckpt_cli.core.distributed.execute.
     """
-    with staged(plan.dest, plan.dest_is_dir, overwrite) as tmp:
+    targets(plan, plan.dest)  # refuse a file name that leaves the destination before anything is created
+    with staged(plan.dest, plan.dest_is_dir, overwrite, default_guard(plan, guard)) as tmp:
         data, markers = targets(plan, tmp)
         write_files(data, worker_count(workers), progress)
         write_files(markers, 1, progress)  # last, so they are the newest files

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.zipio import Record
+from ckpt_cli.errors import DataError
 
 ROLES = ("model", "optimizer", "other")
 PathKey = tuple[str | int, ...]
@@ -38,6 +40,12 @@ class StoredArray:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int = 0  # elements
+    record: Record | None = field(default=None, compare=False)  # the zip record holding the storage: checked while copied
+
+    def __post_init__(self) -> None:
+        # A view that starts before its storage or steps backwards would read bytes outside it.
+        if self.offset < 0 or self.storage_offset < 0 or len(self.stride) != len(self.shape) or any(st < 0 for st in self.stride):
+            raise DataError(f"{self.path}: a tensor view with a negative offset or stride")
 
     @property
     def numel(self) -> int:
@@ -176,9 +184,11 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Opaque:
-    """A value that could not be parsed safely: its pickle needs a class outside the allow list."""
+    """A value that could not be parsed safely. `unsafe_global`: the global outside the allow list its pickle
+    names (a value ckpt must not copy either: whoever loads the copy would run it)."""
 
     reason: str
+    unsafe_global: str | None = None
 
     def __str__(self) -> str:
         return f"<unparsed: {self.reason}>"
@@ -227,6 +237,10 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)  # what the reader chose (tag, ...), shown to the user
     source: Any = field(default=None, repr=False)  # the reader's parsed files, for a writer of the same format
 
+    def unsafe_values(self) -> list[ObjectEntry]:
+        """Non-tensor values left unparsed because their pickle names a global outside the allow list."""
+        return [o for o in self.objects.values() if isinstance(o.value, Opaque) and o.value.unsafe_global]
+
     def tied_groups(self) -> list[list[str]]:
         """Model weights whose data is the very same stored array (tied weights), each group in order."""
         groups: dict[tuple[Any, ...], list[str]] = {}
@@ -235,6 +249,13 @@ class Checkpoint:
                 continue
             groups.setdefault((tuple(entry.pieces), entry.shape), []).append(entry.name)
         return [names for names in groups.values() if len(names) > 1]
+
+
+def unsafe_value_problem(obj: ObjectEntry) -> str:
+    """One line naming the file and the global of a value whose pickle the allow list refused."""
+    where = obj.raw[0] if obj.raw else obj.name
+    glob = obj.value.unsafe_global if isinstance(obj.value, Opaque) else None
+    return f"{where}: '{obj.name}' is a pickle that needs global '{glob}' (not on the allow list; nothing was executed)"
 
 
 def sub_tensor(entry: TensorEntry, name: str, start: int, shape: tuple[int, ...]) -> TensorEntry:

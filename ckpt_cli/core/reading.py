@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
+from ckpt_cli.core.crc import RecordCheck
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
+from ckpt_cli.core.paths import open_regular, open_regular_fd
 from ckpt_cli.errors import DataError
 
 # 4 MiB stays in cache between the read, the CRC and the write; 32 MiB made the kernel's copy into
@@ -23,9 +26,11 @@ BLOCK_BYTES = 4 << 20
 
 
 class SourceFiles:
-    """Open file descriptors of the sources, and the one materialised non-contiguous piece."""
+    """Open file descriptors of the sources, and the one materialised non-contiguous piece. With `check`
+    (a write), the source zip records read here are checked against their CRC32."""
 
-    def __init__(self) -> None:
+    def __init__(self, check: RecordCheck | None = None) -> None:
+        self.check = check
         self.fds: dict[str, int] = {}
         self._buffer: bytearray | None = None
         self._materialised: tuple[StoredArray, Any] | None = None
@@ -33,7 +38,7 @@ class SourceFiles:
     def fd(self, path: str) -> int:
         if path not in self.fds:
             try:
-                self.fds[path] = os.open(path, os.O_RDONLY)
+                self.fds[path] = open_regular_fd(path)
             except OSError as exc:
                 raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
         return self.fds[path]
@@ -70,6 +75,8 @@ class SourceFiles:
         """The elements of a non-contiguous stored array as a flat contiguous torch tensor."""
         if self._materialised is None or self._materialised[0] != array:
             self._materialised = None
+            if self.check is not None and array.record is not None:
+                self.check.whole(array.path, array.record)
             self._materialised = (array, materialise(array))
         return self._materialised[1]
 
@@ -80,7 +87,7 @@ def materialise(array: StoredArray) -> Any:
 
     start, end = array.extent()
     base = array.offset
-    with open(array.path, "rb") as f:
+    with open_regular(array.path) as f:
         size = os.fstat(f.fileno()).st_size
         if end > size:
             raise DataError(f"{array.path}: truncated: data needs bytes up to {end}, file has {size}")
@@ -103,7 +110,10 @@ def read_stored(array: StoredArray, start: int, count: int, sources: SourceFiles
         return sources.materialised(array)[start : start + count]
     itemsize = array.dtype.itemsize
     raw = bytearray(count * itemsize)
-    sources.pread_into(array.path, array.offset + (array.storage_offset + start) * itemsize, raw)
+    offset = array.offset + (array.storage_offset + start) * itemsize
+    sources.pread_into(array.path, offset, raw)
+    if sources.check is not None and sources.check.wants(array.path, offset, len(raw)):
+        sources.check.add(array.path, offset, len(raw), zlib.crc32(raw))
     return torch.frombuffer(raw, dtype=array.dtype.torch())
 
 

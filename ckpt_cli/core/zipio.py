@@ -1,7 +1,7 @@
 """Zip archives as torch.save writes them: locate records for lazy reads, and lay them out for
 streaming writes (stored, 64-byte aligned payloads, data descriptors, zip64 when needed).
 
-Layout facts: ../shared/FORMATS.md §1.4 and §4.2 (torch/serialization.py, miniz).
+Layout facts: docs/formats.md §1.4 and §4.2 (torch/serialization.py, miniz).
 """
 
 from __future__ import annotations
@@ -55,7 +55,14 @@ class _Window:
 
 
 def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = None) -> dict[str, Record]:
-    """Records of the archive in bytes [start, start+length) of `f`, keyed by name minus top folder."""
+    """Records of the archive in bytes [start, start+length) of `f`, keyed by name minus top folder.
+
+    Refused (DataError): what torch.save never writes and readers would disagree on. torch's reader (miniz,
+    caffe2/serialize/inline_container.cc) looks every record up by name and takes whichever of two equal names
+    its search meets first, so a duplicate name hides a record from one reader and shows it to another;
+    records outside the first entry's folder are invisible to it; a local header whose name differs from the
+    central directory's, or records whose bytes overlap, are not torch's either.
+    """
     if length is None:
         length = f.seek(0, 2) - start
     window = _Window(f, start, length)
@@ -65,22 +72,66 @@ def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = N
         raise DataError(f"{where}: not a readable zip archive ({exc}); the file may be truncated") from exc
     if not infos:
         raise DataError(f"{where}: empty zip archive")
-    top = infos[0].filename.split("/", 1)[0] + "/"
+    top = _top_folder(infos[0].filename, where)
     records: dict[str, Record] = {}
+    spans: list[tuple[int, int, str]] = []
     for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise DataError(f"{where}: record {info.filename} is compressed; torch archives are stored")
-        window.seek(info.header_offset)
-        header = window.read(_LOCAL_HEADER.size)
-        if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-            raise DataError(f"{where}: record {info.filename} has no local header (truncated or corrupt)")
-        name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
-        data_offset = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        name = _member_name(info.filename, top, where)
+        if name in records:
+            raise DataError(f"{where}: record {_shown(info.filename)} appears twice in the archive (torch.save writes each name once)")
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise DataError(f"{where}: record {_shown(info.filename)} is compressed; torch archives are stored")
+        if info.flag_bits & 0x1:
+            raise DataError(f"{where}: record {_shown(info.filename)} is encrypted; torch archives are not")
+        data_offset = _local_data_offset(window, info, where)
         if data_offset + info.file_size > length:
-            raise DataError(f"{where}: record {info.filename} runs past the end of the file (truncated)")
-        name = info.filename[len(top) :] if info.filename.startswith(top) else info.filename
+            raise DataError(f"{where}: record {_shown(info.filename)} runs past the end of the file (truncated)")
         records[name] = Record(name, start + data_offset, info.file_size, info.CRC)
+        spans.append((info.header_offset, data_offset + info.file_size, info.filename))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise DataError(f"{where}: records {_shown(first)} and {_shown(second)} overlap (torch.save writes them one after another)")
     return records
+
+
+def _shown(name: str) -> str:
+    """A member name for an error message: repr() (no control characters reach the terminal), cut short."""
+    text = repr(name)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _top_folder(first: str, where: str) -> str:
+    """The archive's folder ("archive/", or the file stem): torch takes it from the first entry's name."""
+    folder, sep, _ = first.partition("/")
+    if not sep or not _plain_part(folder):
+        raise DataError(f"{where}: first record {_shown(first)} is not inside a folder, as torch.save writes every record")
+    return folder + "/"
+
+
+def _member_name(full: str, top: str, where: str) -> str:
+    """`full` minus the archive folder; DataError for a name torch would not find or torch.save would not write."""
+    name = full[len(top) :] if full.startswith(top) else None
+    if not name or not all(_plain_part(part) for part in name.split("/")):
+        raise DataError(f"{where}: record {_shown(full)} is not a plain name inside the archive folder {_shown(top)}")
+    return name
+
+
+def _plain_part(part: str) -> bool:
+    return part not in ("", ".", "..") and "\\" not in part and not any(ord(c) < 32 or ord(c) == 127 for c in part)
+
+
+def _local_data_offset(window: _Window, info: zipfile.ZipInfo, where: str) -> int:
+    """Where the record's payload starts: after its local header, whose name must be the central directory's
+    and whose own extra length (zip64 and torch's 'FB' padding) counts, not the central one (§1.4)."""
+    window.seek(info.header_offset)
+    header = window.read(_LOCAL_HEADER.size)
+    if len(header) < _LOCAL_HEADER.size or header[:4] != ZIP_MAGIC:
+        raise DataError(f"{where}: record {_shown(info.filename)} has no local header (truncated or corrupt)")
+    name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
+    if window.read(name_len) != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+        raise DataError(f"{where}: record {_shown(info.filename)}: its local header names another record")
+    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
 
 
 def crc_problem(f: BinaryIO, record: Record, where: str, block: int = 1 << 24) -> str | None:

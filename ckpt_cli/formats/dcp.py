@@ -3,11 +3,12 @@
 `.metadata` is unpickled through inert stand-ins of DCP's dataclasses, never with torch's raw
 `pickle.load`. Each `storage_data` byte range is one complete `torch.save` archive; a tensor
 chunk is located by the zip local header of its `data/0` record, so chunks are read (or copied)
-as byte ranges. Facts: ../shared/FORMATS.md §1.
+as byte ranges. Facts: docs/formats.md §1.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -17,8 +18,10 @@ from typing import Any, BinaryIO
 from ckpt_cli.core import roles, zipio
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions
-from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Opaque, Piece, TensorEntry
-from ckpt_cli.core.safe_pickle import TensorRef, safe_loads
+from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Opaque, Piece, TensorEntry, unsafe_value_problem
+from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_bytes, shown
+from ckpt_cli.core.pickle_guard import PickleRefused, charge
+from ckpt_cli.core.safe_pickle import Sealed, TensorRef, safe_loads
 from ckpt_cli.core.tree import holds_tensor
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats.torch_save import load_archive, stored_array
@@ -28,8 +31,9 @@ DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 RANK_METADATA = re.compile(r"__(\d+)\.metadata$")
 
 
-# Inert stand-ins for the pickled classes of dcp/metadata.py and dcp/filesystem.py.
-class _Record:
+# Inert stand-ins for the pickled classes of dcp/metadata.py and dcp/filesystem.py (Sealed: a pickle cannot
+# change the classes themselves; each instance is the pickle's own).
+class _Record(metaclass=Sealed):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.__dict__.update(kwargs)
 
@@ -37,6 +41,7 @@ class _Record:
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
             state = {**(state[0] or {}), **state[1]}
         if isinstance(state, dict):
+            charge(len(state))
             self.__dict__.update(state)
         else:
             self._state = state
@@ -119,12 +124,18 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
         table.update({(module, name): cls for name, cls in classes.items()})
     for module in ("torch.distributed.checkpoint.filesystem", "torch.distributed._shard.checkpoint.filesystem"):
         table[(module, "_StorageInfo")] = StorageInfoRec
-    for module in ("pathlib", "pathlib._local"):
+    for module in ("pathlib", "pathlib._local"):  # StorageMeta.checkpoint_id, as text: a path object can be changed
         for name in ("PosixPath", "PurePosixPath"):
-            table[(module, name)] = PurePosixPath
+            table[(module, name)] = functools.partial(_path_text, PurePosixPath)
         for name in ("WindowsPath", "PureWindowsPath"):
-            table[(module, name)] = PureWindowsPath
+            table[(module, name)] = functools.partial(_path_text, PureWindowsPath)
     return table
+
+
+def _path_text(kind: type, *parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise PickleRefused("a path made of something other than text")
+    return str(kind(*parts))
 
 
 METADATA_GLOBALS = _metadata_globals()
@@ -132,7 +143,7 @@ METADATA_GLOBALS = _metadata_globals()
 
 def load_metadata(path: Path, trust: bool) -> MetadataRec:
     try:
-        data = path.read_bytes()
+        data = read_regular_bytes(path)
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
     meta = safe_loads(data, str(path), METADATA_GLOBALS, trust)
@@ -162,11 +173,9 @@ class _Files:
 
     def open(self, relative: str) -> BinaryIO:
         if relative not in self.handles:
-            path = self.folder / relative
-            if Path(relative).is_absolute() or ".." in Path(relative).parts:
-                raise DataError(f"{self.folder / METADATA}: storage path '{relative}' points outside the checkpoint")
+            path = self.folder / plain_component(relative, f"{self.folder / METADATA}: storage_data relative_path")
             try:
-                self.handles[relative] = open(path, "rb")
+                self.handles[relative] = open_regular(path)
             except FileNotFoundError:
                 raise DataError(f"{path}: missing (named by {METADATA})") from None
             self.sizes[relative] = os.fstat(self.handles[relative].fileno()).st_size
@@ -214,7 +223,7 @@ def _tensor_pieces(
             raise DataError(f"{where}: '{fqn}' chunk at offset {info.offset} does not hold a tensor")
         if obj.dtype != dtype or obj.shape != sizes:
             raise DataError(f"{where}: '{fqn}' chunk holds {obj.dtype}{list(obj.shape)}; metadata says {dtype}{list(sizes)}")
-        pieces.append(Piece(Box(offsets, sizes), stored_array(obj, records, where)))
+        pieces.append(Piece(Box(offsets, sizes), stored_array(obj, records, where, fqn)))
     return pieces
 
 
@@ -223,11 +232,49 @@ def _object(files: _Files, fqn: str, info: StorageInfoRec, options: ReadOptions)
     raw = (str(files.folder / info.relative_path), info.offset, info.length)
     try:
         value, _ = load_archive(f, f"{where} ('{fqn}')", options, info.offset, info.length)
-    except UnsafePickleError as exc:
-        return Opaque(f"needs {exc.global_name}; --trust-pickle to parse"), raw
+    except UnsafePickleError as exc:  # kept unparsed: inspect shows it, verify reports it, writers refuse it
+        return Opaque(f"needs {exc.global_name}; --trust-pickle to parse", exc.global_name), raw
     if holds_tensor(value, lambda v: isinstance(v, TensorRef)):
         return Opaque("holds tensors inside a pickled value"), raw
     return value, raw
+
+
+def _count(value: Any) -> bool:
+    """A size, offset or length as DCP writes them: a non-negative int (torch.Size items are ints; never a bool)."""
+    return type(value) is int and value >= 0
+
+
+def _counts(values: Any) -> bool:
+    return isinstance(values, tuple | list) and all(_count(v) for v in values)
+
+
+def _check_range(meta_path: Path, index: IndexRec, info: StorageInfoRec) -> None:
+    """A storage_data byte range: offset >= 0 and length > 0 (dcp.load would read elsewhere in the file)."""
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not _count(offset) or not _count(length) or not length:
+        raise DataError(
+            f"{meta_path}: storage_data of {shown(getattr(index, 'fqn', None))} has offset {shown(offset)} and length {shown(length)}; "
+            "a byte range needs offset >= 0 and length > 0"
+        )
+
+
+def _check_tensor_metadata(meta_path: Path, fqn: str, item: TensorStorageRec) -> None:
+    """The tensor's global size and its chunks' offsets and sizes: non-negative ints, one per dimension."""
+    size = getattr(item, "size", None)
+    if not _counts(size):
+        raise DataError(f"{meta_path}: {shown(fqn)} has size {shown(size)}; sizes are non-negative integers")
+    if not isinstance(getattr(getattr(item, "properties", None), "dtype", None), DType):
+        raise DataError(f"{meta_path}: {shown(fqn)} has no dtype")
+    chunks = getattr(item, "chunks", None)
+    if not isinstance(chunks, list | tuple):
+        raise DataError(f"{meta_path}: {shown(fqn)} has no list of chunks")
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if not _counts(offsets) or not _counts(sizes) or len(offsets) != len(size) or len(sizes) != len(size):
+            raise DataError(
+                f"{meta_path}: a chunk of {shown(fqn)} has offsets {shown(offsets)} and sizes {shown(sizes)}; "
+                f"it needs {len(size)} non-negative integers each"
+            )
 
 
 def world_size_of(storage: dict[Any, StorageInfoRec]) -> int:
@@ -239,10 +286,10 @@ class DCPReader:
     name = "dcp"
 
     def detect(self, path: Path) -> bool:
-        return path.is_dir() and ((path / METADATA).is_file() or any(RANK_METADATA.match(p.name) for p in path.iterdir()))
+        return path.is_dir() and (present(path / METADATA) or any(RANK_METADATA.match(p.name) for p in path.iterdir()))
 
     def read(self, path: Path, options: ReadOptions) -> Checkpoint:
-        if not (path / METADATA).is_file():
+        if not present(path / METADATA):
             ranks = sorted(p.name for p in path.iterdir() if RANK_METADATA.match(p.name))
             raise UsageError(
                 f"{path}: per-rank metadata ({', '.join(ranks[:3])}...) and no global .metadata: saved with "
@@ -253,6 +300,8 @@ class DCPReader:
         for index, info in meta.storage_data.items():
             if not isinstance(index, IndexRec) or not isinstance(info, StorageInfoRec):
                 raise DataError(f"{path / METADATA}: storage_data entry of an unknown kind")
+            plain_component(getattr(info, "relative_path", None), f"{path / METADATA}: storage_data relative_path")
+            _check_range(path / METADATA, index, info)
             storage[index.key()] = info
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
         files = _Files(path)
@@ -266,6 +315,7 @@ class DCPReader:
                     if isinstance(part, int) and i:  # int path items are list positions in DCP
                         containers[key_path[:i]] = "list"
                 if isinstance(item, TensorStorageRec):
+                    _check_tensor_metadata(path / METADATA, fqn, item)
                     size = tuple(item.size)
                     pieces = _tensor_pieces(files, fqn, item, storage, options)
                     tensors[fqn] = TensorEntry(fqn, item.properties.dtype, size, roles.tensor_role(key_path), pieces, key_path)
@@ -293,6 +343,9 @@ class DCPReader:
             source=DCPSource(path, meta),
         )
         ckpt.step = roles.find_step(ckpt)
+        refused = {o.name: o.value.unsafe_global for o in ckpt.unsafe_values()}
+        if refused:  # values whose pickle the allow list refused: shown, reported by verify, never copied
+            ckpt.details["refused_pickles"] = refused
         return ckpt
 
     def _details(self, meta: MetadataRec, tensors: dict[str, TensorEntry], data_files: list[str], planner: dict) -> dict:
@@ -330,6 +383,7 @@ class DCPReader:
                 problems.append(f"{data}: newer than {METADATA}; an interrupted re-save may have mixed old metadata with new data")
         problems += _overlaps(folder, list(meta.storage_data.values()))
         problems += _bounds(ckpt)
+        problems += [unsafe_value_problem(o) for o in ckpt.unsafe_values()]
         if deep:
             problems += _crc_problems(folder, meta)
         return problems

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import math
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import pickler
+from ckpt_cli.core import pickler, zipio
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Opaque, PathKey, TensorEntry, sub_tensor
+from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Opaque, PathKey, TensorEntry, sub_tensor, unsafe_value_problem
+from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.pickler import Global, Instance, Reduce, size
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.core.training import apply_per_rank_rule
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import torch_save
 
 
@@ -149,9 +151,15 @@ def dedup(plans: list[list[Item]]) -> list[list[Item]]:
 def _object_bytes(obj: ObjectEntry) -> bytes:
     if obj.raw is not None:  # a DCP source: the archive as torch wrote it
         path, offset, length = obj.raw
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             f.seek(offset)
-            return f.read(length)
+            data = f.read(length)
+        archive = io.BytesIO(data)  # copied verbatim: its records' CRC32 checked first, as tensor data is (core/crc.py)
+        for rec in zipio.read_records(archive, f"{path} ('{obj.name}' at {offset})").values():
+            problem = zipio.crc_problem(archive, rec, f"{path} ('{obj.name}' at {offset})")
+            if problem:
+                raise DataError(problem)
+        return data
     return torch_save.object_archive(obj.value)
 
 
@@ -179,6 +187,9 @@ class DCPWriter:
             raise UsageError("writing dcp needs --world-size N (the number of FSDP2 ranks to lay it out for)")
         ckpt, per_rank_note = _per_rank_view(ckpt, world_size, options.per_rank_rule)
         notes = [per_rank_note] if per_rank_note else []
+        unsafe = ckpt.unsafe_values()
+        if unsafe:  # its raw bytes would be copied, and dcp.load would run them
+            raise DataError(f"refusing to copy a pickled value the allow list rejects: {unsafe_value_problem(unsafe[0])}")
         opaque = [o.name for o in ckpt.objects.values() if isinstance(o.value, Opaque) and o.raw is None]
         if opaque:
             raise UsageError(f"cannot write non-tensor values that were not parsed: {', '.join(opaque[:3])} (try --trust-pickle)")

@@ -21,8 +21,10 @@ from typing import Any, Protocol
 from ckpt_cli.core import dtypes, pickler, roles, zipio
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
+from ckpt_cli.core.pickle_guard import charge
 from ckpt_cli.core.pickler import Global, Instance, Reduce
-from ckpt_cli.core.safe_pickle import TensorRef
+from ckpt_cli.core.safe_pickle import Sealed, TensorRef
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
@@ -66,13 +68,15 @@ LAYOUT_KEYS = {
 }
 
 
-class _Stub:
-    """Stand-in for a pickled DeepSpeed object (loss scaler, fragment address): keeps its state."""
+class _Stub(metaclass=Sealed):
+    """Stand-in for a pickled DeepSpeed object (loss scaler, fragment address): keeps its state.
+    Sealed: a pickle cannot change the class itself; each instance is the pickle's own."""
 
     def __init__(self, *args: Any) -> None:
         self.args = args
 
     def __setstate__(self, state: Any) -> None:
+        charge(len(state) if isinstance(state, dict) else 1)
         self.__dict__.update(state if isinstance(state, dict) else {"state": state})
 
 
@@ -88,8 +92,10 @@ class FragmentAddress(_Stub):
     pass
 
 
-class ZeroStage(int):
+class ZeroStage(int, metaclass=Sealed):
     """ZeroStageEnum's value; written back as the enum."""
+
+    __slots__ = ()
 
 
 _STUBS = {
@@ -115,7 +121,7 @@ def fragment_address(numel: int, start: int) -> FragmentAddress:
 def is_deepspeed_dir(path: Path) -> bool:
     if not path.is_dir():
         return False
-    if (path / LATEST).is_file():
+    if present(path / LATEST):
         return True
     return any(MODEL_STATES.match(p.name) for p in path.iterdir())
 
@@ -135,8 +141,8 @@ def resolve_tag(path: Path, tag: str | None) -> tuple[Path, str, list[str]]:
             raise UsageError(f"{path}: no DeepSpeed tag '{tag}' (found: {', '.join(tags) or 'none'})")
         return path / tag, tag, []
     latest = path / LATEST
-    if latest.is_file():
-        named = latest.read_text().strip()
+    if present(latest):  # a FIFO or device there is refused by name, not passed over
+        named = plain_component(read_regular_text(latest, max_bytes=4096).strip(), str(latest))
         if named not in tags:
             raise DataError(f"{latest}: names tag '{named}', which is missing or holds no model states")
         notes = [f"{path}: using tag '{named}' from 'latest'"] if len(tags) > 1 else []
@@ -201,7 +207,7 @@ class RankFile:
 
 def _load(path: Path, options: ReadOptions) -> RankFile:
     try:
-        f = open(path, "rb")
+        f = open_regular(path)
     except OSError as exc:
         raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
     with f:
@@ -277,7 +283,10 @@ class DeepSpeedReader:
             raise UsageError(f"{folder}: elastic_checkpoint format (per-group optimizer state lists) is not supported by ckpt")
         models = {r: _load(p, options) for r, p in model_paths.items()} if stage == 3 else {}
         if stage == 3 and sorted(models) != list(range(world)):
-            raise DataError(f"{folder}: stage 3 needs {world} model-states files, found {len(models)}")
+            raise DataError(
+                f"{folder}: stage 3 needs the model-states files of ranks 0..{world - 1} (partition_count {world}), "
+                f"found ranks {sorted(models)}"
+            )
         model = first_model.tree
         layout = Stage3Partitions(models, optims, world) if stage == 3 else Stage12Partitions(first_model, optims, world, stage)
         tensors = layout.model_tensors()
@@ -311,7 +320,7 @@ class DeepSpeedReader:
             objects=objects,
             files=[FileInfo(str(p), p.stat().st_size) for p in files],
             tag=tag,
-            step=model.get("global_steps"),
+            step=step_number(model.get("global_steps"), f"{first_model.path}: global_steps"),
             world_size=world,
             details=details,
             notes=notes,
@@ -416,12 +425,42 @@ class DeepSpeedReader:
             problems.append(
                 f"{ckpt.path}: rank files disagree: zero_stage {sorted(map(str, stages))}, partition_count {sorted(map(str, counts))}"
             )
+        if isinstance(ckpt.source, Source):
+            problems += _world_problems(ckpt.source)
         if deep:
             for info in ckpt.files:
-                with open(info.path, "rb") as f:
+                with open_regular(info.path) as f:
                     records = zipio.read_records(f, info.path)
                     problems += [p for rec in records.values() if (p := zipio.crc_problem(f, rec, info.path))]
         return problems
+
+
+def _world_problems(source: Source) -> list[str]:
+    """Where the files disagree on the world size, as DeepSpeed's loaders see it (docs/formats.md §2.10, §3):
+    load_checkpoint opens the optimizer files of ranks 0..dp_world_size-1 (model states) and partitions by the
+    live size; zero_to_fp32 globs every '*_optim_states.pt' and refuses a count other than partition_count."""
+    world, problems = source.world, []
+    for model in {m.path: m for m in (source.model, *source.models.values())}.values():
+        dp = model.tree.get("dp_world_size")
+        if dp != world:
+            problems.append(
+                f"{model.path}: dp_world_size is {dp!r} but the optimizer files are partitioned for {world} ranks (partition_count); "
+                "DeepSpeed would load it at the wrong world size"
+            )
+    ranks: dict[int, list[str]] = {}
+    for p in sorted(source.folder.iterdir()):
+        m = OPTIM_STATES.match(p.name)
+        if m:
+            ranks.setdefault(int(m.group(2)), []).append(p.name)
+    for rank, names in sorted(ranks.items()):
+        if rank >= world:
+            problems.append(
+                f"{source.folder / names[0]}: optimizer file of rank {rank} in a checkpoint of {world} ranks (partition_count): "
+                "a leftover of a larger run? zero_to_fp32 refuses the folder"
+            )
+        elif len(names) > 1:
+            problems.append(f"{source.folder}: {len(names)} optimizer files for rank {rank} ({', '.join(names)}); DeepSpeed reads one")
+    return problems
 
 
 def _tag_step(tag: str) -> int:

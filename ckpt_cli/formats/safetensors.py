@@ -18,6 +18,7 @@ from ckpt_cli.core import dtypes
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, Piece, StoredArray, TensorEntry, contiguous_strides
+from ckpt_cli.core.paths import open_regular, shown
 from ckpt_cli.core.plan import Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.errors import DataError
 
@@ -38,8 +39,8 @@ def parse_header(path: Path) -> Header:
     """Parse and validate a safetensors header. Fatal problems raise; the rest are listed."""
     where = str(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise DataError(f"{where}: too short to be a safetensors file ({size} bytes)")
@@ -49,33 +50,55 @@ def parse_header(path: Path) -> Header:
             raw = f.read(n)
     except OSError as exc:
         raise DataError(f"{where}: cannot read ({exc.strerror})") from exc
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{where}: header is not valid JSON ({exc})") from exc
+    doc = _load_json(raw, where)
     if not isinstance(doc, dict):
         raise DataError(f"{where}: header is not a JSON object")
-    metadata = doc.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise DataError(f"{where}: __metadata__ is not an object")
-    header = Header(where, 8 + n, size, {str(k): str(v) for k, v in metadata.items()})
+    metadata = doc.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise DataError(f"{where}: __metadata__ must map strings to strings (the safetensors library refuses this header)")
+    header = Header(where, 8 + n, size, metadata)
     for name, info in doc.items():
         header.tensors[name] = _parse_entry(where, name, info)
     _check_layout(header)
     return header
 
 
-def _parse_entry(where: str, name: str, info: Any) -> tuple[DType, tuple[int, ...], int, int]:
+def _load_json(raw: bytes, where: str) -> Any:
+    """The header as JSON, as strictly as the library's parser (serde_json): no repeated key, no NaN/Infinity."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise DataError(f"{where}: header names {shown(next(k for k in keys if keys.count(k) > 1))} twice")
+        return dict(pairs)
+
+    def constant(name: str) -> Any:
+        raise DataError(f"{where}: header is not valid JSON ({name})")
+
     try:
-        dtype = dtypes.from_safetensors(info["dtype"], where)
-        shape = tuple(int(d) for d in info["shape"])
-        begin, end = (int(x) for x in info["data_offsets"])
-    except DataError:
-        raise
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DataError(f"{where}: malformed header entry for '{name}' ({exc})") from exc
-    if any(d < 0 for d in shape) or begin < 0 or end < begin:
-        raise DataError(f"{where}: malformed header entry for '{name}' (negative shape or offsets)")
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=unique, parse_constant=constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise DataError(f"{where}: header is not valid JSON ({type(exc).__name__})") from exc
+
+
+def _is_size(value: Any) -> bool:
+    """A JSON number the library reads as a usize (no bool, float or string; below 2^64)."""
+    return type(value) is int and 0 <= value < 1 << 64
+
+
+def _parse_entry(where: str, name: str, info: Any) -> tuple[DType, tuple[int, ...], int, int]:
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        raise DataError(f"{where}: malformed header entry for {shown(name)} (no dtype)")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_size(d) for d in shape):
+        raise DataError(f"{where}: malformed header entry for {shown(name)} (shape must be a list of non-negative integers)")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_size(x) for x in offsets):
+        raise DataError(f"{where}: malformed header entry for {shown(name)} (data_offsets must be two non-negative integers)")
+    dtype = dtypes.from_safetensors(info["dtype"], where)
+    shape, (begin, end) = tuple(shape), offsets
+    if end < begin:
+        raise DataError(f"{where}: malformed header entry for {shown(name)} (data_offsets end before they begin)")
     if end - begin != math.prod(shape) * dtype.itemsize:
         raise DataError(
             f"{where}: '{name}' has {end - begin} bytes for shape {list(shape)} of {dtype} (needs {math.prod(shape) * dtype.itemsize})"
@@ -94,10 +117,14 @@ def _check_layout(header: Header) -> None:
         if begin < pos:
             raise DataError(f"{header.path}: '{name}' overlaps the previous tensor (offset {begin} < {pos})")
         if begin > pos:
-            header.problems.append(f"{header.path}: {begin - pos} unreferenced bytes before '{name}'")
+            header.problems.append(
+                f"{header.path}: {begin - pos} unreferenced bytes before '{name}' (the safetensors library refuses the file)"
+            )
         pos = max(pos, end)
     if pos != data_len:
-        header.problems.append(f"{header.path}: {data_len - pos} bytes after the last tensor are not referenced")
+        header.problems.append(
+            f"{header.path}: {data_len - pos} bytes after the last tensor are not referenced (the safetensors library refuses the file)"
+        )
 
 
 def tensor_entries(header: Header, role: str = "model") -> dict[str, TensorEntry]:
@@ -110,10 +137,11 @@ def tensor_entries(header: Header, role: str = "model") -> dict[str, TensorEntry
 
 def looks_like_safetensors(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             prefix = f.read(9)
-        return len(prefix) == 9 and prefix[8:9] == b"{" and struct.unpack("<Q", prefix[:8])[0] + 8 <= os.path.getsize(path)
-    except OSError:
+            size = os.fstat(f.fileno()).st_size
+        return len(prefix) == 9 and prefix[8:9] == b"{" and struct.unpack("<Q", prefix[:8])[0] + 8 <= size
+    except (OSError, DataError):
         return False
 
 

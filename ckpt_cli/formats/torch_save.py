@@ -26,9 +26,10 @@ from ckpt_cli.core.model import (
     TensorEntry,
     contiguous_strides,
 )
+from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.pickler import Global, Reduce
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
-from ckpt_cli.core.safe_pickle import TensorRef, safe_loads
+from ckpt_cli.core.safe_pickle import TensorRef, safe_loads, view_problem
 from ckpt_cli.core.tree import flatten, unflatten, unique_names
 from ckpt_cli.errors import DataError
 
@@ -54,15 +55,19 @@ def load_archive(
     return obj, records
 
 
-def stored_array(ref: TensorRef, records: dict[str, zipio.Record], path: str) -> StoredArray:
-    """Where a pickled tensor's elements are; DataError when its storage record is missing or short."""
+def stored_array(ref: TensorRef, records: dict[str, zipio.Record], path: str, tensor: str = "") -> StoredArray:
+    """Where a pickled tensor's elements are; DataError when its storage record is missing or short, or the
+    view reaches outside it (`tensor`: its name, for the message)."""
     rec = records.get(f"data/{ref.storage.key}")
     if rec is None:
         raise DataError(f"{path}: storage record data/{ref.storage.key} is missing")
     needed = ref.storage.numel * ref.dtype.itemsize
     if rec.size != needed:
         raise DataError(f"{path}: storage data/{ref.storage.key} has {rec.size} bytes, its header says {needed}")
-    array = StoredArray(path, rec.data_offset, ref.dtype, ref.shape, ref.stride, ref.storage_offset)
+    problem = view_problem(ref)
+    if problem:
+        raise DataError(f"{path}: {problem} ({f'{tensor!r}, ' if tensor else ''}storage data/{ref.storage.key})")
+    array = StoredArray(path, rec.data_offset, ref.dtype, ref.shape, ref.stride, ref.storage_offset, record=rec)
     start, end = array.extent()
     if end > rec.data_offset + rec.size:
         raise DataError(f"{path}: a tensor view runs past the end of storage data/{ref.storage.key}")
@@ -89,9 +94,9 @@ def entries_from_tree(
 
 def is_torch_file(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             magic = f.read(4)
-    except OSError:
+    except (OSError, DataError):
         return False
     return magic == ZIP_MAGIC or (path.suffix in EXTENSIONS and magic[:1] == b"\x80")
 
@@ -105,7 +110,7 @@ class TorchReader:
     def read(self, path: Path, options: ReadOptions) -> Checkpoint:
         where = str(path)
         try:
-            f = open(path, "rb")
+            f = open_regular(path)
         except OSError as exc:
             raise DataError(f"{where}: cannot open ({exc.strerror})") from exc
         with f:
@@ -131,7 +136,7 @@ class TorchReader:
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
         if not deep:
             return []
-        with open(ckpt.path, "rb") as f:
+        with open_regular(ckpt.path) as f:
             records = zipio.read_records(f, ckpt.path)
             return [p for rec in records.values() if (p := zipio.crc_problem(f, rec, ckpt.path))]
 

@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import distributed, executor
+from ckpt_cli.core import atomic, distributed, executor
 from ckpt_cli.core.executor import BLOCK_BYTES, Progress
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Checkpoint
+from ckpt_cli.core.model import Checkpoint, unsafe_value_problem
 from ckpt_cli.core.plan import TensorData, WritePlan
 from ckpt_cli.core.training import NameMap, StateOptions
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry
-from ckpt_cli.ops import crossframework, transform
+from ckpt_cli.ops import crossframework, transform, verify
 from ckpt_cli.ops.source import open_checkpoint
 
 # Measured floors of resident memory: the CLI alone (plain byte copies never import torch), and
@@ -66,12 +66,17 @@ class Job:
 
     plan: WritePlan
     notes: list[str] = field(default_factory=list)
+    sources: tuple[str, ...] = ()  # the source path and every file read: what --overwrite must never replace
 
 
 def prepare(request: Request) -> Job:
     """Open the source once and plan the write (metadata only; nothing is written)."""
     src = request.source
     ckpt = open_checkpoint(request.src, src.format, src.tag, src.trust_pickle)
+    unsafe = ckpt.unsafe_values()
+    if unsafe:  # a value whose pickle names a global outside the allow list is never copied (its loader would run it)
+        raise DataError(f"refusing to copy a pickled value the allow list rejects: {unsafe_value_problem(unsafe[0])}")
+    refuse_broken(ckpt, request.src)
     target = registry.get(request.to) if request.to else reshard_target(ckpt.format, request.write)
     writer = registry.writer(target.name)
     write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
@@ -81,7 +86,15 @@ def prepare(request: Request) -> Job:
         raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
     view = training_view(ckpt, target, t, write, cross) if carries_training_state(ckpt, target, t, cross) else transform.apply(ckpt, t)
     plan = writer.plan(view, request.dest, write)
-    return Job(plan, list(view.notes) + plan.notes)
+    return Job(plan, list(view.notes) + plan.notes, (str(request.src), *(f.path for f in ckpt.files)))
+
+
+def refuse_broken(ckpt: Checkpoint, src: Path) -> None:
+    """A source that `verify` rejects is never converted: the same structural checks (metadata only), before any write."""
+    problems = verify.structure_problems(ckpt)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise DataError(f"refusing to convert a checkpoint that verify rejects: {problems[0]}{more}; see 'ckpt verify {src}'")
 
 
 def _targets_by(kind: str) -> str:
@@ -182,6 +195,17 @@ def describe(job: Job) -> dict[str, Any]:
     }
 
 
+def guard(job: Job) -> atomic.Guard:
+    """--overwrite replaces an existing checkpoint (any format the registry detects), an empty folder or, with a
+    single-file output, a file; never a source or a folder holding one."""
+    return atomic.Guard(job.sources + executor.plan_sources(job.plan), lambda path: registry.detect(path) is not None)
+
+
+def check_destination(job: Job, overwrite: bool) -> None:
+    """Refuse (exit 2) a destination the write may not replace, before any work is done."""
+    atomic.check_destination(job.plan.dest, overwrite, job.plan.dest_is_dir, guard(job))
+
+
 def run(job: Job, overwrite: bool, progress: Progress | None = None, workers: int | None = None) -> None:
     execute = distributed.execute if distributed.rank_and_world() is not None else executor.execute  # ranks share the files under torchrun
-    execute(job.plan, overwrite=overwrite, progress=progress, workers=workers)
+    execute(job.plan, overwrite=overwrite, progress=progress, workers=workers, guard=guard(job))

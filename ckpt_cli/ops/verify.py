@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli.core import atomic
 from ckpt_cli.core.model import ZEROS, Checkpoint, TensorEntry
+from ckpt_cli.core.paths import open_regular, read_regular_text
 from ckpt_cli.core.reading import SourceFiles, element_windows, read_elements, tensor_bytes
-from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats import registry
 from ckpt_cli.ops import crossframework
 from ckpt_cli.ops import policy as policy_mod
@@ -33,6 +35,7 @@ class VerifyOptions:
     deep: bool = False
     finite: bool = False
     write_manifest: Path | None = None
+    overwrite: bool = False  # --write-manifest may replace a previous manifest (never any other file)
     manifest: Path | None = None
     against: Path | None = None
     atol: float = 0.0
@@ -48,6 +51,7 @@ class Report:
     problems: list[str] = field(default_factory=list)  # one line each, naming the file
     nonfinite: dict[str, dict[str, int]] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    refused_pickle: str | None = None  # a pickled global outside the allow list stopped the read
 
     @property
     def ok(self) -> bool:
@@ -101,9 +105,21 @@ def check_structure(ckpt: Checkpoint, report: Report) -> None:
     report.checks.append("structure")
 
 
+def structure_problems(ckpt: Checkpoint) -> list[str]:
+    """What verify without --deep finds (files, tiling, the format's own checks): metadata only, no tensor data
+    read. Writing commands refuse a source with any (ops/convert.py prepare)."""
+    report = Report(ckpt.path)
+    check_structure(ckpt, report)
+    try:
+        report.problems += registry.get(ckpt.format).reader.check(ckpt, False)
+    except DataError as exc:
+        report.problems.append(str(exc))
+    return report.problems
+
+
 def file_sha256(path: str, block: int = 1 << 24) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(block):
             digest.update(chunk)
     return digest.hexdigest()
@@ -151,6 +167,35 @@ def load_manifest(path: Path) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("ckpt_manifest") != MANIFEST_VERSION:
         raise UsageError(f"{path}: not a ckpt manifest (written by verify --write-manifest)")
     return doc
+
+
+def check_manifest_destination(path: Path, overwrite: bool) -> None:
+    """--write-manifest FILE writes a new file; with --overwrite it replaces a previous ckpt manifest, never another
+    file (a checkpoint file named by mistake). Checked before the checkpoint is read (exit 2)."""
+    if not os.path.lexists(path):
+        return
+    if not overwrite:
+        raise UsageError(f"{path} already exists; pass --overwrite to replace it")
+    try:
+        doc = json.loads(read_regular_text(path, max_bytes=1 << 30))
+    except (OSError, DataError, json.JSONDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("ckpt_manifest") != MANIFEST_VERSION:
+        raise UsageError(f"{path} is not a ckpt manifest; --overwrite replaces only a manifest that verify wrote")
+
+
+def write_manifest_file(path: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest atomically: a temporary sibling, then one os.replace."""
+    with atomic.staged(path, is_dir=False, overwrite=True) as tmp:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def leftover_problems(ckpt: Checkpoint) -> list[str]:
+    """Temporary siblings of the checkpoint that an interrupted or killed ckpt write left behind."""
+    return [
+        f"{p}: temporary output of a ckpt write that did not finish (its process is gone, or a torchrun job); remove it"
+        for p in atomic.leftovers(Path(ckpt.path))
+    ]
 
 
 def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], hashes: dict[str, str], report: Report, where: Path) -> None:
@@ -221,14 +266,18 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
 
 def verify(path: str | Path, options: VerifyOptions) -> Report:
     report = Report(str(path))
+    if options.write_manifest:
+        check_manifest_destination(options.write_manifest, options.overwrite)
     try:
         ckpt = open_checkpoint(path, options.format, options.tag, options.trust_pickle)
     except DataError as exc:
         report.problems.append(str(exc))
+        report.refused_pickle = exc.global_name if isinstance(exc, UnsafePickleError) else None
         return report
     report.path, report.format = ckpt.path, ckpt.format
     report.stats = {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": sum(f.bytes for f in ckpt.files)}
     check_structure(ckpt, report)
+    report.problems += leftover_problems(ckpt)
     fmt = registry.get(ckpt.format)
     try:
         report.problems += fmt.reader.check(ckpt, options.deep)
@@ -285,8 +334,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         report.problems += policy_mod.check(ckpt, rules)
         report.checks.append(f"policy {options.policy}")
     if options.write_manifest and report.ok:
-        manifest = build_manifest(ckpt, hashes)
-        options.write_manifest.write_text(json.dumps(manifest, indent=2) + "\n")
+        write_manifest_file(options.write_manifest, build_manifest(ckpt, hashes))
         report.checks.append(f"wrote manifest {options.write_manifest}")
     report.stats["dtype_names"] = sorted({t.dtype.name for t in ckpt.tensors.values()})
     return report

@@ -1,0 +1,205 @@
+"""CRC32 arithmetic, and the check that every zip record a conversion copies still has its recorded CRC32.
+
+A conversion reads a source record (a tensor's storage in a torch file, a DeepSpeed rank file, a DCP
+chunk archive) whole or in pieces, in any order, over several threads. Each piece's CRC32 is computed
+as its bytes pass on their way to the output (no second read); `RecordCheck` puts the pieces of a
+record together with crc32_combine and compares the result with the CRC the archive records, as soon
+as the pieces cover the record, or at the end after reading the parts nobody copied. A mismatch is a
+DataError naming the file and the record, raised before the output is committed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import threading
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ckpt_cli.core.zipio import Record
+from ckpt_cli.errors import DataError
+
+_POLY = 0xEDB88320  # CRC-32 (zlib), reflected
+READ_BYTES = 4 << 20
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC polynomial (zlib's multmodp, reflected bit order)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    """x^(2^n) modulo the polynomial, n = 0..31 (zlib's x2n_table)."""
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def _crc32_combine_py(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's crc32_combine in Python: crc1 times x^(8·len2), plus crc2."""
+    if len2 <= 0:
+        return crc1
+    p, k, n = 1 << 31, 3, len2  # x^0; 8·len2 bits = len2 << 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
+def _libz_combine() -> Callable[[int, int, int], int] | None:
+    """zlib's own crc32_combine64 (Python's zlib module does not expose it), from the libz already loaded."""
+    try:
+        libz = ctypes.CDLL("libz.so.1")
+        call = libz.crc32_combine64
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_int64]
+    call.restype = ctypes.c_ulong
+    return lambda crc1, crc2, len2: call(crc1, crc2, len2) if len2 > 0 else crc1
+
+
+_combine = _libz_combine() or _crc32_combine_py
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of A+B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's zlib lacks)."""
+    return _combine(crc1, crc2, len2)
+
+
+@dataclass
+class _Pieces:
+    """The disjoint pieces of one record read so far: (offset, length, CRC32) sorted by offset."""
+
+    parts: list[tuple[int, int, int]] = field(default_factory=list)
+    covered: int = 0
+
+
+class RecordCheck:
+    """Checks the CRC32 of the source records a write copies (the records of its plan's stored arrays).
+
+    Shared by the threads of one write: `wants`, `add` and `whole` may be called from any of them.
+    """
+
+    def __init__(self, records: Iterable[tuple[str, Record]]) -> None:
+        by_path: dict[str, dict[int, Record]] = {}
+        for path, rec in records:
+            if rec.crc:  # 0: not recorded (torch.serialization.skip_data skeletons)
+                by_path.setdefault(path, {})[rec.data_offset] = rec
+        self._records = {path: sorted(recs.values(), key=lambda r: r.data_offset) for path, recs in by_path.items()}
+        self._starts = {path: [r.data_offset for r in recs] for path, recs in self._records.items()}
+        self._pieces: dict[tuple[str, int], _Pieces] = {}
+        self._verified: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def _record(self, path: str, offset: int, nbytes: int) -> Record | None:
+        """The checked record that holds bytes [offset, offset + nbytes) of `path`."""
+        starts = self._starts.get(path)
+        if not starts:
+            return None
+        i = bisect.bisect_right(starts, offset) - 1
+        if i < 0:
+            return None
+        rec = self._records[path][i]
+        return rec if offset + nbytes <= rec.data_offset + rec.size else None
+
+    def wants(self, path: str, offset: int, nbytes: int) -> bool:
+        """Whether these bytes belong to a record still to be checked (their CRC32 is then wanted)."""
+        rec = self._record(path, offset, nbytes)
+        return rec is not None and (path, rec.data_offset) not in self._verified
+
+    def add(self, path: str, offset: int, nbytes: int, crc: int) -> None:
+        """Bytes [offset, offset + nbytes) of `path` were read and had CRC32 `crc`; check their record once covered."""
+        rec = self._record(path, offset, nbytes)
+        if rec is None or not nbytes:
+            return
+        key = (path, rec.data_offset)
+        with self._lock:
+            if key in self._verified:
+                return
+            if nbytes == rec.size:
+                self._settle(path, rec, crc)
+                return
+            pieces = self._pieces.setdefault(key, _Pieces())
+            i = bisect.bisect_right(pieces.parts, (offset, nbytes, crc))
+            before_ends = i > 0 and pieces.parts[i - 1][0] + pieces.parts[i - 1][1] > offset
+            after_starts = i < len(pieces.parts) and pieces.parts[i][0] < offset + nbytes
+            if before_ends or after_starts:  # read twice (tied or replicated data): the piece kept covers these bytes
+                return
+            pieces.parts.insert(i, (offset, nbytes, crc))
+            pieces.covered += nbytes
+            if pieces.covered == rec.size:
+                self._settle(path, rec, self._joined(path, rec, pieces.parts))
+
+    def whole(self, path: str, rec: Record) -> None:
+        """Check a record by reading all of it (a stored array read another way, e.g. through a memory map)."""
+        if not rec.crc or (path, rec.data_offset) in self._verified:
+            return
+        crc = _read_crc(path, rec.data_offset, rec.size)
+        with self._lock:
+            self._settle(path, rec, crc)
+
+    def finish(self) -> None:
+        """Check the records read only in part, reading the bytes no copy went through."""
+        with self._lock:
+            pending = list(self._pieces.items())
+        for (path, start), pieces in pending:
+            if (path, start) in self._verified:
+                continue
+            rec = next(r for r in self._records[path] if r.data_offset == start)
+            crc = self._joined(path, rec, pieces.parts)
+            with self._lock:
+                self._settle(path, rec, crc)
+
+    def _joined(self, path: str, rec: Record, parts: list[tuple[int, int, int]]) -> int:
+        """The record's CRC32 from its pieces, reading the gaps between them."""
+        crc, pos, end = 0, rec.data_offset, rec.data_offset + rec.size
+        for offset, nbytes, piece_crc in [*parts, (end, 0, 0)]:
+            if offset > pos:
+                crc = crc32_combine(crc, _read_crc(path, pos, offset - pos), offset - pos)
+            crc = crc32_combine(crc, piece_crc, nbytes)
+            pos = offset + nbytes
+        return crc
+
+    def _settle(self, path: str, rec: Record, crc: int) -> None:
+        """Compare (the lock held); a record is checked once."""
+        key = (path, rec.data_offset)
+        self._verified.add(key)
+        self._pieces.pop(key, None)
+        if crc != rec.crc:
+            raise DataError(
+                f"{path}: record {rec.name} at byte {rec.data_offset} fails its CRC32 check (stored {rec.crc:08x}, read {crc:08x}): "
+                "the file is damaged; nothing was converted"
+            )
+
+
+def _read_crc(path: str, offset: int, nbytes: int) -> int:
+    """CRC32 of bytes [offset, offset + nbytes) of `path`, read in blocks through the page cache."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        crc = 0
+        while nbytes:
+            chunk = os.pread(fd, min(nbytes, READ_BYTES), offset)
+            if not chunk:
+                raise DataError(f"{path}: truncated: expected {nbytes} more bytes at offset {offset}, file ends first")
+            crc = zlib.crc32(chunk, crc)
+            offset += len(chunk)
+            nbytes -= len(chunk)
+        return crc
+    finally:
+        os.close(fd)
