@@ -5,20 +5,31 @@ Kept free of torch so that reading headers and pickles never pays for `import to
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
 from ckpt_cli.errors import DataError, UsageError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DType:
+    """One row of the table. The rows are shared by every reader and handed to pickles (torch.float32 is
+    `DType("float32", ...)`), so they are immutable: slots (no `__dict__` for a pickle's BUILD to write) and
+    a `__setstate__` that refuses (the one dataclass adds for frozen slots classes bypasses `frozen`)."""
+
     name: str  # torch's attribute name: torch.<name>
     itemsize: int
     safetensors: str  # the safetensors header code
     storage_class: str | None  # legacy typed storage pickled by torch.save (None: UntypedStorage + v3)
     order: int  # safetensors' Dtype enum order; files list larger values first
     is_float: bool
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"a pickle may not change dtype {self.name}")
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return by_name, (self.name,)  # a pickle of a row (multiprocessing, copy) is that same row
 
     def torch(self) -> Any:
         import torch

@@ -4,36 +4,103 @@ Every global a pickle names is looked up in an allow list and mapped to an inert
 tensors become `TensorRef`s (where their bytes are), dtypes become `DType`s, `torch.Size` a tuple.
 Anything else is refused at the GLOBAL opcode, before any call could happen, unless the user
 passes --trust-pickle. Formats add their own classes (DeepSpeed's loss scaler, DCP metadata).
+
+What the allow list hands out is shared by every pickle ckpt reads, so a pickle must not be able to
+change it: a BUILD (or SETITEM, APPEND) on a handed-out object would otherwise rewrite, say, the dtype
+table for every later file. Handed-out objects are immutable (frozen slots dataclasses whose
+`__setstate__` refuses), callables are wrapped in `Allowed` (no attributes to set), and classes have
+the `Sealed` metaclass (no class attribute can be set). What the callables return is fresh. Each
+callable checks its arguments' types and charges what it copies to the load's budget; the work a pickle
+may cause is bounded in core/pickle_guard.py.
 """
 
 from __future__ import annotations
 
 import codecs
 import collections
+import dataclasses
+import functools
 import io
+import math
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_cli.core import pickle_guard
 from ckpt_cli.core.dtypes import BY_NAME, BY_STORAGE_CLASS, DType
+from ckpt_cli.core.pickle_guard import PickleRefused, charge, printable
 from ckpt_cli.errors import DataError, UnsafePickleError
+
+MAX_DIMS = 64  # torch.Size of a real tensor; a longer one is not a shape
+
+
+class Sealed(type):
+    """Metaclass of the classes a pickle may name: their attributes cannot be set or deleted (a BUILD on the
+    class itself would otherwise change the class for every later file)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise PickleRefused(f"a pickle may not change the class {cls.__name__} (read-only)")
+
+    def __delattr__(cls, name: str) -> None:
+        raise PickleRefused(f"a pickle may not change the class {cls.__name__} (read-only)")
+
+
+class Frozen:
+    """Base of the stand-ins a pickle may get hold of (see `frozen`); immutable, so copies are the object itself."""
+
+    __slots__ = ()
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self
+
+
+def _refuse_state(self: Any, state: Any) -> None:
+    raise PickleRefused(f"a pickle may not change the allow list's {getattr(self, 'name', type(self).__name__)}")
+
+
+def frozen(cls: type | None = None, **options: Any) -> Any:
+    """A frozen slots dataclass a pickle's BUILD cannot change: no `__dict__` to write, and the `__setstate__`
+    that dataclasses adds to frozen slots classes (it bypasses `frozen`) replaced by one that refuses."""
+
+    def make(cls: type) -> type:
+        made = dataclass(frozen=True, slots=True, **options)(cls)
+        made.__setstate__ = _refuse_state  # type: ignore[attr-defined]
+        return made
+
+    return make(cls) if cls is not None else make
+
+
+@frozen(eq=False)
+class Allowed(Frozen):
+    """An allow-listed callable as a pickle sees it: callable, nothing else (no `__defaults__` to rewrite)."""
+
+    function: Callable[..., Any]
+    name: str
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(*args)
 
 
 class TorchSize(tuple):  # type: ignore[type-arg]
     """A torch.Size read from a pickle: a tuple that is written back as torch.Size."""
 
+    __slots__ = ()
 
-@dataclass(frozen=True)
-class StorageType:
+
+@frozen
+class StorageType(Frozen):
     """Stand-in for torch.<X>Storage classes; UntypedStorage is uint8 with numel in bytes."""
 
     dtype: DType
     untyped: bool = False
 
 
-@dataclass(frozen=True)
-class StorageRef:
+@frozen
+class StorageRef(Frozen):
     """A persistent storage reference: record `data/<key>` holding `numel` elements of `dtype`."""
 
     key: str
@@ -41,9 +108,11 @@ class StorageRef:
     numel: int
 
 
-@dataclass
-class TensorRef:
-    """A tensor as pickled: a view (offset, size, stride) of a storage. `attrs`: Python attributes."""
+@frozen
+class TensorRef(Frozen):
+    """A tensor as pickled: a view (offset, size, stride) of a storage. `attrs`: Python attributes.
+
+    The view is taken as the pickle states it; `view_problem` says whether it lies inside its storage."""
 
     storage: StorageRef
     storage_offset: int
@@ -55,79 +124,159 @@ class TensorRef:
     is_parameter: bool = False
 
 
-def _rebuild_tensor_v2(
-    storage: StorageRef,
-    storage_offset: int,
-    size: Any,
-    stride: Any,
-    requires_grad: bool = False,
-    backward_hooks: Any = None,
-    metadata: Any = None,
-) -> TensorRef:
-    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype, bool(requires_grad))
+pickle_guard.CHILDREN[TensorRef] = lambda ref: [ref.attrs]
+
+
+def view_problem(ref: TensorRef) -> str | None:
+    """Why the view cannot be read as stated (None when it can): it must start at or after its storage's
+    first element, step forward, end inside the storage, and not repeat storage elements (an expanded
+    tensor, stride 0 on a dim of size > 1, would be materialised at its full size)."""
+    if ref.storage_offset < 0 or any(st < 0 for st in ref.stride):
+        return "a tensor view with a negative offset or stride"
+    numel = math.prod(ref.shape)
+    if numel == 0:
+        return "a tensor view that starts past the end of its storage" if ref.storage_offset > ref.storage.numel else None
+    last = ref.storage_offset + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride))
+    if last >= ref.storage.numel:
+        return "a tensor view that runs past the end of its storage"
+    if numel > ref.storage.numel or any(st == 0 and n > 1 for n, st in zip(ref.shape, ref.stride)):
+        return "a tensor view that repeats storage elements (an expanded tensor; save it with .contiguous())"
+    return None
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS or not all(type(v) is int for v in value):
+        raise PickleRefused(f"a tensor's {what} is not a list of integers")
+    return tuple(value)
+
+
+def _view(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: DType, requires_grad: Any) -> TensorRef:
+    if not isinstance(storage, StorageRef) or type(storage_offset) is not int:
+        raise PickleRefused("a tensor without a storage reference")
+    shape, strides = _ints(size, "size"), _ints(stride, "stride")
+    if len(shape) != len(strides):
+        raise PickleRefused("a tensor whose size and stride differ in length")
+    return TensorRef(storage, storage_offset, shape, strides, dtype, requires_grad is True)
+
+
+def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False, *_: Any) -> TensorRef:
+    return _view(storage, storage_offset, size, stride, getattr(storage, "dtype", None), requires_grad)  # type: ignore[arg-type]
 
 
 def _rebuild_tensor_v3(
-    storage: StorageRef,
-    storage_offset: int,
-    size: Any,
-    stride: Any,
-    requires_grad: bool,
-    backward_hooks: Any,
-    dtype: DType,
-    metadata: Any = None,
+    storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, backward_hooks: Any, dtype: Any, *_: Any
 ) -> TensorRef:
     # The storage is untyped (numel counts bytes); the dtype comes last.
+    if not isinstance(storage, StorageRef) or not isinstance(dtype, DType):
+        raise PickleRefused("a tensor without a storage reference or dtype")
     typed = StorageRef(storage.key, dtype, storage.numel // dtype.itemsize)
-    return TensorRef(typed, int(storage_offset), tuple(size), tuple(stride), dtype, bool(requires_grad))
+    return _view(typed, storage_offset, size, stride, dtype, requires_grad)
 
 
-def _rebuild_parameter(data: TensorRef, requires_grad: bool, backward_hooks: Any, state: Any = None) -> TensorRef:
-    data.requires_grad = bool(requires_grad)
-    data.is_parameter = True
+def _with_attrs(ref: TensorRef, state: Any, **changes: Any) -> TensorRef:
+    """`ref` with `changes` and the Python attributes in `state` (a dict, or a tuple ending in one)."""
+    if isinstance(state, tuple) and state and isinstance(state[-1], dict):
+        state = state[-1]
+    attrs = dict(ref.attrs)
     if isinstance(state, dict):
-        data.attrs.update(state)
-    return data
+        charge(len(state))
+        attrs.update(state)
+    return dataclasses.replace(ref, attrs=attrs, **changes)
 
 
-class _TensorClass:
+def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any, state: Any = None) -> TensorRef:
+    if not isinstance(data, TensorRef):
+        raise PickleRefused("a parameter that is not a tensor")
+    return _with_attrs(data, state, requires_grad=requires_grad is True, is_parameter=True)
+
+
+@frozen
+class _TensorClass(Frozen):
     """Stand-in for torch.Tensor / torch.nn.Parameter as the `new_type` of _rebuild_from_type_v2."""
 
-    def __init__(self, is_parameter: bool) -> None:
-        self.is_parameter = is_parameter
+    is_parameter: bool
 
 
-def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple[Any, ...], state: Any) -> Any:
-    if not isinstance(new_type, _TensorClass):
-        raise pickle.UnpicklingError("_rebuild_from_type_v2 of a non-tensor type")
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    if not isinstance(new_type, _TensorClass) or not isinstance(args, tuple):
+        raise PickleRefused("_rebuild_from_type_v2 of a non-tensor type")
     ref = func(*args)
-    if isinstance(ref, TensorRef):
-        ref.is_parameter = ref.is_parameter or new_type.is_parameter
-        if isinstance(state, dict):
-            ref.attrs.update(state)
-        elif isinstance(state, tuple) and state and isinstance(state[-1], dict):
-            ref.attrs.update(state[-1])
-    return ref
+    if not isinstance(ref, TensorRef):
+        return ref
+    return _with_attrs(ref, state, is_parameter=ref.is_parameter or new_type.is_parameter)
 
 
-def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
+# ---- builtins a pickle may call, each on the arguments it needs and no more ------------------------------
+
+
+def _latin1_encode(text: Any, encoding: str = "latin1") -> bytes:
     # Protocol-2 pickles store bytes as _codecs.encode(str, 'latin1'); allow nothing else.
-    if encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError(f"_codecs.encode with encoding {encoding!r}")
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise PickleRefused("_codecs.encode of something other than latin-1 text")
+    charge(len(text))
     return codecs.encode(text, "latin1")
 
 
-def _numpy_global(name: str) -> Callable[[], Any]:
-    def load() -> Any:
-        import numpy
+def _bytearray(*args: Any) -> bytearray:
+    """bytearray(bytes) or bytearray(str, encoding); never bytearray(n), which allocates n bytes."""
+    if args and not isinstance(args[0], (bytes, str)):
+        raise PickleRefused("bytearray of something other than bytes or text")
+    charge(len(args[0]) if args else 0)
+    return bytearray(*args)
 
-        if name == "_reconstruct":
-            return numpy._core.multiarray._reconstruct if hasattr(numpy, "_core") else numpy.core.multiarray._reconstruct
-        if name == "scalar":
-            return numpy._core.multiarray.scalar if hasattr(numpy, "_core") else numpy.core.multiarray.scalar
-        return getattr(numpy, name)
 
-    return load
+def _hashable_items(items: Any, what: str) -> list[Any]:
+    """The items a set or dict constructor would hash, charged for what hashing them costs."""
+    if not isinstance(items, (list, tuple, set, frozenset)):
+        raise PickleRefused(f"{what} of something other than a list")
+    items = list(items)
+    charge(sum(pickle_guard.hash_cost(item, 1 << 20) for item in items))
+    return items
+
+
+def _set(items: Any = ()) -> set[Any]:
+    return set(_hashable_items(items, "set"))
+
+
+def _frozenset(items: Any = ()) -> frozenset[Any]:
+    return frozenset(_hashable_items(items, "frozenset"))
+
+
+def _ordered_dict(items: Any = ()) -> collections.OrderedDict[Any, Any]:
+    if items == ():  # how torch pickles one: OrderedDict() then SETITEMS
+        return collections.OrderedDict()
+    pairs = _hashable_items(items, "OrderedDict")
+    if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise PickleRefused("OrderedDict of something other than pairs")
+    _hashable_items([k for k, _ in pairs], "OrderedDict")
+    return collections.OrderedDict(pairs)
+
+
+def _plain(*args: Any) -> tuple[Any, ...]:
+    if not all(isinstance(a, (int, float, str, type(None))) for a in args):
+        raise PickleRefused("a value built from something other than numbers and text")
+    return args
+
+
+def _size(*args: Any) -> TorchSize:
+    return TorchSize(_ints(args[0], "size") if args else ())
+
+
+def _device(*args: Any) -> str:
+    return ":".join(str(a) for a in _plain(*args))
+
+
+def _layout(name: Any) -> str:
+    if not isinstance(name, str):
+        raise PickleRefused("a tensor layout that is not a name")
+    return name
+
+
+def _numpy_global(name: str) -> Callable[..., Any]:
+    """numpy's pickled globals, checked (numpy is imported when a pickle first names one)."""
+    from ckpt_cli.core import safe_numpy
+
+    return functools.partial(safe_numpy.call, name)
 
 
 def _base_globals() -> dict[tuple[str, str], Any]:
@@ -141,15 +290,15 @@ def _base_globals() -> dict[tuple[str, str], Any]:
         ("torch.nn.parameter", "Parameter"): _TensorClass(True),
         ("torch.storage", "UntypedStorage"): StorageType(BY_NAME["uint8"], untyped=True),
         ("torch", "UntypedStorage"): StorageType(BY_NAME["uint8"], untyped=True),
-        ("torch", "Size"): lambda *a: TorchSize(a[0]) if a else TorchSize(),
-        ("torch", "device"): lambda *a: ":".join(str(x) for x in a),
-        ("torch.serialization", "_get_layout"): str,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("builtins", "set"): set,
-        ("builtins", "frozenset"): frozenset,
-        ("builtins", "slice"): slice,
-        ("builtins", "complex"): complex,
-        ("builtins", "bytearray"): bytearray,
+        ("torch", "Size"): _size,
+        ("torch", "device"): _device,
+        ("torch.serialization", "_get_layout"): _layout,
+        ("collections", "OrderedDict"): _ordered_dict,
+        ("builtins", "set"): _set,
+        ("builtins", "frozenset"): _frozenset,
+        ("builtins", "slice"): lambda *a: slice(*_plain(*a)),
+        ("builtins", "complex"): lambda *a: complex(*_plain(*a)),
+        ("builtins", "bytearray"): _bytearray,
         ("_codecs", "encode"): _latin1_encode,
     }
     for cls, dtype in BY_STORAGE_CLASS.items():
@@ -166,11 +315,35 @@ def _base_globals() -> dict[tuple[str, str], Any]:
     return table
 
 
-_BASE = _base_globals()
-_LAZY = {key for key, value in _BASE.items() if getattr(value, "__name__", "") == "load"}
+IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a builtin type whose attributes cannot be set
 
+
+def immune(table: dict[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+    """The table as handed to pickles: functions wrapped in Allowed; everything else must be immutable already."""
+    out = {}
+    for (module, name), value in table.items():
+        if isinstance(value, (Frozen, DType)) or (isinstance(value, type) and isinstance(value, Sealed)):
+            out[(module, name)] = value
+        elif callable(value) and not isinstance(value, type):
+            out[(module, name)] = Allowed(value, f"{module}.{name}")
+        else:  # a mutable class or object would let a pickle change it for every later file
+            raise TypeError(f"allow list entry {module}.{name} is neither immutable nor a function")
+    return out
+
+
+_BASE = immune(_base_globals())
+_EXTRA: dict[int, tuple[dict[tuple[str, str], Any], dict[tuple[str, str], Any]]] = {}  # id(extra) -> (extra, table)
 
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
+def _table(extra: dict[tuple[str, str], Any] | None) -> dict[tuple[str, str], Any]:
+    if not extra:
+        return _BASE
+    cached = _EXTRA.get(id(extra))
+    if cached is None or cached[0] is not extra:
+        cached = _EXTRA[id(extra)] = (extra, {**_BASE, **immune(extra)})
+    return cached[1]
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -180,32 +353,48 @@ class SafeUnpickler(pickle.Unpickler):
         super().__init__(file)
         self.where = where
         self.trust = trust
-        self.table = dict(_BASE)
-        if extra:
-            self.table.update(extra)
+        self.table = _table(extra)
 
     def find_class(self, module: str, name: str) -> Any:
         module = _PY2_MODULES.get(module, module)  # protocol-2 pickles name Python 2 modules
-        key = (module, name)
-        if key in self.table:
-            value = self.table[key]
-            return value() if key in _LAZY else value
+        value = self.table.get((module, name))
+        if value is not None:
+            return value
         if self.trust:
             return super().find_class(module, name)
-        raise UnsafePickleError(self.where, f"{module}.{name}")
+        raise UnsafePickleError(self.where, printable(f"{module}.{name}"))
 
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], StorageType):
             _, storage_type, key, _location, numel = pid
-            return StorageRef(str(key), storage_type.dtype, int(numel))
-        raise pickle.UnpicklingError(f"unsupported persistent id {pid!r:.80}")
+            if not isinstance(key, str) or not key.isascii() or not key.isalnum() or len(key) > 64:
+                raise PickleRefused("a storage key that is not a plain name")
+            if type(numel) is not int or numel < 0:
+                raise PickleRefused("a storage with a negative or non-integer size")
+            return StorageRef(key, storage_type.dtype, numel)
+        raise PickleRefused(f"unsupported persistent id (a {type(pid).__name__})")
+
+
+def _reason(exc: Exception) -> str:
+    """What went wrong, in words that quote nothing from the file beyond a few printable characters."""
+    if isinstance(exc, PickleRefused):
+        return str(exc)
+    if isinstance(exc, (pickle.UnpicklingError, EOFError)):  # the C unpickler's own messages
+        return printable(f"{type(exc).__name__}: {exc}", 80)
+    return type(exc).__name__
 
 
 def safe_loads(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None = None, trust: bool = False) -> Any:
-    """Unpickle `data` with the allow list; every failure becomes a one-line DataError naming `where`."""
+    """Unpickle `data` with the allow list, within the bounds of core/pickle_guard.py; every failure becomes a
+    one-line DataError naming `where`."""
     try:
-        return SafeUnpickler(io.BytesIO(data), where, extra, trust).load()
+        shared = pickle_guard.scan(data)
+        with pickle_guard.budget(len(data)):
+            value = SafeUnpickler(io.BytesIO(data), where, extra, trust).load()
+        if shared or trust:
+            pickle_guard.bound_tree(value)
+        return value
     except UnsafePickleError:
         raise
     except Exception as exc:  # a corrupt pickle raises anything from EOFError to UnicodeDecodeError
-        raise DataError(f"{where}: unreadable pickle ({type(exc).__name__}: {exc})") from exc
+        raise DataError(f"{where}: unreadable pickle ({_reason(exc)})") from exc

@@ -25,6 +25,9 @@ def holds_tensor(value: Any, is_tensor: Callable[[Any], bool]) -> bool:
     return False
 
 
+MAX_NODES = 10_000_000  # entries a state dict may flatten to (shared references count each time they are reached)
+
+
 def flatten(
     tree: Any, is_tensor: Callable[[Any], bool], where: str
 ) -> tuple[list[tuple[PathKey, Any]], list[tuple[PathKey, Any]], dict[PathKey, str]]:
@@ -32,8 +35,13 @@ def flatten(
     tensors: list[tuple[PathKey, Any]] = []
     objects: list[tuple[PathKey, Any]] = []
     containers: dict[PathKey, str] = {}
+    visited = 0
 
     def walk(value: Any, path: PathKey) -> None:
+        nonlocal visited
+        visited += 1
+        if visited > MAX_NODES:
+            raise DataError(f"{where}: too many nested references (more than {MAX_NODES:,} entries)")
         if is_tensor(value):
             tensors.append((path, value))
         elif isinstance(value, dict) and value and all(isinstance(k, (str, int)) for k in value):
