@@ -213,3 +213,82 @@ class Evil:
 
     def __reduce__(self):
         return os.system, (f"touch {self.marker}",)
+
+
+# ---- run folders as the frameworks write them (tests/producers/run_folders.py) ---------------------------
+
+RUN_FOLDERS_TWO_PROCESS = [
+    "trainer-ds2",
+    "trainer-ds3",
+    "trainer-fsdp2",
+    "accelerate-fsdp2",
+    "accelerate-ds",
+    "lightning-ds2",
+    "lightning-ds3",
+    "lightning-fsdp",
+]
+RUN_FOLDERS_ONE_PROCESS = ["trainer-plain", "lightning-plain"]
+RUN_FOLDERS = RUN_FOLDERS_TWO_PROCESS + RUN_FOLDERS_ONE_PROCESS
+
+
+def producer(script: str, *args: str | Path, timeout: int = 600) -> str:
+    """Run a producer script in one plain process (no torchrun); fail with its output."""
+    cmd = [sys.executable, str(PRODUCERS / script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(map(str, args))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def run_folders(tmp_path_factory) -> dict[str, Path]:
+    """Run roots as transformers Trainer, accelerate and Lightning save them through their own save paths, on the
+    CPU: name -> the run root (BASE/runs/NAME). A tiny Llama, 4 steps, a checkpoint every 2 steps. The runs in
+    RUN_FOLDERS_TWO_PROCESS come from one torchrun of 2 processes, the two plain ones from one plain process.
+    What each run held at each save: run_folder_saved(root, step)."""
+    base = tmp_path_factory.mktemp("run_folders")
+    torchrun(2, "run_folders.py", "save", base, *RUN_FOLDERS_TWO_PROCESS)
+    producer("run_folders.py", "save", base, *RUN_FOLDERS_ONE_PROCESS)
+    return {name: base / "runs" / name for name in RUN_FOLDERS}
+
+
+def run_folder_checkpoint(root: Path, step: int = 4) -> Path:
+    """The checkpoint folder (or Lightning .ckpt file) a run root holds for a step (2 or 4)."""
+    framework = root.name.split("-")[0]
+    if framework == "trainer":
+        return root / f"checkpoint-{step}"
+    if framework == "accelerate":  # automatic_checkpoint_naming counts saves, not steps
+        return root / "checkpoints" / f"checkpoint_{step // 2 - 1}"
+    return root / "lightning_logs" / "version_0" / "checkpoints" / f"epoch=0-step={step}.ckpt"
+
+
+def run_folder_saved(root: Path, step: int = 4) -> dict:
+    """What the run held when it saved at `step`, full tensors by parameter name: {weights, optimizer: {name:
+    {exp_avg, exp_avg_sq[, step]}}, lr: [per param group], step, scheduler: its state_dict()}."""
+    return torch.load(root.parent.parent / "saved" / root.name / f"step-{step}.pt", weights_only=False)
+
+
+def resume_run_folders(world: int, checkpoints: dict[str, Path], out: Path) -> dict[str, dict]:
+    """Resume each run (name -> checkpoint folder) with its framework's own resume path at `world` processes, all
+    in one launch (Trainer resume_from_checkpoint, accelerate load_state, Lightning fit(ckpt_path=...)); return
+    what each loaded, in run_folder_saved's layout. Plain runs resume in one plain process (world must be 1)."""
+    tasks = [f"{name}:{checkpoint}:{out / name}" for name, checkpoint in checkpoints.items()]
+    plain = [name for name in checkpoints if name in RUN_FOLDERS_ONE_PROCESS]
+    if plain:
+        assert world == 1 and len(plain) == len(tasks), "plain runs resume alone, in one process"
+        producer("run_folders.py", "resume", *tasks)
+    else:
+        torchrun(world, "run_folders.py", "resume", *tasks)
+    return {name: torch.load(out / name / "loaded.pt", weights_only=False) for name in checkpoints}
+
+
+def consolidate_run_folders(checkpoints: dict[str, Path], out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Each framework's own consolidation of a checkpoint folder (name -> folder): zero_to_fp32.py shipped in it
+    (Trainer, accelerate DeepSpeed), `accelerate merge-weights` (FSDP2), Lightning's
+    convert_zero_checkpoint_to_fp32_state_dict and consolidate_checkpoint; the plain runs' own weights. Returns the
+    weights by the names the tool wrote (Lightning: the LightningModule's, 'model.' + the Llama's)."""
+    from safetensors.torch import load_file
+
+    producer("run_folders.py", "consolidate", *(f"{name}:{checkpoint}:{out / name}" for name, checkpoint in checkpoints.items()))
+    return {name: load_file(out / name / "reference.safetensors") for name in checkpoints}
