@@ -31,6 +31,15 @@ class UnsafePickleError(DataError):
 
 
 class Interrupted(CkptError):
-    """Ctrl-C during a write: the temporary output was removed (exit code 130, as shells expect)."""
+    """Ctrl-C or SIGTERM during a write: the temporary output was removed. Exit code 130 for Ctrl-C and 143 for
+    SIGTERM (128 + the signal, as shells and schedulers report a process the signal ended)."""
 
     exit_code = 130
+
+    def __init__(self, message: str, terminated: bool = False) -> None:
+        super().__init__(message)
+        self.exit_code = 143 if terminated else 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (how clusters preempt a job), raised in the main thread like Ctrl-C so the same cleanup runs."""

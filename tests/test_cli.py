@@ -47,12 +47,12 @@ def test_usage_errors_exit_2(ckpt, small, tmp_path):
 
 def test_refuses_to_overwrite_and_replaces_with_overwrite(ckpt, small, tmp_path):
     dest = tmp_path / "out"
-    dest.mkdir()
+    assert ckpt("split", small, dest, "-q").code == 0
     (dest / "keep").write_text("x")
-    res = ckpt("split", small, dest)
+    res = ckpt("split", small, dest, "--num-shards", "2")
     assert res.code == 2 and "--overwrite" in res.err and (dest / "keep").exists()
-    assert ckpt("split", small, dest, "--overwrite", "-q").code == 0
-    assert not (dest / "keep").exists() and (dest / "model.safetensors.index.json").exists()
+    assert ckpt("split", small, dest, "--num-shards", "2", "--overwrite", "-q").code == 0  # a checkpoint is replaced whole
+    assert not (dest / "keep").exists() and (dest / "model-00002-of-00002.safetensors").exists()
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(ckpt, small, tmp_path):

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import typer
 
 from ckpt_cli import __version__
 from ckpt_cli.cli import convert_cmd, demo_cmd, inspect_cmd, verify_cmd
 from ckpt_cli.cli.output import error
-from ckpt_cli.errors import CkptError, UnsafePickleError
+from ckpt_cli.errors import CkptError, Terminated, UnsafePickleError
 
 try:  # typer >= 0.29 vendors click
     from typer._click import exceptions as click_errors
@@ -56,8 +61,38 @@ def _hint(exc: CkptError) -> str:
     return ""
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    raise Terminated
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises Terminated (a KeyboardInterrupt) in the main thread while the CLI runs, so a preempted job
+    removes its temporary output as Ctrl-C does; the previous handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(exc: BaseException) -> bool:
+    """Whether SIGTERM caused `exc` (click turns a KeyboardInterrupt into Abort, keeping it as the cause)."""
+    return isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI; exit 0 on success, 1 when the data is wrong, 2 when the call is wrong."""
+    """Run the CLI; exit 0 on success, 1 when the data is wrong, 2 when the call is wrong, 130 on Ctrl-C, 143 on SIGTERM."""
+    with _sigterm_as_interrupt():
+        code = _run(argv)
+    sys.exit(code)
+
+
+def _run(argv: list[str] | None) -> int:
     debug = bool(os.environ.get("CKPT_DEBUG"))
     try:
         code = app(args=argv, prog_name="ckpt", standalone_mode=False)
@@ -72,9 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     except click_errors.ClickException as exc:
         exc.show()
         code = exc.exit_code
-    except (KeyboardInterrupt, typer.Abort):
-        error("interrupted")
-        code = 130
+    except (KeyboardInterrupt, typer.Abort) as exc:
+        error("terminated (SIGTERM)" if _terminated(exc) else "interrupted")
+        code = 143 if _terminated(exc) else 130
     except OSError as exc:
         if debug:
             raise
@@ -85,4 +120,4 @@ def main(argv: list[str] | None = None) -> None:
             raise
         error(f"internal error: {type(exc).__name__}: {exc} (set CKPT_DEBUG=1 for the traceback)")
         code = 1
-    sys.exit(code if isinstance(code, int) else 0)
+    return code if isinstance(code, int) else 0

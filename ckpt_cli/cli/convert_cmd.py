@@ -36,12 +36,11 @@ from ckpt_cli.cli.options import (
     ZeroStage,
 )
 from ckpt_cli.core import dtypes
-from ckpt_cli.core.atomic import check_destination
 from ckpt_cli.core.distributed import is_main_process
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.sizes import human_bytes, parse_size
 from ckpt_cli.core.training import PER_RANK_RULES, NameMap
-from ckpt_cli.errors import Interrupted, UsageError
+from ckpt_cli.errors import Interrupted, Terminated, UsageError
 from ckpt_cli.formats.dcp_training import LAYOUTS
 from ckpt_cli.formats.registry import FORMATS
 from ckpt_cli.ops import convert as convert_op
@@ -100,17 +99,24 @@ def _run(request: convert_op.Request, out: Output) -> None:
     if out.dry_run:
         if dest.exists() and not out.overwrite:
             job.notes.append(f"{dest} exists: the real run needs --overwrite")
+        elif out.overwrite:
+            try:
+                convert_op.check_destination(job, out.overwrite)
+            except UsageError as exc:
+                job.notes.append(f"the real run will refuse: {exc}")
         output.emit_json(convert_op.describe(job)) if out.json else output.emit(plan_text(job))
         return
     if is_main_process():
-        check_destination(dest, out.overwrite)
+        convert_op.check_destination(job, out.overwrite)
     for note in job.notes:
         output.info(f"note: {note}", quiet)
     with output.progress(job.plan.total_bytes, f"{job.plan.format} -> {dest.name}", quiet) as bar:
         try:
             convert_op.run(job, out.overwrite, bar, out.workers)
-        except KeyboardInterrupt:
-            raise Interrupted(f"interrupted; nothing was written to {dest}") from None
+        except KeyboardInterrupt as exc:
+            terminated = isinstance(exc, Terminated)
+            what = "terminated (SIGTERM)" if terminated else "interrupted"
+            raise Interrupted(f"{what}; nothing was written to {dest}", terminated) from None
     output.info(f"wrote {job.plan.format} {dest} ({len(job.plan.files)} files, {human_bytes(job.plan.total_bytes)})", quiet)
 
 

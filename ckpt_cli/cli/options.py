@@ -17,7 +17,13 @@ TrustPickle = Annotated[
     bool, typer.Option("--trust-pickle", help="Allow pickled classes outside the allow list (runs code from the file).")
 ]
 Json = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
-Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace an existing destination.")]
+Overwrite = Annotated[
+    bool,
+    typer.Option(
+        "--overwrite",
+        help="Replace an existing checkpoint, empty folder or (one-file output) file; never a source or a folder holding one.",
+    ),
+]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan (files, sizes, placement, memory) and write nothing.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes on stderr.")]
 DType = Annotated[

@@ -35,6 +35,9 @@ def verify(
     format_: Format = None,
     tag: Tag = None,
     trust_pickle: TrustPickle = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Let --write-manifest replace a previous manifest (never any other file).")
+    ] = False,
 ) -> None:
     """Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare."""
     options = VerifyOptions(
@@ -44,6 +47,7 @@ def verify(
         deep=deep,
         finite=finite,
         write_manifest=write_manifest,
+        overwrite=overwrite,
         manifest=manifest,
         against=against,
         atol=atol,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 
-from ckpt_cli.core.atomic import commit, prepare_partial, remove
-from ckpt_cli.core.executor import Progress, targets, worker_count, write_files
+from ckpt_cli.core.atomic import Guard, commit, partial_path, prepare_partial, remove
+from ckpt_cli.core.executor import Progress, default_guard, targets, worker_count, write_files
 from ckpt_cli.core.plan import WritePlan
 from ckpt_cli.errors import CkptError, DataError
 
@@ -34,7 +34,9 @@ def _all_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None) -> None:
+def execute(
+    plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None, guard: Guard | None = None
+) -> None:
     """Write this rank's share of the plan; rank 0 commits once every rank has succeeded (call it under
     torchrun, where rank_and_world() is not None; executor.execute is the one-process counterpart)."""
     import torch.distributed as dist
@@ -46,18 +48,19 @@ def execute(plan: WritePlan, overwrite: bool = False, progress: Progress | None 
     if owned:
         dist.init_process_group("gloo")
     try:
-        _execute(plan, overwrite, progress, worker_count(workers), rank, world)
+        _execute(plan, overwrite, progress, worker_count(workers), rank, world, default_guard(plan, guard))
     finally:
         if owned:
             dist.destroy_process_group()
 
 
-def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int, rank: int, world: int) -> None:
-    tmp = plan.dest.parent / f".{plan.dest.name}.ckpt-partial-ranks"
+def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int, rank: int, world: int, guard: Guard) -> None:
+    targets(plan, plan.dest)  # every rank refuses a file name that leaves the destination, before anything is created
+    tmp = partial_path(plan.dest, "ranks")
     error: BaseException | None = None
     if rank == 0:
         try:
-            tmp = prepare_partial(plan.dest, plan.dest_is_dir, overwrite, "ranks")
+            tmp = prepare_partial(plan.dest, plan.dest_is_dir, overwrite, "ranks", guard)
         except CkptError as exc:
             error = exc
     if not _all_ok(error is None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckpt_cli.core.model import Checkpoint, TensorEntry
+from ckpt_cli.core.paths import step_number
 from ckpt_cli.core.training import StateOptions, TrainingState
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import deepspeed_template
@@ -42,7 +43,8 @@ class DeepSpeedTraining:
             if found:
                 state.tied.update(found)
                 state.notes.append("tied weights (equal bytes): " + ", ".join(f"{a} -> {o}" for a, o in found.items()))
-        return deepspeed_template.build(state, target, f"global_step{state.step or 0}", options.per_rank)
+        step = step_number(state.step, "the source's training state") or 0
+        return deepspeed_template.build(state, target, f"global_step{step}", options.per_rank)  # DeepSpeed's tag folder name
 
 
 def _from_deepspeed(ckpt: Checkpoint) -> TrainingState:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Piece, TensorEntry, concat_flat, sub_tensor
+from ckpt_cli.core.paths import plain_component
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
 from ckpt_cli.core.training import apply_per_rank_rule
@@ -111,7 +112,7 @@ class DeepSpeedWriter:
             if round_robin and src.layout.alignment_padding:
                 raise UsageError("reshard of checkpoints saved with both round_robin_gradients and parameter_alignment is not supported")
             reshard = Stage12Reshard(ckpt, src, world, round_robin, options.per_rank_rule)
-        tag = ckpt.tag or src.folder.name
+        tag = plain_component(ckpt.tag or src.folder.name, f"{ckpt.path or 'the source'}: DeepSpeed tag")  # a folder name in DST
         files = reshard.files(tag)
         files.append(OutputFile(LATEST, [Literal(tag.encode())], commit_marker=True))
         notes = (

@@ -14,6 +14,7 @@ from typing import Any
 
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, TensorEntry
+from ckpt_cli.core.paths import plain_component, present, read_regular_text
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import safetensors as st
@@ -27,7 +28,7 @@ DEFAULT_MAX_SHARD = 5 * 10**9
 
 def find_index(folder: Path) -> Path | None:
     for name in (INDEX, LEGACY_INDEX):
-        if (folder / name).is_file():
+        if present(folder / name):  # a FIFO or device there is refused by name when read, not passed over
             return folder / name
     others = sorted(folder.glob("*.safetensors.index.json")) + sorted(folder.glob("*.bin.index.json"))
     return others[0] if others else None
@@ -36,15 +37,14 @@ def find_index(folder: Path) -> Path | None:
 def load_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """weight_map and metadata of an index file; DataError with the reason when malformed."""
     try:
-        doc = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = json.loads(read_regular_text(index))
+    except (OSError, json.JSONDecodeError) as exc:
         raise DataError(f"{index}: not a readable JSON index ({exc})") from exc
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise DataError(f"{index}: no 'weight_map' object mapping tensor names to files")
-    for file in set(weight_map.values()):
-        if Path(file).is_absolute() or ".." in Path(file).parts:
-            raise DataError(f"{index}: weight_map names a file outside the folder: {file}")
+    for file in dict.fromkeys(weight_map.values()):
+        plain_component(file, f"{index}: weight_map")  # shard files sit beside the index, as the hub writes them
     metadata = doc.get("metadata") or {}
     return weight_map, metadata if isinstance(metadata, dict) else {}
 
@@ -53,7 +53,7 @@ class HFReader:
     name = "hf"
 
     def detect(self, path: Path) -> bool:
-        return path.is_dir() and (find_index(path) is not None or (path / SINGLE).is_file())
+        return path.is_dir() and (find_index(path) is not None or present(path / SINGLE))
 
     def read(self, path: Path, options: ReadOptions) -> Checkpoint:
         index = find_index(path)
@@ -68,7 +68,7 @@ class HFReader:
         objects = {}
         for file in shard_files:
             shard_path = path / file
-            if not shard_path.is_file():
+            if not present(shard_path):
                 raise DataError(f"{index}: names shard {file}, which is missing")
             shard = self._read_shard(shard_path, options)
             files.append(FileInfo(str(shard_path), shard_path.stat().st_size))

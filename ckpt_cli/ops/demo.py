@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core.atomic import staged
+from ckpt_cli.core.atomic import Guard, staged
 from ckpt_cli.core.executor import execute
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.formats import hf
@@ -88,6 +88,14 @@ def _write_deepspeed(dcp_dir: Path, dest: Path) -> None:
     convert.run(convert.prepare(request), overwrite=False)
 
 
+DEMO_NAMES = ("training_state.pt", "dcp", "deepspeed", "model.safetensors", "hf", "run")
+
+
+def is_demo(folder: Path) -> bool:
+    """A folder `ckpt demo` wrote (what --overwrite may replace): it holds only the sample names."""
+    return folder.is_dir() and {p.name for p in folder.iterdir()} <= set(DEMO_NAMES)
+
+
 def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
     """Write the samples into `folder` (atomically); return the checkpoints written."""
     import torch
@@ -96,7 +104,7 @@ def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
     from ckpt_cli.ops.source import open_checkpoint
 
     model, opt, sched, loader = _train()
-    with staged(folder, True, overwrite) as tmp:
+    with staged(folder, True, overwrite, Guard(is_checkpoint=is_demo)) as tmp:
         state = {
             "model": model.state_dict(),
             "optimizer": opt.state_dict(),
@@ -121,5 +129,4 @@ def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
                 for p in model.parameters():
                     p.add_(1e-3)
             save_model(model, str(tmp / "run" / f"step_{step}.safetensors"), metadata={"format": "pt"})
-    names = ["training_state.pt", "dcp", "deepspeed", "model.safetensors", "hf", "run"]
-    return [folder / n for n in names]
+    return [folder / n for n in DEMO_NAMES]

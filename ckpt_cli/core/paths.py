@@ -1,0 +1,117 @@
+"""Untrusted names and files: what a checkpoint says becomes a path only when it is one plain file name,
+and a file is read only when it is a regular file.
+
+A tag in DeepSpeed's `latest`, a step number, an index's shard name or a DCP storage path comes from
+inside a checkpoint; joined to a folder, `../x` or `/x` would read or write elsewhere. A FIFO, socket
+or device in place of a checkpoint file would block on open or never end; files are opened with
+O_NONBLOCK and refused unless fstat says they are regular (no race between a check and the open).
+Files the user names on the command line (a config, a policy) are not checkpoint files and are read
+as given: `--ds-config <(...)` is a pipe on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+from ckpt_cli.errors import DataError
+
+SHOWN_CHARS = 60
+_DRIVE = re.compile(r"^[A-Za-z]:")
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a folder"),
+)
+
+
+def shown(value: object) -> str:
+    """`value` for an error message: repr() (no raw bytes or control characters reach the terminal), cut short."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def is_plain(name: object) -> bool:
+    """One plain file name: a non-empty string without separators, not `.` or `..`, no drive letter, no control
+    character, encodable as a file name."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or _DRIVE.match(name):
+        return False
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return False
+    try:
+        os.fsencode(name)
+    except UnicodeError:
+        return False
+    return True
+
+
+def plain_component(name: object, where: str) -> str:
+    """`name` when it is one plain file name; else DataError naming `where` (the file that holds the name)."""
+    if not is_plain(name):
+        raise DataError(f"{where}: names {shown(name)}, which is not a plain file name; refusing to use it as a path")
+    return name  # type: ignore[return-value]
+
+
+def inside(root: Path, relpath: str, where: str) -> Path:
+    """`root / relpath` when every `/`-separated part of `relpath` is a plain file name, so the path stays under
+    `root`; DataError otherwise (a writer joined a name it should have refused)."""
+    if not all(is_plain(part) for part in relpath.split("/")):
+        raise DataError(f"{where}: output path {shown(relpath)} would leave the destination; nothing was written")
+    return root / relpath
+
+
+def step_number(value: object, where: str) -> int | None:
+    """A saved step (None when absent): a non-negative int, since writers turn it into a folder name."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise DataError(f"{where}: the step is {shown(value)}, not a non-negative integer")
+    return value
+
+
+def present(path: Path) -> bool:
+    """Something other than a folder is at `path`: a file, or a FIFO or device that reading will refuse by name
+    (`is_file()` would pass over it silently)."""
+    return os.path.lexists(path) and not path.is_dir()
+
+
+def open_regular_fd(path: str | Path) -> int:
+    """A read-only descriptor of `path`, which must be a regular file (symlinks followed); DataError otherwise.
+    OSError (missing, no permission) propagates for the caller to word."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
+            raise DataError(f"{path}: is {kind}, not a regular file; refusing to read it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """`open(path, "rb")` for a checkpoint file: refuses a FIFO, socket, device or folder without blocking."""
+    return os.fdopen(open_regular_fd(path), "rb")
+
+
+def read_regular_bytes(path: str | Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of a regular file; DataError when it is not one, or holds more than `max_bytes`."""
+    with open_regular(path) as f:
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise DataError(f"{path}: larger than the {max_bytes} bytes such a file holds")
+    return data
+
+
+def read_regular_text(path: str | Path, max_bytes: int | None = None) -> str:
+    """The UTF-8 text of a regular file; DataError when it is not one, is too large, or is not UTF-8."""
+    data = read_regular_bytes(path, max_bytes)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start})") from None
