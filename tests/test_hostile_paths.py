@@ -390,3 +390,19 @@ def test_a_file_commits_with_one_replace_and_a_folder_by_one_swap(tmp_path, monk
         (tmp / "f").write_text("new")
     assert [p.name for p in folder.iterdir()] == ["f"] and sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.pt"]
     assert calls == []  # renameat2(RENAME_EXCHANGE): the destination never disappears
+
+
+def test_sigterm_mid_write_stops_at_the_next_block_even_where_a_raise_would_be_lost(ckpt, project, tmp_path, monkeypatch):
+    """While a write runs, the handler only records SIGTERM (an exception raised inside a lazy numpy or torch
+    import can be swallowed or abort the process); the engine stops at its next block and removes its output."""
+    original = executor.stream_tensor
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at once, in this (the main) thread
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "stream_tensor", signalled)
+    before = snapshot(tmp_path)
+    res = ckpt("convert", project / "weights" / "model.safetensors", tmp_path / "out.pt", "--to", "torch", "--workers", "1")
+    refused(res, 143, "terminated (SIGTERM)")
+    assert snapshot(tmp_path) == before

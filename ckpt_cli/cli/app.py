@@ -15,6 +15,7 @@ import typer
 from ckpt_cli import __version__
 from ckpt_cli.cli import convert_cmd, demo_cmd, inspect_cmd, verify_cmd
 from ckpt_cli.cli.output import error
+from ckpt_cli.core import interrupt
 from ckpt_cli.errors import CkptError, Terminated, UnsafePickleError
 
 try:  # typer >= 0.29 vendors click
@@ -63,7 +64,8 @@ def _hint(exc: CkptError) -> str:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
-    raise Terminated
+    if not interrupt.request():  # a running write stops at its next block (core/interrupt.py says why)
+        raise Terminated
 
 
 @contextmanager
@@ -73,6 +75,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    interrupt.reset()
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         yield

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from ckpt_cli.core import interrupt
 from ckpt_cli.errors import UsageError
 
 PARTIAL = ".ckpt-partial-"
@@ -175,7 +176,9 @@ def staged(dest: Path, is_dir: bool, overwrite: bool, guard: Guard = Guard()) ->
     """Yield a temporary path next to `dest`; on success it replaces `dest`, on failure it is removed."""
     tmp = prepare_partial(dest, is_dir, overwrite, str(os.getpid()), guard)
     try:
-        yield tmp
+        with interrupt.writing():
+            yield tmp
+            interrupt.check()  # a SIGTERM during the last blocks: commit nothing
     except BaseException:
         remove(tmp)
         raise

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli.core import interrupt
 from ckpt_cli.core.atomic import Guard, staged
 from ckpt_cli.core.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.model import ZEROS
@@ -291,9 +292,10 @@ def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Pr
     cancel = threading.Event()
     lock = threading.Lock()
 
-    def tick(nbytes: int) -> None:  # called once per block: lets a failing sibling stop the others
+    def tick(nbytes: int) -> None:  # called once per block: lets a failing sibling or a SIGTERM stop the others
         if cancel.is_set():
             raise _Cancelled
+        interrupt.check()
         if progress:
             with lock:
                 progress(nbytes)
