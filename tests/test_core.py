@@ -26,7 +26,7 @@ F32 = dtypes.FLOAT32
 
 
 def test_box_runs_row_shards_are_single_runs():
-    # FSDP2 on 4 ranks of a (5, 6) tensor: torch.chunk rows, an empty chunk at the end (FORMATS §1.6).
+    # FSDP2 on 4 ranks of a (5, 6) tensor: torch.chunk rows, an empty chunk at the end (docs/formats.md §1.6).
     chunks = [((0, 0), (2, 6)), ((2, 0), (2, 6)), ((4, 0), (1, 6)), ((5, 0), (0, 6))]
     runs = [list(box_runs(o, s, (5, 6))) for o, s in chunks]
     assert runs == [[(0, 12, 0)], [(12, 12, 0)], [(24, 6, 0)], []]
