@@ -151,11 +151,16 @@ def torchrun_command(nproc: int) -> list[str]:
 
 def torchrun(nproc: int, script: str, *args: str | Path, timeout: int = 600, env: dict[str, str] | None = None) -> str:
     """Run a producer/consumer script under torchrun on the CPU (gloo); fail with its output."""
-    cmd = [*torchrun_command(nproc), str(PRODUCERS / script), *map(str, args)]
+    label = f"torchrun {script} {' '.join(map(str, args))}"
+    return _run_script([*torchrun_command(nproc), str(PRODUCERS / script), *map(str, args)], label, timeout, env)
+
+
+def _run_script(cmd: list[str], label: str, timeout: int, env: dict[str, str] | None = None) -> str:
+    """Run a test script with one thread per process and quiet warnings; fail with its output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun {script} {' '.join(map(str, args))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{label} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc.stdout
 
 
@@ -233,12 +238,7 @@ RUN_FOLDERS = RUN_FOLDERS_TWO_PROCESS + RUN_FOLDERS_ONE_PROCESS
 
 def producer(script: str, *args: str | Path, timeout: int = 600) -> str:
     """Run a producer script in one plain process (no torchrun); fail with its output."""
-    cmd = [sys.executable, str(PRODUCERS / script), *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(map(str, args))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc.stdout
+    return _run_script([sys.executable, str(PRODUCERS / script), *map(str, args)], f"{script} {' '.join(map(str, args))}", timeout)
 
 
 @pytest.fixture(scope="session")
