@@ -24,7 +24,7 @@ def inspect(
     trust_pickle: TrustPickle = False,
 ) -> None:
     """Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state."""
-    runs = inspect_op.run_folder(src) if tag is None and format_ is None else None
+    runs = inspect_op.run_root(src) if tag is None and format_ is None else None
     ckpt = open_checkpoint(src, format_, tag, trust_pickle)
     doc = inspect_op.summary(ckpt, tuple(filter_ or ()))
     if runs:
@@ -51,8 +51,8 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         roles[t["role"]] = roles.get(t["role"], 0) + 1
     lines = []
     if doc.get("tags"):
-        lines.append(f"checkpoints in this folder ({len(doc['tags'])}):")
-        lines += [f"  {t['tag']:<24} {t['format']}" for t in doc["tags"]]
+        lines.append(f"checkpoints under this folder ({len(doc['tags'])}):")
+        lines += [f"  {t['tag']:<24} {t['framework'] or '-':<11} {t['format']}" for t in doc["tags"]]
         lines.append("")
     rows = [
         ("path", doc["path"]),

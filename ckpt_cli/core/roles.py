@@ -6,6 +6,7 @@ key decides, as the conventions of PyTorch, Lightning, Accelerate and torchtitan
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ckpt_cli.core.model import Checkpoint, PathKey
@@ -16,7 +17,10 @@ SCHEDULER_KEYS = {"lr_scheduler", "scheduler", "lr_schedulers", "lr_scheduler_st
 RNG_KEYS = {"rng", "rng_state", "rng_states", "random", "torch_rng_state", "cuda_rng_state", "numpy_rng_state", "python_rng_state"}
 DATALOADER_KEYS = {"dataloader", "data_loader", "dataloaders", "sampler", "data_state", "train_dataloader"}
 STEP_KEYS = ("global_step", "step", "iteration", "global_steps", "steps")
-NON_MODEL = OPTIMIZER_KEYS | SCHEDULER_KEYS | RNG_KEYS | DATALOADER_KEYS | {"client_state", "extra_state"}
+# Lightning's own entries beside `state_dict` (and beside `model` in its sharded FSDP checkpoints).
+LIGHTNING_KEYS = {"callbacks", "loops", "hyper_parameters", "hparams_name", "datamodule_hyper_parameters", "epoch"}
+NON_MODEL = OPTIMIZER_KEYS | SCHEDULER_KEYS | RNG_KEYS | DATALOADER_KEYS | LIGHTNING_KEYS | {"client_state", "extra_state"}
+NUMBERED_OPTIMIZER = re.compile(r"optimizer_\d+")  # Lightning's sharded checkpoints: optimizer_0, optimizer_1, ...
 
 
 def optimizer_key(tops: set[str]) -> str | None:
@@ -43,9 +47,13 @@ def _top(path: PathKey) -> str:
     return str(path[0]).lower() if path else ""
 
 
+def is_optimizer_key(top: str) -> bool:
+    return top in OPTIMIZER_KEYS or NUMBERED_OPTIMIZER.fullmatch(top) is not None
+
+
 def tensor_role(path: PathKey) -> str:
     top = _top(path)
-    if top in OPTIMIZER_KEYS:
+    if is_optimizer_key(top):
         return "optimizer"
     if top in NON_MODEL:
         return "other"
@@ -53,7 +61,7 @@ def tensor_role(path: PathKey) -> str:
 
 
 def object_role(path: PathKey) -> str:
-    return "optimizer" if _top(path) in OPTIMIZER_KEYS else "other"
+    return "optimizer" if is_optimizer_key(_top(path)) else "other"
 
 
 def find_step(ckpt: Checkpoint) -> int | None:
@@ -95,7 +103,7 @@ def infer_training_state(ckpt: Checkpoint) -> dict[str, Any]:
             state["rng"] = state["rng"] or {"keys": [str(obj.path[0])]}
         elif top in DATALOADER_KEYS:
             state["dataloader"] = state["dataloader"] or _object_summary(ckpt, obj.path[0])
-        elif top not in OPTIMIZER_KEYS and top not in MODEL_KEYS and top not in STEP_KEYS and top != "train_state":
+        elif not is_optimizer_key(top) and top not in MODEL_KEYS and top not in STEP_KEYS and top != "train_state":
             client.append(obj.name)
     for t in ckpt.tensors.values():
         if _top(t.path) in RNG_KEYS and not state["rng"]:

@@ -7,7 +7,6 @@ from metadata (shown by --dry-run) and hands it to the executor.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,57 +15,19 @@ from ckpt_cli.core.executor import BLOCK_BYTES, Progress
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, unsafe_value_problem
 from ckpt_cli.core.plan import TensorData, WritePlan
-from ckpt_cli.core.training import NameMap, StateOptions
+from ckpt_cli.core.training import StateOptions
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.formats import registry
-from ckpt_cli.ops import crossframework, transform, verify
+from ckpt_cli.formats import registry, run_read
+from ckpt_cli.ops import crossframework, runs, structure, transform
+from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
 from ckpt_cli.ops.source import open_checkpoint
+
+__all__ = ["CrossOptions", "Job", "Request", "SourceOptions", "prepare", "run"]
 
 # Measured floors of resident memory: the CLI alone (plain byte copies never import torch), and
 # with torch imported (casts, checksums, strided pieces).
 BASE_RSS = 40 * 10**6
 TORCH_RSS = 260 * 10**6
-
-
-@dataclass(frozen=True)
-class SourceOptions:
-    format: str | None = None
-    tag: str | None = None
-    trust_pickle: bool = False
-
-
-@dataclass(frozen=True)
-class CrossOptions:
-    """Carrying a run's training state between frameworks (convert --to dcp|deepspeed)."""
-
-    layout: str | None = None  # DCP key layout to write: get_state_dict or torchtitan
-    zero_stage: int | None = None  # DeepSpeed target
-    ds_config: Path | None = None  # DeepSpeed target: the run's config (precision, clipping, batch size)
-    names: NameMap = NameMap()
-    per_rank: str = "wrap"  # rule for per-rank values under a new world size
-    names_given: bool = False  # --rename or --name-map was passed
-
-
-@dataclass(frozen=True)
-class Request:
-    """One writing command: source, destination, target format (None: the source's own, as reshard keeps it)."""
-
-    src: Path
-    dest: Path
-    to: str | None = None
-    source: SourceOptions = SourceOptions()
-    transform: transform.Transform = transform.Transform()
-    write: WriteOptions = WriteOptions()
-    cross: CrossOptions = CrossOptions()
-
-
-@dataclass
-class Job:
-    """A prepared write: the plan for the target and what to tell the user about it."""
-
-    plan: WritePlan
-    notes: list[str] = field(default_factory=list)
-    sources: tuple[str, ...] = ()  # the source path and every file read: what --overwrite must never replace
 
 
 def prepare(request: Request) -> Job:
@@ -77,6 +38,13 @@ def prepare(request: Request) -> Job:
     if unsafe:  # a value whose pickle names a global outside the allow list is never copied (its loader would run it)
         raise DataError(f"refusing to copy a pickled value the allow list rejects: {unsafe_value_problem(unsafe[0])}")
     refuse_broken(ckpt, request.src)
+    if run_read.is_run(ckpt):
+        return runs.plan_run(ckpt, request, plan_checkpoint)
+    return plan_checkpoint(ckpt, request)
+
+
+def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
+    """Plan the write of an opened (and checked) checkpoint."""
     target = registry.get(request.to) if request.to else reshard_target(ckpt.format, request.write)
     writer = registry.writer(target.name)
     write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
@@ -91,7 +59,7 @@ def prepare(request: Request) -> Job:
 
 def refuse_broken(ckpt: Checkpoint, src: Path) -> None:
     """A source that `verify` rejects is never converted: the same structural checks (metadata only), before any write."""
-    problems = verify.structure_problems(ckpt)
+    problems = structure.structure_problems(ckpt)
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise DataError(f"refusing to convert a checkpoint that verify rejects: {problems[0]}{more}; see 'ckpt verify {src}'")

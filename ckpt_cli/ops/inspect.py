@@ -8,7 +8,8 @@ from typing import Any
 
 from ckpt_cli.core import roles
 from ckpt_cli.core.model import Checkpoint
-from ckpt_cli.formats import registry
+from ckpt_cli.formats import registry, runs
+from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.transform import matches
 
 
@@ -46,15 +47,10 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
     }
 
 
-def run_folder(path: Path) -> list[dict[str, Any]] | None:
-    """For a folder holding several checkpoints, one line each (tag, format); None otherwise."""
-    if registry.detect(path) is not None:
+def run_root(path: Path) -> list[dict[str, Any]] | None:
+    """For a folder holding several checkpoints (a run root), one entry each (path under it, framework, format),
+    oldest first; None when the folder is a checkpoint itself."""
+    if registry.detect(path) is not None or runs.detect(path) is not None or not path.is_dir():
         return None
-    tags = registry.list_tags(path)
-    if len(tags) < 1:
-        return None
-    out = []
-    for tag in tags:
-        fmt = registry.detect(path / tag)
-        out.append({"tag": tag, "format": fmt.name if fmt else None, "path": str(path / tag)})
-    return out
+    found = run_roots.find(path)
+    return [{"tag": run_roots.relative(f, path), "framework": f.framework, "format": f.format, "path": str(f.path)} for f in found] or None

@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import atomic
-from ckpt_cli.core.model import ZEROS, Checkpoint, TensorEntry
+from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text
 from ckpt_cli.core.reading import SourceFiles, element_windows, read_elements, tensor_bytes
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
-from ckpt_cli.formats import registry
 from ckpt_cli.ops import crossframework
 from ckpt_cli.ops import policy as policy_mod
 from ckpt_cli.ops.source import open_checkpoint
+from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, has_checksums
 
 MANIFEST_VERSION = 1
 
@@ -72,49 +72,6 @@ class Report:
 def _root(ckpt: Checkpoint) -> Path:
     p = Path(ckpt.path)
     return p if p.is_dir() else p.parent
-
-
-def check_structure(ckpt: Checkpoint, report: Report) -> None:
-    """Files present at their recorded sizes; pieces tile tensors; pieces inside their files."""
-    sizes: dict[str, int] = {}
-    for info in ckpt.files:
-        try:
-            sizes[info.path] = os.path.getsize(info.path)
-        except OSError:
-            report.problems.append(f"{info.path}: missing")
-            continue
-        if sizes[info.path] != info.bytes:
-            report.problems.append(f"{info.path}: size {sizes[info.path]} differs from the {info.bytes} bytes recorded")
-    for t in ckpt.tensors.values():
-        problem = t.tiling_problem()
-        if problem:
-            report.problems.append(f"{ckpt.path}: tensor '{t.name}': {problem}")
-        for piece in t.pieces:
-            array = piece.data
-            if array.path == ZEROS:
-                continue
-            size = sizes.get(array.path)
-            if size is None:
-                size = os.path.getsize(array.path) if os.path.exists(array.path) else -1
-                sizes[array.path] = size
-            _, end = array.extent()
-            if size < 0:
-                report.problems.append(f"{array.path}: missing (holds tensor '{t.name}')")
-            elif end > size:
-                report.problems.append(f"{array.path}: tensor '{t.name}' needs bytes up to {end} but the file has {size} (truncated)")
-    report.checks.append("structure")
-
-
-def structure_problems(ckpt: Checkpoint) -> list[str]:
-    """What verify without --deep finds (files, tiling, the format's own checks): metadata only, no tensor data
-    read. Writing commands refuse a source with any (ops/convert.py prepare)."""
-    report = Report(ckpt.path)
-    check_structure(ckpt, report)
-    try:
-        report.problems += registry.get(ckpt.format).reader.check(ckpt, False)
-    except DataError as exc:
-        report.problems.append(str(exc))
-    return report.problems
 
 
 def file_sha256(path: str, block: int = 1 << 24) -> str:
@@ -276,11 +233,11 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         return report
     report.path, report.format = ckpt.path, ckpt.format
     report.stats = {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": sum(f.bytes for f in ckpt.files)}
-    check_structure(ckpt, report)
+    report.problems += file_and_tiling_problems(ckpt)
+    report.checks.append("structure")
     report.problems += leftover_problems(ckpt)
-    fmt = registry.get(ckpt.format)
     try:
-        report.problems += fmt.reader.check(ckpt, options.deep)
+        report.problems += format_check(ckpt, options.deep)
     except DataError as exc:
         report.problems.append(str(exc))
     if options.deep:
@@ -292,7 +249,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     # Tensor checksums serve manifests; --deep alone reads every byte once: the format's CRC check,
     # or (formats without checksums) the tensors themselves.
     want_hash = options.manifest is not None or options.write_manifest is not None
-    read_all = options.deep and not fmt.has_checksums
+    read_all = options.deep and not has_checksums(ckpt)
     hashes: dict[str, str] = {}
     if want_hash or read_all or finite:
         sources = SourceFiles()

@@ -1,0 +1,273 @@
+"""Run roots and run checkpoints: finding every checkpoint under a root (`ckpt ls`), choosing the newest complete
+one, pointing a user at the right level, and writing a run checkpoint with its companions (reshard)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core import dtypes
+from ckpt_cli.core.interface import ReadOptions
+from ckpt_cli.core.model import Checkpoint, FlatRange, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.plan import OutputFile, TensorData, WritePlan
+from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.formats import registry, run_read, runs
+from ckpt_cli.ops.request import Job, Request
+from ckpt_cli.ops.structure import structure_problems
+
+SEARCH_DEPTH = 4  # Lightning: ROOT/lightning_logs/version_0/checkpoints/NAME.ckpt
+# Files inside run checkpoints that the root search must not take for checkpoints of their own.
+COMPANION_FILE = re.compile(r"(training_args\.bin|optimizer.*|scheduler.*|rng_state.*|random_states.*|custom_checkpoint.*|meta\.pt)")
+
+
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint under a run root: where, which framework wrote it (None: a bare core format), its format."""
+
+    path: Path
+    framework: str | None
+    format: str
+
+    @property
+    def name_step(self) -> int | None:
+        digits = re.findall(r"\d+", self.path.name)
+        return int(digits[-1]) if digits else None
+
+    def order(self) -> tuple[int, int]:
+        """Oldest first: by the step in the name (checkpoint-500, step=4.ckpt, step-100), then by modification time."""
+        step = self.name_step
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except OSError:
+            mtime = 0
+        return (step if step is not None else -1, mtime)
+
+
+def identify(path: Path) -> Found | None:
+    run = runs.detect(path)
+    if run is not None:
+        return Found(path, run.framework, run.parts[0].format)
+    if path.is_file() and COMPANION_FILE.fullmatch(path.name):
+        return None
+    fmt = registry.detect(path)
+    return Found(path, None, fmt.name) if fmt is not None else None
+
+
+def find(root: Path, depth: int = SEARCH_DEPTH) -> list[Found]:
+    """Every checkpoint under `root` (none inside another), oldest first."""
+    found: list[Found] = []
+
+    def walk(folder: Path, left: int) -> None:
+        try:
+            children = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+        except OSError:
+            return
+        for child in children:
+            hit = identify(child)
+            if hit is not None:
+                found.append(hit)
+            elif left > 1 and child.is_dir() and not child.is_symlink():
+                walk(child, left - 1)
+
+    walk(root, depth)
+    return sorted(found, key=Found.order)
+
+
+def open_exact(path: Path, format_name: str | None, tag: str | None, trust_pickle: bool) -> Checkpoint:
+    """The checkpoint at `path` itself: a run checkpoint (unless --format names a core format), or a core one."""
+    run = runs.detect(path) if format_name is None else None
+    if run is not None:
+        return run_read.read(run, ReadOptions(tag=tag, trust_pickle=trust_pickle))
+    resolved = registry.resolve(path, format_name, tag)
+    ckpt = resolved.format.reader.read(resolved.path, ReadOptions(tag=resolved.tag, trust_pickle=trust_pickle))
+    if resolved.tag and not ckpt.tag:
+        ckpt.tag = resolved.tag
+    if resolved.note:
+        ckpt.notes.insert(0, resolved.note)
+    return ckpt
+
+
+def relative(found: Found, root: Path) -> str:
+    return str(found.path.relative_to(root))
+
+
+def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) -> Checkpoint:
+    """The checkpoint `--tag` names (a path under the root, or a folder name), else the newest complete one."""
+    if tag is not None:
+        named = [f for f in found if relative(f, root) == tag or f.path.name == tag]
+        if len(named) != 1:
+            known = ", ".join(relative(f, root) for f in found)
+            raise UsageError(f"{root}: {'no' if not named else 'more than one'} checkpoint '{tag}' under this run root (found: {known})")
+        ckpt = open_exact(named[0].path, None, None, trust_pickle)
+        ckpt.tag = ckpt.tag or tag
+        return ckpt
+    skipped: list[str] = []
+    for candidate in reversed(found):
+        try:
+            ckpt = open_exact(candidate.path, None, None, trust_pickle)
+            problems = structure_problems(ckpt)
+        except DataError as exc:
+            problems = [str(exc)]
+        if problems:
+            skipped.append(f"skipped '{relative(candidate, root)}', incomplete or damaged: {problems[0]}")
+            continue
+        ckpt.tag = ckpt.tag or relative(candidate, root)
+        how = "the newest complete one" if skipped else "the newest"
+        ckpt.notes.insert(0, f"{root}: {len(found)} checkpoints (ckpt ls lists them); using '{relative(candidate, root)}', {how}")
+        ckpt.notes[1:1] = skipped
+        return ckpt
+    raise DataError(f"{root}: none of its {len(found)} checkpoints is complete; {skipped[0]}")
+
+
+def not_found_message(path: Path) -> str:
+    """Why `path` holds no checkpoint, and where to point instead when it is inside one."""
+    inside = runs.is_part_of(path)
+    if inside is not None:
+        run, at = inside
+        return f"{path}: not a checkpoint by itself; it is inside the {run.framework} checkpoint {at}: point at that folder"
+    known = ", ".join(registry.FORMATS)
+    return f"{path}: not a checkpoint in any known format ({known}), and no checkpoint below it; use --format to say which"
+
+
+def part_note(path: Path) -> str | None:
+    """A checkpoint that is only one part of a run checkpoint: say where the whole one is."""
+    inside = runs.is_part_of(path)
+    if inside is None:
+        return None
+    run, at = inside
+    return f"{path} is one part of the {run.framework} checkpoint {at}; point at {at} to include its optimizer and framework state"
+
+
+# ---- ckpt ls ---------------------------------------------------------------------------------------------
+
+
+def listing(root: Path, trust_pickle: bool = False) -> list[dict[str, Any]]:
+    """One row per checkpoint under `root`, oldest first: path, framework, format, step, world size, bytes,
+    complete (a quick structural check), problem, newest (the newest complete one)."""
+    rows = []
+    for found in find(root):
+        row: dict[str, Any] = {"path": relative(found, root), "framework": found.framework, "format": found.format}
+        try:
+            ckpt = open_exact(found.path, None, None, trust_pickle)
+            problems = structure_problems(ckpt)
+            row |= {"step": ckpt.step, "world_size": ckpt.world_size, "bytes": sum(max(f.bytes, 0) for f in ckpt.files)}
+        except DataError as exc:
+            problems = [str(exc)]
+            row |= {"step": found.name_step, "world_size": None, "bytes": _du(found.path)}
+        row |= {"complete": not problems, "problem": problems[0] if problems else None, "newest": False}
+        rows.append(row)
+    complete = [r for r in rows if r["complete"]]
+    if complete:
+        complete[-1]["newest"] = True
+    return rows
+
+
+def _du(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+# ---- writing a run checkpoint ------------------------------------------------------------------------------
+
+PlanOne = Callable[[Checkpoint, Request], Job]
+
+
+def plan_run(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:
+    """Reshard (or convert to the parts' own format): every part written by its format's writer under its own
+    path, the companions copied (per-rank ones re-keyed by the per-rank rule). Any other write (another format,
+    weights only, merge): the parts as one checkpoint, model weights under the model's own names; the companions
+    are named as not carried."""
+    source: run_read.RunSource = ckpt.source
+    same_layout = not request.transform.weights_only and all(p.format == (request.to or p.format) for p, _ in source.parts)
+    if not same_layout or len({p.format for p, _ in source.parts}) != 1:
+        return _plan_export(ckpt, request, plan_one)
+    files: list[OutputFile] = []
+    notes: list[str] = []
+    sources: list[str] = [str(request.src)]
+    for part, part_ckpt in source.parts:
+        sub = dataclasses.replace(request, dest=request.dest / part.relpath if part.relpath else request.dest)
+        job = plan_one(part_ckpt, sub)
+        prefix = f"{part.relpath}/" if part.relpath else ""
+        files += [dataclasses.replace(f, relpath=prefix + f.relpath) for f in job.plan.files]
+        notes += job.notes
+        sources += job.sources
+    companion_files, companion_notes = _companion_files(source, request)
+    plan = WritePlan(source.parts[0][1].format, request.dest, True, files + companion_files, notes + companion_notes)
+    return Job(plan, [], tuple(sources) + tuple(str(source.run.path / c.relpath) for c in source.run.companions))
+
+
+def _plan_export(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:
+    source: run_read.RunSource = ckpt.source
+    export = request.transform.weights_only or request.to is None or registry.get(request.to).training is None
+    view = export_view(ckpt) if export else dataclasses.replace(ckpt, source=source.parts[0][1].source if len(source.parts) == 1 else None)
+    job = plan_one(view, request)
+    left = [c.relpath for c in source.run.companions]
+    if left:
+        job.notes.append(f"not carried ({source.run.framework} files this target cannot hold): {', '.join(left)}")
+    return job
+
+
+def export_view(ckpt: Checkpoint) -> Checkpoint:
+    """The composite with its model weights under the model's own names (the framework's nesting key stripped)."""
+    source: run_read.RunSource = ckpt.source
+    tensors: dict[str, TensorEntry] = {}
+    for name, t in ckpt.tensors.items():
+        prefix = source.origin[name].model_prefix
+        if t.role == "model" and prefix and name.startswith(prefix):
+            key = prefix[:-1]
+            path = t.path[1:] if len(t.path) > 1 and str(t.path[0]) == key else (name[len(prefix) :],)
+            t = dataclasses.replace(t, name=name[len(prefix) :], path=path)
+        if t.name in tensors:
+            raise DataError(f"{ckpt.path}: two tensors are both named '{t.name}' once the framework's prefix is removed")
+        tensors[t.name] = t
+    primary = source.parts[0][1]
+    return dataclasses.replace(ckpt, tensors=tensors, source=primary.source if len(source.parts) == 1 else None)
+
+
+def _companion_files(source: run_read.RunSource, request: Request) -> tuple[list[OutputFile], list[str]]:
+    """The companions as verbatim copies; per-rank files re-keyed for the new world size by the per-rank rule."""
+    out, notes, ranked = [], [], []
+    for comp in source.run.companions:
+        path = source.run.path / comp.relpath
+        if comp.kind == "args" and not request.source.trust_pickle:
+            why = "a pickle of the framework's arguments, outside the allow list; pass --trust-pickle to copy it"
+            notes.append(f"not carried: {comp.relpath} ({why})")
+        elif comp.kind == "rng" and comp.rank is not None:
+            ranked.append(comp)
+        else:
+            out.append(OutputFile(comp.relpath, [_file_copy(path)]))
+    world, rule = request.write.world_size, request.cross.per_rank
+    if ranked and world:
+        by_rank = {c.rank: c for c in ranked}
+        old = len(by_rank)
+        if rule != "drop":
+            for r in range(world):
+                src = by_rank.get(r % old if rule == "wrap" else 0)
+                if src is None:
+                    raise DataError(f"{source.run.path}: no per-rank file for rank {r % old} ({ranked[0].relpath} and others)")
+                out.append(OutputFile(_rank_name(src.relpath, r), [_file_copy(source.run.path / src.relpath)]))
+        if old != world or rule != "wrap":
+            how = {"wrap": f"rank r gets rank r mod {old}'s", "first": "every rank gets rank 0's", "drop": "none written"}[rule]
+            notes.append(f"per-rank files {_rank_name(ranked[0].relpath, 'R')} ({old} ranks -> {world}): rule '{rule}': {how}")
+    elif ranked:
+        out += [OutputFile(c.relpath, [_file_copy(source.run.path / c.relpath)]) for c in ranked]
+    return out, notes
+
+
+def _rank_name(name: str, rank: int | str) -> str:
+    return re.sub(r"_(\d+)\.(pth|pkl)$", lambda m: f"_{rank}.{m.group(2)}", name)
+
+
+def _file_copy(path: Path) -> TensorData:
+    """A whole file as one byte array, streamed (copy_file_range) by the executor like tensor data."""
+    size = os.path.getsize(path)
+    u8 = dtypes.by_name("uint8")
+    data = StoredArray(str(path), 0, u8, (size,), (1,))
+    entry = TensorEntry(f"file:{path.name}", u8, (size,), "other", [Piece(FlatRange(0, size), data)])
+    return TensorData(entry, u8)
