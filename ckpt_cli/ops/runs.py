@@ -161,6 +161,7 @@ def listing(root: Path, trust_pickle: bool = False) -> list[dict[str, Any]]:
             row |= {"step": found.name_step, "world_size": None, "bytes": _du(found.path)}
         row |= {"complete": not problems, "problem": problems[0] if problems else None, "newest": False}
         rows.append(row)
+    rows = [r for _, r in sorted(enumerate(rows), key=lambda ir: (ir[1]["step"] if ir[1]["step"] is not None else -1, ir[0]))]
     complete = [r for r in rows if r["complete"]]
     if complete:
         complete[-1]["newest"] = True
@@ -198,8 +199,8 @@ def plan_run(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:
         notes += job.notes
         sources += job.sources
     companion_files, companion_notes = _companion_files(source, request)
-    plan = WritePlan(source.parts[0][1].format, request.dest, True, files + companion_files, notes + companion_notes)
-    return Job(plan, [], tuple(sources) + tuple(str(source.run.path / c.relpath) for c in source.run.companions))
+    plan = WritePlan(source.parts[0][1].format, request.dest, True, files + companion_files)
+    return Job(plan, notes + companion_notes, tuple(sources) + tuple(str(source.run.path / c.relpath) for c in source.run.companions))
 
 
 def _plan_export(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:
@@ -207,7 +208,11 @@ def _plan_export(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:
     export = request.transform.weights_only or request.to is None or registry.get(request.to).training is None
     view = export_view(ckpt) if export else dataclasses.replace(ckpt, source=source.parts[0][1].source if len(source.parts) == 1 else None)
     job = plan_one(view, request)
-    left = [c.relpath for c in source.run.companions]
+    carried = []
+    if job.plan.format == "hf":  # the model's config beside its weights, as from_pretrained wants them
+        carried = [c for c in source.run.companions if c.kind == "config" and c.relpath not in {f.relpath for f in job.plan.files}]
+        job.plan.files += [OutputFile(c.relpath, [_file_copy(source.run.path / c.relpath)]) for c in carried]
+    left = [c.relpath for c in source.run.companions if c not in carried]
     if left:
         job.notes.append(f"not carried ({source.run.framework} files this target cannot hold): {', '.join(left)}")
     return job

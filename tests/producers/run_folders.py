@@ -121,10 +121,12 @@ def plain_full_state(model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict
 
 def write_state(path: Path, kind: str, model: torch.nn.Module, optimizer: Any, step: int, scheduler: Any) -> None:
     """{weights: {name: fp32}, optimizer: {name: {exp_avg, exp_avg_sq[, step]}}, lr: [per group], step: the
-    framework's global step, scheduler: the LR scheduler's state_dict()} with torch.save, on rank 0."""
+    framework's global step, scheduler: the LR scheduler's state_dict(), world: the process count} with torch.save,
+    on rank 0."""
     state = full_state(kind, model, optimizer)
     state["step"] = int(step)
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    state["world"] = world()  # the processes it ran on
     if rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
