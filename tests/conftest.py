@@ -292,3 +292,10 @@ def consolidate_run_folders(checkpoints: dict[str, Path], out: Path) -> dict[str
 
     producer("run_folders.py", "consolidate", *(f"{name}:{checkpoint}:{out / name}" for name, checkpoint in checkpoints.items()))
     return {name: load_file(out / name / "reference.safetensors") for name in checkpoints}
+
+
+@pytest.fixture(scope="session")
+def run_folders_consolidated(run_folders, tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    """Each run's step-4 checkpoint consolidated by its framework's own tool (consolidate_run_folders)."""
+    checkpoints = {name: run_folder_checkpoint(run_folders[name]) for name in RUN_FOLDERS}
+    return consolidate_run_folders(checkpoints, tmp_path_factory.mktemp("consolidated"))

@@ -11,7 +11,6 @@ from conftest import (
     RUN_FOLDERS,
     RUN_FOLDERS_ONE_PROCESS,
     RUN_FOLDERS_TWO_PROCESS,
-    consolidate_run_folders,
     resume_run_folders,
     run_folder_checkpoint,
     run_folder_saved,
@@ -109,12 +108,6 @@ def test_resume_at_the_same_world_size_loads_what_was_saved(run_folders, resumed
     assert not torch.equal(fresh["weights"][sorted(fresh["weights"])[0]], saved["weights"][sorted(saved["weights"])[0]])
 
 
-@pytest.fixture(scope="module")
-def consolidated(run_folders, tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
-    checkpoints = {name: run_folder_checkpoint(run_folders[name]) for name in RUN_FOLDERS}
-    return consolidate_run_folders(checkpoints, tmp_path_factory.mktemp("consolidated"))
-
-
 @pytest.mark.parametrize("name", RUN_FOLDERS)
-def test_framework_consolidation_gives_the_weights_the_run_held(run_folders, consolidated, name):
-    assert_same(run_folder_saved(run_folders[name])["weights"], consolidated[name], name)
+def test_framework_consolidation_gives_the_weights_the_run_held(run_folders, run_folders_consolidated, name):
+    assert_same(run_folder_saved(run_folders[name])["weights"], run_folders_consolidated[name], name)

@@ -41,8 +41,14 @@ def _state_line(value: Any) -> str:
     if not value:
         return "-"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" if not isinstance(v, list) else f"{k}=[{', '.join(map(str, v))}]" for k, v in value.items())
+        return ", ".join(f"{k}={v}" if not isinstance(v, list) else f"{k}=[{_few(v)}]" for k, v in value.items())
     return str(value)
+
+
+def _few(items: list[Any], shown: int = 8) -> str:
+    """A list on one line: its first items, then how many more (Lightning's loop counters run to dozens)."""
+    more = f", ... ({len(items) - shown} more)" if len(items) > shown else ""
+    return ", ".join(map(str, items[:shown])) + more
 
 
 def render(doc: dict[str, Any], with_tensors: bool) -> str:

@@ -185,6 +185,11 @@ def plan_run(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:
     weights only, merge): the parts as one checkpoint, model weights under the model's own names; the companions
     are named as not carried."""
     source: run_read.RunSource = ckpt.source
+    if request.to is None and any(registry.get(p.format).reshard_by != "world_size" for p, _ in source.parts):
+        raise UsageError(
+            f"{source.run.path}: this {source.run.framework} checkpoint holds unsharded weights ({source.parts[0][0].relpath or '.'}), "
+            "which load at any world size as they are; there is nothing to reshard"
+        )
     same_layout = not request.transform.weights_only and all(p.format == (request.to or p.format) for p, _ in source.parts)
     if not same_layout or len({p.format for p, _ in source.parts}) != 1:
         return _plan_export(ckpt, request, plan_one)
