@@ -6,6 +6,7 @@ and the right level named when pointed too low."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from conftest import (
     RUN_FOLDERS,
     RUN_FOLDERS_TWO_PROCESS,
+    Evil,
     ckpt_quiet,
     resume_run_folders,
     run_folder_checkpoint,
@@ -179,3 +181,39 @@ def test_pointed_too_low_names_the_checkpoint_to_use(ckpt, run_folders):
         assert str(fsdp if "fsdp" in str(inside) else checkpoint) in res.err
     res = ckpt("inspect", fsdp / "pytorch_model_fsdp_0", "--json")
     assert res.code == 0 and any(f"point at {fsdp}" in n for n in json.loads(res.out)["notes"])
+
+
+def test_companions_are_checked_before_they_are_copied(ckpt, run_folders, tmp_path):
+    """A companion is copied as it is, so a pickle the allow list rejects (even under an unknown name) or a FIFO
+    fails verify and stops a reshard; nothing runs and nothing is written."""
+    copy = tmp_path / "checkpoint-4"
+    shutil.copytree(run_folder_checkpoint(run_folders["trainer-fsdp2"]), copy)
+    marker = tmp_path / "ran"
+    for name in ("scheduler.pt", "notes.bin"):
+        torch.save({"payload": Evil(marker)}, copy / name)
+        res = ckpt("verify", copy)
+        assert res.code == 1 and name in res.out and "posix.system" in res.out + res.err, res.out
+        res = ckpt("reshard", copy, tmp_path / "out", "--world-size", 3)
+        assert res.code == 1 and not (tmp_path / "out").exists()
+        assert any(name in n for n in json.loads(ckpt("inspect", copy, "--json").out)["notes"])
+        (copy / name).unlink()
+    os.mkfifo(copy / "rng_state_0.pth.tmp")
+    res = ckpt("verify", copy)
+    assert res.code == 1 and "not a regular file" in res.out
+    assert not marker.exists()
+
+
+def test_torchtitan_step_folders(ckpt, fsdp2_saves, tmp_path):
+    """torchtitan saves DCP into ROOT/checkpoint/step-N (here real dcp.save output in torchtitan's folder names)."""
+    root = tmp_path / "outputs"
+    for step in (10, 20):
+        shutil.copytree(fsdp2_saves[2] / "ckpt", root / "checkpoint" / f"step-{step}")
+    doc = json.loads(ckpt("inspect", root, "--json").out)
+    assert doc["path"] == str(root / "checkpoint" / "step-20") and doc["details"]["framework"] == "torchtitan"
+    rows = json.loads(ckpt("ls", root, "--json").out)["checkpoints"]
+    assert [(r["path"], r["framework"], r["newest"]) for r in rows] == [
+        ("checkpoint/step-10", "torchtitan", False),
+        ("checkpoint/step-20", "torchtitan", True),
+    ]
+    assert ckpt("reshard", root, tmp_path / "w3", "--world-size", 3).code == 0
+    assert sorted(p.name for p in (tmp_path / "w3").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]

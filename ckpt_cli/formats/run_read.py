@@ -76,7 +76,9 @@ def read(run: RunCheckpoint, options: ReadOptions) -> Checkpoint:
         world_size=primary.world_size,
         containers=containers,
         details={**primary.details, "framework": run.framework, "parts": _part_rows(parts), "companions": _companion_rows(run)},
-        notes=list(primary.notes) + [f"{run.path}: {p} (not part of the {run.framework} checkpoint; not carried)" for p in run.unknown],
+        notes=list(primary.notes)
+        + [f"{run.path}: {p} (not part of the {run.framework} checkpoint; not carried)" for p in run.unknown]
+        + [f"damaged: {p}" for p in source.problems],
         source=source,
     )
     composite.training_state = _training_state(composite, primary, source)
@@ -99,6 +101,10 @@ def _size(path: os.PathLike[str]) -> int:
 def _parse_companion(comp: Companion, where: str, options: ReadOptions, problems: list[str]) -> Any:
     """The value of a companion that ckpt understands (None for the rest); a damaged one adds a problem."""
     try:
+        if not Path(where).is_file():
+            raise DataError(f"{where}: not a regular file; a run checkpoint's files are copied as they are, so ckpt refuses it")
+        if comp.kind == "other" and _is_pickle(where):  # an unknown pickle is checked like a known one before it is copied
+            return registry.get("torch").reader.read(Path(where), ReadOptions(trust_pickle=options.trust_pickle))
         if comp.relpath.endswith(".json"):
             return json.loads(read_regular_text(where, JSON_LIMIT))
         if comp.kind in PARSED_KINDS:
@@ -118,6 +124,12 @@ def _parse_companion(comp: Companion, where: str, options: ReadOptions, problems
     except OSError as exc:
         problems.append(f"{where}: cannot read ({exc.strerror})")
     return None
+
+
+def _is_pickle(where: str) -> bool:
+    with open_regular(where) as f:
+        magic = f.read(4)
+    return magic == zipio.ZIP_MAGIC or magic[:1] == b"\x80"
 
 
 def _beyond_end(t: TensorEntry, where: str) -> list[str]:
