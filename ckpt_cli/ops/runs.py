@@ -155,10 +155,11 @@ def listing(root: Path, trust_pickle: bool = False) -> list[dict[str, Any]]:
         try:
             ckpt = open_exact(found.path, None, None, trust_pickle)
             problems = structure_problems(ckpt)
-            row |= {"step": ckpt.step, "world_size": ckpt.world_size, "bytes": sum(max(f.bytes, 0) for f in ckpt.files)}
+            step = ckpt.step if ckpt.step is not None or found.framework not in (None, runs.TORCHTITAN) else found.name_step
+            row |= {"step": step, "world_size": ckpt.world_size, "bytes": sum(max(f.bytes, 0) for f in ckpt.files)}
         except DataError as exc:
             problems = [str(exc)]
-            row |= {"step": found.name_step, "world_size": None, "bytes": _du(found.path)}
+            row |= {"step": None, "world_size": None, "bytes": _du(found.path)}
         row |= {"complete": not problems, "problem": problems[0] if problems else None, "newest": False}
         rows.append(row)
     rows = [r for _, r in sorted(enumerate(rows), key=lambda ir: (ir[1]["step"] if ir[1]["step"] is not None else -1, ir[0]))]
