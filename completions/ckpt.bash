@@ -2,7 +2,7 @@
 _ckpt() {
     local cur prev words cword
     _init_completion || return
-    local commands="convert demo inspect merge reshard split verify"
+    local commands="convert demo inspect ls merge reshard split verify"
     if [[ $cword -eq 1 ]]; then
         COMPREPLY=($(compgen -W "$commands --help --version" -- "$cur")); return
     fi
@@ -18,6 +18,7 @@ _ckpt() {
         convert) opts="--to --world-size --dtype --max-shard-size --num-shards --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --layout --zero-stage --ds-config --rename --name-map --per-rank-state --help -h" ;;
         demo) opts="--overwrite --help -h" ;;
         inspect) opts="--json --yaml --tensors --filter --format --tag --trust-pickle --help -h" ;;
+        ls) opts="--json --trust-pickle --help -h" ;;
         merge) opts="--dtype --all --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --help -h" ;;
         reshard) opts="--world-size --num-shards --max-shard-size --dtype --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --layout --rename --name-map --per-rank-state --help -h" ;;
         split) opts="--max-shard-size --num-shards --dtype --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --help -h" ;;

@@ -3,6 +3,7 @@ complete -c ckpt -f
 complete -c ckpt -n '__fish_use_subcommand' -a convert -d 'Convert any readable checkpoint to another format, streamed. Between DeepSpeed and dcp the whole training'
 complete -c ckpt -n '__fish_use_subcommand' -a demo -d 'Write small, real sample checkpoints in every format into DIR, to try every command on.'
 complete -c ckpt -n '__fish_use_subcommand' -a inspect -d 'Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state.'
+complete -c ckpt -n '__fish_use_subcommand' -a ls -d 'List every checkpoint under a run root: framework, format, step, world size, size, complete or not; the'
 complete -c ckpt -n '__fish_use_subcommand' -a merge -d 'All shards into one file: DST.safetensors or DST.pt (model weights unless --all).'
 complete -c ckpt -n '__fish_use_subcommand' -a reshard -d 'Same format, new layout: --world-size N (dcp, deepspeed) or --num-shards/--max-shard-size (hf).'
 complete -c ckpt -n '__fish_use_subcommand' -a split -d 'One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB).'
@@ -44,6 +45,10 @@ complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l format -x -a 'deeps
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l tag -r -d 'Which checkpoint of a run folder (default: latest, else highest step).'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l trust-pickle -d 'Allow pickled classes outside the allow list (runs code from the file).'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l help -s h -d 'Show this message and exit.'
+complete -c ckpt -n '__fish_seen_subcommand_from ls' -F
+complete -c ckpt -n '__fish_seen_subcommand_from ls' -l json -d 'Machine-readable JSON on stdout.'
+complete -c ckpt -n '__fish_seen_subcommand_from ls' -l trust-pickle -d 'Allow pickled classes outside the allow list (runs code from the file).'
+complete -c ckpt -n '__fish_seen_subcommand_from ls' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -F
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision).'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l all -l weights-only -d 'Keep optimizer and training state (torch .pt only); default: model weights.'
