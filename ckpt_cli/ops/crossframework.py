@@ -12,7 +12,7 @@ import dataclasses
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.core.training import NameMap, TrainingFormat, TrainingState, renamed
 from ckpt_cli.core.tree import path_name
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.formats import dcp_training, registry
 
 
@@ -35,7 +35,8 @@ def from_checkpoint(ckpt: Checkpoint, names: NameMap, need_optimizer: bool = Tru
     state.layout = layout
     if not state.moments and need_optimizer:
         raise UsageError(f"{ckpt.path}: the optimizer holds no per-parameter state (saved before the first step?)")
-    if all(fqn.isdigit() for fqn in state.moments) or any(not isinstance(p, str) for g in state.groups for p in g["params"]):
+    by_index = bool(state.moments) and all(fqn.isdigit() for fqn in state.moments)
+    if by_index or any(not isinstance(p, str) for g in state.groups for p in g["params"]):
         raise UsageError(
             f"{ckpt.path}: the optimizer state is keyed by parameter index (optimizer.state_dict()), not by name; "
             "save it with torch.distributed.checkpoint.state_dict.get_state_dict to carry it across frameworks"
@@ -45,13 +46,41 @@ def from_checkpoint(ckpt: Checkpoint, names: NameMap, need_optimizer: bool = Tru
     return renamed(state, names)
 
 
-def by_parameter(ckpt: Checkpoint) -> Checkpoint:
+def by_parameter(ckpt: Checkpoint, strict: bool = True) -> Checkpoint:
     """The checkpoint's weights and optimizer state under neutral names (FQN, optimizer.state.FQN.KEY), so that two
-    checkpoints of one run in different frameworks compare tensor by tensor."""
-    state = from_checkpoint(ckpt, NameMap(), need_optimizer=False)
+    checkpoints of one run in different frameworks compare tensor by tensor. Not `strict`: an optimizer state keyed
+    by parameter index keeps its indices (optimizer.state.I.KEY) instead of being refused."""
+    try:
+        state = from_checkpoint(ckpt, NameMap(), need_optimizer=False)
+    except UsageError:
+        if strict:
+            raise
+        state = training_format(ckpt).read_state(ckpt, need_optimizer=False)
     tensors = {n: dataclasses.replace(e, name=n, path=(n,)) for n, e in state.weights.items()}
     for fqn, keys in state.moments.items():
         for key, entry in keys.items():
             path = ("optimizer", "state", fqn, key)
             tensors[path_name(path)] = dataclasses.replace(entry, name=path_name(path), path=path)
     return dataclasses.replace(ckpt, tensors=tensors)
+
+
+def comparable(a: Checkpoint, b: Checkpoint, flat_too: bool = False) -> tuple[Checkpoint, Checkpoint, str | None]:
+    """The two checkpoints under names that match tensor by tensor, and how they were matched (None: by their own
+    names). When their key layouts differ (one run saved by two frameworks), by parameter name (by_parameter). A flat
+    state dict (no optimizer) is named by FQN already: with `flat_too`, the other side is renamed to meet it (diff),
+    and a side whose training state cannot be read by name keeps its own names; without, both keep theirs (verify)."""
+    layouts = detect_layout(a), detect_layout(b)
+    if layouts[0] == layouts[1] or (not flat_too and "flat" in layouts):
+        return a, b, None
+    sides = []
+    for ckpt, layout in zip((a, b), layouts):
+        if layout == "flat":
+            sides.append(ckpt)
+            continue
+        try:
+            sides.append(by_parameter(ckpt, strict=not flat_too))
+        except CkptError:
+            if not flat_too:
+                raise
+            sides.append(ckpt)
+    return sides[0], sides[1], f"by parameter name ({' vs '.join(sorted(set(layouts)))} key layouts)"

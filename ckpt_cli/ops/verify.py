@@ -23,6 +23,7 @@ from ckpt_cli.ops import crossframework
 from ckpt_cli.ops import policy as policy_mod
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, has_checksums
+from ckpt_cli.ops.values import compare_values
 
 MANIFEST_VERSION = 1
 
@@ -180,9 +181,7 @@ def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], hashes: dict[str,
 
 def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Report) -> None:
     """Tensor-by-tensor comparison across formats (names, dtypes, shapes, values)."""
-    import torch
-
-    sources = SourceFiles()
+    sources_a, sources_b = SourceFiles(), SourceFiles()
     try:
         for name in a.tensors.keys() - b.tensors.keys():
             report.problems.append(f"{b.path}: tensor '{name}' is missing (present in {a.path})")
@@ -199,25 +198,13 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
                     f"{b.path}: tensor '{name}' is {y.dtype}, {a.path} has {x.dtype} (give --atol/--rtol to compare values)"
                 )
                 continue
-            worst = 0.0
-            for start, count in element_windows(x, 8):
-                u, v = read_elements(x, start, count, sources), read_elements(y, start, count, sources)
-                if exact:
-                    if not torch.equal(u.view(torch.uint8), v.view(torch.uint8)):
-                        worst = float("inf")
-                        break
-                    continue
-                u64, v64 = u.to(torch.float64), v.to(torch.float64)
-                same_nan = torch.isnan(u64) == torch.isnan(v64)
-                close = torch.isclose(u64, v64, rtol=rtol, atol=atol, equal_nan=True) & same_nan
-                if not bool(close.all()):
-                    diff = (u64 - v64).abs().nan_to_num(nan=float("inf"))
-                    worst = max(worst, float(diff.max()))
-            if worst:
-                how = "values differ" if exact else f"max |diff| {worst:.3g} exceeds atol={atol} rtol={rtol}"
+            diff = compare_values(x, y, atol, rtol, sources_a, sources_b)
+            if not diff.within(atol, rtol):
+                how = "values differ" if exact else f"max |diff| {diff.max_abs:.3g} exceeds atol={atol} rtol={rtol}"
                 report.problems.append(f"{b.path}: tensor '{name}': {how}")
     finally:
-        sources.close()
+        sources_a.close()
+        sources_b.close()
     report.checks.append(f"against {b.path}")
 
 
@@ -281,11 +268,9 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
             atol = rules.atol
         if rules and rules.rtol is not None and not rtol:
             rtol = rules.rtol
-        mine, theirs = ckpt, other
-        layouts = {crossframework.detect_layout(ckpt), crossframework.detect_layout(other)}
-        if len(layouts) == 2 and "flat" not in layouts:  # one run in two frameworks: match by parameter name
-            mine, theirs = crossframework.by_parameter(ckpt), crossframework.by_parameter(other)
-            report.checks.append(f"by parameter name ({' vs '.join(sorted(layouts))} key layouts)")
+        mine, theirs, matched = crossframework.comparable(ckpt, other)  # one run in two frameworks: by parameter name
+        if matched:
+            report.checks.append(matched)
         compare(mine, theirs, atol, rtol, report)
     if rules:
         report.problems += policy_mod.check(ckpt, rules)
