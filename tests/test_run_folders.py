@@ -144,6 +144,10 @@ def test_reshard_names_what_it_does_with_companions(ckpt, run_folders, tmp_path)
     assert not list((tmp_path / "drop").glob("rng_state*"))
     assert ckpt("reshard", checkpoint, tmp_path / "args", "--world-size", 1, "--trust-pickle").code == 0
     assert (tmp_path / "args" / "training_args.bin").is_file() and not (tmp_path / "args" / "rng_state_1.pth").exists()
+    # the Trainer reads rng_state.pth in a one-process run and rng_state_R.pth otherwise (trainer.py _load_rng_state)
+    assert [p.name for p in (tmp_path / "args").glob("rng_state*")] == ["rng_state.pth"]
+    assert ckpt("reshard", tmp_path / "args", tmp_path / "back", "--world-size", 2).code == 0
+    assert sorted(p.name for p in (tmp_path / "back").glob("rng_state*")) == ["rng_state_0.pth", "rng_state_1.pth"]
     plain = ckpt("reshard", run_folders["trainer-plain"], tmp_path / "plain", "--world-size", 3)
     assert plain.code == 2 and "nothing to reshard" in plain.err and not (tmp_path / "plain").exists()
 
@@ -217,3 +221,26 @@ def test_torchtitan_step_folders(ckpt, fsdp2_saves, tmp_path):
     ]
     assert ckpt("reshard", root, tmp_path / "w3", "--world-size", 3).code == 0
     assert sorted(p.name for p in (tmp_path / "w3").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+
+
+def test_pointed_too_high_names_the_runs(ckpt, run_folders):
+    """A folder holding several runs: which is newest is the user's call; the error names them, ls lists all."""
+    top = run_folders["trainer-ds2"].parent
+    res = ckpt("inspect", top)
+    assert res.code == 2 and "runs (" in res.err and str(top / "trainer-ds2") in res.err, res.err
+    rows = json.loads(ckpt("ls", top, "--json").out)["checkpoints"]
+    newest = sorted(r["path"] for r in rows if r["newest"])
+    assert "trainer-ds2/checkpoint-4" in newest and "accelerate-ds/checkpoints/checkpoint_1" in newest
+    assert all(r["complete"] for r in rows) and len(rows) >= 12
+
+
+def test_hf_export_carries_the_tokenizer_and_names_the_rest(ckpt, run_folders, tmp_path):
+    copy = tmp_path / "checkpoint-4"
+    shutil.copytree(run_folder_checkpoint(run_folders["trainer-plain"]), copy)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "merges.txt"):
+        (copy / name).write_text("{}")
+    res = ckpt("convert", copy, tmp_path / "hf", "--to", "hf", "--weights-only")
+    assert res.code == 0, res.err
+    written = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "merges.txt"} <= set(written)
+    assert "not carried" in res.err and "trainer_state.json" in res.err and "optimizer.pt" not in written

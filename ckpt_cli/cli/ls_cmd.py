@@ -17,8 +17,10 @@ Root = Annotated[Path, typer.Argument(help="A run root: the folder a training ru
 
 
 def ls(root: Root, json_: Json = False, trust_pickle: TrustPickle = False) -> None:
-    """List every checkpoint under a run root: framework, format, step, world size, size, complete or not; the
-    newest complete one is marked. Exit 1 when none is complete."""
+    """List every checkpoint under a run root, marking the newest complete one of each run.
+
+    Each row: path, framework, format, step, world size, size, and whether the structural check passes.
+    Exit 1 when none is complete."""
     if not root.is_dir():
         raise UsageError(f"{root}: not a folder" if root.exists() else f"{root}: no such file or folder")
     rows = runs.listing(root, trust_pickle)
@@ -42,5 +44,5 @@ def render(rows: list[dict[str, Any]]) -> str:
         size = human_bytes(r["bytes"])
         lines.append(f"{mark} {r['path']:<{width}}  {cells[0]:<10} {cells[1]:<11} {cells[2]!s:>6} {cells[3]!s:>5} {size:>10}  {state}")
     if any(r["newest"] for r in rows):
-        lines.append("* the newest complete checkpoint (what inspect, verify and convert use when given the root)")
+        lines.append("* the newest complete checkpoint of its run (what inspect, verify and convert use when given the run)")
     return "\n".join(lines)

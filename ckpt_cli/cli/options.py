@@ -64,7 +64,7 @@ PerRankState = Annotated[
     str,
     typer.Option(
         "--per-rank-state",
-        help="Per-rank values (keys rank_R / dp_rank_R) under a new world size: wrap (new rank r takes old rank r mod W), "
-        "first (all take rank 0's) or drop.",
+        help="Per-rank values (keys rank_R / dp_rank_R; a run folder's rng_state_R / random_states_R files) under a new "
+        "world size: wrap (new rank r takes old rank r mod W), first (all take rank 0's) or drop.",
     ),
 ]

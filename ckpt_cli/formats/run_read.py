@@ -21,7 +21,7 @@ from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text
 from ckpt_cli.errors import DataError
-from ckpt_cli.formats import registry
+from ckpt_cli.formats import registry, runs
 from ckpt_cli.formats.runs import Companion, Part, RunCheckpoint
 
 JSON_LIMIT = 64 * 2**20  # trainer_state.json holds the log history: generous, but bounded
@@ -46,6 +46,7 @@ def is_run(ckpt: Checkpoint) -> bool:
 
 def read(run: RunCheckpoint, options: ReadOptions) -> Checkpoint:
     parts = [(part, _read_part(run, part, options)) for part in run.parts]
+    parts = [(_nesting(part, ckpt), ckpt) for part, ckpt in parts]
     source = RunSource(run, parts)
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, ObjectEntry] = {}
@@ -84,6 +85,15 @@ def read(run: RunCheckpoint, options: ReadOptions) -> Checkpoint:
     composite.training_state = _training_state(composite, primary, source)
     composite.step = _framework_state(source, objects).get("global_step", primary.step)
     return composite
+
+
+def _nesting(part: Part, ckpt: Checkpoint) -> Part:
+    """The key the model weights are nested under, as this checkpoint has it: Lightning's sharded checkpoints use
+    `model` (FSDPStrategy) or `state_dict` (ModelParallelStrategy)."""
+    tops = {str(t.path[0]) for t in ckpt.tensors.values() if (part.role or t.role) == "model" and len(t.path) > 1}
+    if part.model_prefix and len(tops) == 1 and (top := tops.pop()) in runs.NESTING_KEYS:
+        return dataclasses.replace(part, model_prefix=f"{top}.")
+    return part
 
 
 def _read_part(run: RunCheckpoint, part: Part, options: ReadOptions) -> Checkpoint:

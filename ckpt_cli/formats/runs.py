@@ -24,7 +24,9 @@ CUSTOM = re.compile(r"custom_checkpoint_\d+\.pkl")  # accelerate register_for_ch
 FSDP_MODEL = re.compile(r"pytorch_model_fsdp_(\d+)")  # Trainer / accelerate FSDP sharded state dict (DCP)
 FSDP_OPTIM = re.compile(r"optimizer_(\d+)")
 TORCHTITAN_STEP = re.compile(r"step-(\d+)")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bin")  # the last: accelerate FSDP FULL_STATE_DICT
+TOKENIZER_FILES = {"special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model"}
+NESTING_KEYS = ("model", "state_dict", "module")  # keys a framework nests the model weights under
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
 
 
@@ -43,7 +45,7 @@ class Part:
 @dataclass(frozen=True)
 class Companion:
     """A framework file beside the parts. kind: trainer_state, scheduler, rng, framework_state, custom, args,
-    config, script, weights_copy or other. `rank`: the process whose state a per-rank file holds."""
+    config, tokenizer, script, weights_copy or other. `rank`: the process whose state a per-rank file holds."""
 
     relpath: str
     kind: str
@@ -156,6 +158,8 @@ def _companion(name: str, beside_deepspeed: bool) -> Companion:
         return Companion(name, "framework_state")
     if name == "training_args.bin":
         return Companion(name, "args")
+    if name.startswith(("tokenizer", "chat_template")) or name in TOKENIZER_FILES:
+        return Companion(name, "tokenizer")
     if name in WEIGHT_FILES and beside_deepspeed:  # the Trainer's 16-bit copy beside the ZeRO files
         return Companion(name, "weights_copy")
     if name.endswith(".json"):

@@ -20,6 +20,7 @@ from ckpt_cli.formats import registry, run_read, runs
 from ckpt_cli.ops.request import Job, Request
 from ckpt_cli.ops.structure import structure_problems
 
+NAME_STEP = re.compile(r"(?:step|checkpoint)[-_=]?(\d+)", re.IGNORECASE)
 SEARCH_DEPTH = 4  # Lightning: ROOT/lightning_logs/version_0/checkpoints/NAME.ckpt
 # Files inside run checkpoints that the root search must not take for checkpoints of their own.
 COMPANION_FILE = re.compile(r"(training_args\.bin|optimizer.*|scheduler.*|rng_state.*|random_states.*|custom_checkpoint.*|meta\.pt)")
@@ -35,11 +36,14 @@ class Found:
 
     @property
     def name_step(self) -> int | None:
-        digits = re.findall(r"\d+", self.path.name)
-        return int(digits[-1]) if digits else None
+        """The step a name states (checkpoint-500, epoch=0-step=4.ckpt, step-100, step_100.pt, global_step7,
+        accelerate's checkpoint_3 counts saves); None for names without one (last.ckpt, epoch=3-val_loss=0.12.ckpt)."""
+        named = NAME_STEP.findall(self.path.name)
+        return int(named[-1]) if named else None
 
     def order(self) -> tuple[int, int]:
-        """Oldest first: by the step in the name (checkpoint-500, step=4.ckpt, step-100), then by modification time."""
+        """Oldest first: by the step in the name, then by modification time; names without a step (Lightning's
+        last.ckpt, a copy of a newer one) come first, so a stated step wins."""
         step = self.name_step
         try:
             mtime = self.path.stat().st_mtime_ns
@@ -106,6 +110,10 @@ def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) 
         ckpt = open_exact(named[0].path, None, None, trust_pickle)
         ckpt.tag = ckpt.tag or tag
         return ckpt
+    parents = sorted({str(f.path.parent.relative_to(root)) for f in found})
+    if len(parents) > 1:  # several runs (or Lightning versions): which one is "newest" is the user's call
+        shown = ", ".join(f"{root / p}" for p in parents[:4]) + (f" and {len(parents) - 4} more" if len(parents) > 4 else "")
+        raise UsageError(f"{root}: holds the checkpoints of {len(parents)} runs ({shown}); point at one (ckpt ls {root} lists them all)")
     skipped: list[str] = []
     for candidate in reversed(found):
         try:
@@ -147,9 +155,9 @@ def part_note(path: Path) -> str | None:
 
 
 def listing(root: Path, trust_pickle: bool = False) -> list[dict[str, Any]]:
-    """One row per checkpoint under `root`, oldest first: path, framework, format, step, world size, bytes,
-    complete (a quick structural check), problem, newest (the newest complete one)."""
-    rows = []
+    """One row per checkpoint under `root`, in choose()'s order (oldest first): path, framework, format, step, world size, bytes,
+    complete (a quick structural check), problem, newest (the newest complete one of its run)."""
+    rows: list[tuple[Path, dict[str, Any]]] = []
     for found in find(root):
         row: dict[str, Any] = {"path": relative(found, root), "framework": found.framework, "format": found.format}
         try:
@@ -161,12 +169,12 @@ def listing(root: Path, trust_pickle: bool = False) -> list[dict[str, Any]]:
             problems = [str(exc)]
             row |= {"step": None, "world_size": None, "bytes": _du(found.path)}
         row |= {"complete": not problems, "problem": problems[0] if problems else None, "newest": False}
-        rows.append(row)
-    rows = [r for _, r in sorted(enumerate(rows), key=lambda ir: (ir[1]["step"] if ir[1]["step"] is not None else -1, ir[0]))]
-    complete = [r for r in rows if r["complete"]]
-    if complete:
-        complete[-1]["newest"] = True
-    return rows
+        rows.append((found.path.parent, row))
+    for parent in {p for p, _ in rows}:  # what choose() takes: the last complete one of each run (one run, one folder)
+        complete = [r for p, r in rows if p == parent and r["complete"]]
+        if complete:
+            complete[-1]["newest"] = True
+    return [r for _, r in rows]
 
 
 def _du(path: Path) -> int:
@@ -215,8 +223,9 @@ def _plan_export(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:
     view = export_view(ckpt) if export else dataclasses.replace(ckpt, source=source.parts[0][1].source if len(source.parts) == 1 else None)
     job = plan_one(view, request)
     carried = []
-    if job.plan.format == "hf":  # the model's config beside its weights, as from_pretrained wants them
-        carried = [c for c in source.run.companions if c.kind == "config" and c.relpath not in {f.relpath for f in job.plan.files}]
+    if job.plan.format == "hf":  # the model's config and tokenizer beside its weights, as from_pretrained wants them
+        written = {f.relpath for f in job.plan.files}
+        carried = [c for c in source.run.companions if c.kind in ("config", "tokenizer") and c.relpath not in written]
         job.plan.files += [OutputFile(c.relpath, [_file_copy(source.run.path / c.relpath)]) for c in carried]
     left = [c.relpath for c in source.run.companions if c not in carried]
     if left:
@@ -249,8 +258,8 @@ def _companion_files(source: run_read.RunSource, request: Request) -> tuple[list
         if comp.kind == "args" and not request.source.trust_pickle:
             why = "a pickle of the framework's arguments, outside the allow list; pass --trust-pickle to copy it"
             notes.append(f"not carried: {comp.relpath} ({why})")
-        elif comp.kind == "rng" and comp.rank is not None:
-            ranked.append(comp)
+        elif comp.kind == "rng" and (comp.rank is not None or source.run.framework == runs.TRAINER):
+            ranked.append(comp if comp.rank is not None else dataclasses.replace(comp, rank=0))  # one process: rank 0
         else:
             out.append(OutputFile(comp.relpath, [_file_copy(path)]))
     world, rule = request.write.world_size, request.cross.per_rank
@@ -262,7 +271,8 @@ def _companion_files(source: run_read.RunSource, request: Request) -> tuple[list
                 src = by_rank.get(r % old if rule == "wrap" else 0)
                 if src is None:
                     raise DataError(f"{source.run.path}: no per-rank file for rank {r % old} ({ranked[0].relpath} and others)")
-                out.append(OutputFile(_rank_name(src.relpath, r), [_file_copy(source.run.path / src.relpath)]))
+                name = _rank_file(src.relpath, r, world, source.run.framework)
+                out.append(OutputFile(name, [_file_copy(source.run.path / src.relpath)]))
         if old != world or rule != "wrap":
             how = {"wrap": f"rank r gets rank r mod {old}'s", "first": "every rank gets rank 0's", "drop": "none written"}[rule]
             notes.append(f"per-rank files {_rank_name(ranked[0].relpath, 'R')} ({old} ranks -> {world}): rule '{rule}': {how}")
@@ -272,7 +282,17 @@ def _companion_files(source: run_read.RunSource, request: Request) -> tuple[list
 
 
 def _rank_name(name: str, rank: int | str) -> str:
-    return re.sub(r"_(\d+)\.(pth|pkl)$", lambda m: f"_{rank}.{m.group(2)}", name)
+    """rng_state_R.pth / random_states_R.pkl for `rank` (the Trainer's one-process rng_state.pth too)."""
+    stem, dot, ext = name.rpartition(".")
+    base = re.sub(r"_\d+$", "", stem)
+    return f"{base}_{rank}{dot}{ext}"
+
+
+def _rank_file(name: str, rank: int, world: int, framework: str) -> str:
+    """The Trainer reads rng_state.pth in a one-process run and rng_state_R.pth otherwise (trainer.py _load_rng_state)."""
+    if framework == runs.TRAINER and world == 1:
+        return re.sub(r"_\d+\.pth$", ".pth", _rank_name(name, 0))
+    return _rank_name(name, rank)
 
 
 def _file_copy(path: Path) -> TensorData:
