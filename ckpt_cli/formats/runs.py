@@ -136,7 +136,8 @@ def _parts(path: Path, entries: dict[str, Path], dcp_prefix: str) -> tuple[list[
         if "model.safetensors.index.json" in entries:
             parts.append(Part("", "hf", "model"))
         else:
-            parts += [Part(n, "safetensors" if n.endswith(".safetensors") else "torch", "model") for n in WEIGHT_FILES if n in entries]
+            weights = next((n for n in WEIGHT_FILES if n in entries), None)  # the first: a second is a copy (Trainer FSDP full)
+            parts += [Part(weights, "safetensors" if weights.endswith(".safetensors") else "torch", "model")] if weights else []
         if parts:
             parts += [Part(n, "torch", "optimizer") for n in OPTIMIZER_FILES if n in entries]
     claimed = {p.relpath for p in parts}
