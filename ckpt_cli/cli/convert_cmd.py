@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from ckpt_cli import api
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import (
     AddPrefix,
@@ -35,38 +35,10 @@ from ckpt_cli.cli.options import (
     WorldSize,
     ZeroStage,
 )
-from ckpt_cli.core import dtypes
 from ckpt_cli.core.distributed import is_main_process
-from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.sizes import human_bytes, parse_size
-from ckpt_cli.core.training import PER_RANK_RULES, NameMap
-from ckpt_cli.errors import Interrupted, Terminated, UsageError
-from ckpt_cli.formats.dcp_training import LAYOUTS
+from ckpt_cli.core.sizes import human_bytes
+from ckpt_cli.errors import Interrupted, Terminated
 from ckpt_cli.formats.registry import FORMATS
-from ckpt_cli.ops import convert as convert_op
-from ckpt_cli.ops.transform import Transform
-
-
-def _transform(dtype: str, weights_only: bool, select: list[str] | None, strip: str | None, add: str | None) -> Transform:
-    cast = None if dtype == "keep" else dtypes.by_name(dtype)
-    return Transform(tuple(select or ()), strip, add, weights_only, cast)
-
-
-def _write_options(world_size: int | None, max_shard_size: str | None, num_shards: int | None) -> WriteOptions:
-    if max_shard_size and num_shards:
-        raise UsageError("give --max-shard-size or --num-shards, not both")
-    return WriteOptions(parse_size(max_shard_size) if max_shard_size else None, num_shards, world_size)
-
-
-def _cross_options(
-    layout: str | None, zero_stage: int | None, ds_config: Path | None, rename: list[str] | None, name_map: Path | None, per_rank: str
-) -> convert_op.CrossOptions:
-    if layout is not None and layout not in LAYOUTS:
-        raise UsageError(f"--layout is one of {', '.join(LAYOUTS)}, not '{layout}'")
-    if per_rank not in PER_RANK_RULES:
-        raise UsageError(f"--per-rank-state is one of {', '.join(PER_RANK_RULES)}, not '{per_rank}'")
-    names = (NameMap.from_yaml(name_map) if name_map else NameMap()).with_renames(rename or [])
-    return convert_op.CrossOptions(layout, zero_stage, ds_config, names, per_rank, bool(rename or name_map))
 
 
 @dataclass(frozen=True)
@@ -80,44 +52,37 @@ class Output:
     workers: int | None = None
 
 
-def plan_text(job: convert_op.Job) -> str:
+def plan_text(report: api.WriteReport) -> str:
     """What --dry-run prints: the files, their sizes and the notes."""
-    d = convert_op.describe(job)
-    lines = [f"plan: write {d['format']} to {d['destination']} ({len(d['files'])} files, {human_bytes(d['total_bytes'])})"]
-    lines += [f"  {f['path']}  {human_bytes(f['bytes'])}  {f['tensors']} tensors" for f in d["files"]]
+    lines = [f"plan: write {report.format} to {report.destination} ({len(report.files)} files, {human_bytes(report.total_bytes)})"]
+    lines += [f"  {f['path']}  {human_bytes(f['bytes'])}  {f['tensors']} tensors" for f in report.files]
     lines.append(
-        f"estimated peak memory: {human_bytes(d['estimated_peak_rss'])} (largest tensor {human_bytes(d['largest_tensor_bytes'])}, streamed)"
+        f"estimated peak memory: {human_bytes(report.estimated_peak_rss)} "
+        f"(largest tensor {human_bytes(report.largest_tensor_bytes)}, streamed)"
     )
-    lines += [f"note: {n}" for n in d["notes"]]
+    lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
 
 
-def _run(request: convert_op.Request, out: Output) -> None:
+def _run(request: api.Request, out: Output) -> None:
     quiet = out.quiet or not is_main_process()  # under torchrun, rank 0 speaks for all
     dest = request.dest
-    job = convert_op.prepare(request)
+    prepared = api.prepare(request)
     if out.dry_run:
-        if dest.exists() and not out.overwrite:
-            job.notes.append(f"{dest} exists: the real run needs --overwrite")
-        elif out.overwrite:
-            try:
-                convert_op.check_destination(job, out.overwrite)
-            except UsageError as exc:
-                job.notes.append(f"the real run will refuse: {exc}")
-        output.emit_json(convert_op.describe(job)) if out.json else output.emit(plan_text(job))
+        report = prepared.dry_run(out.overwrite)
+        output.emit_json(report.to_json()) if out.json else output.emit(plan_text(report))
         return
-    if is_main_process():
-        convert_op.check_destination(job, out.overwrite)
-    for note in job.notes:
+    prepared.check_destination(out.overwrite)
+    for note in prepared.notes:
         output.info(f"note: {note}", quiet)
-    with output.progress(job.plan.total_bytes, f"{job.plan.format} -> {dest.name}", quiet) as bar:
+    with output.progress(prepared.total_bytes, f"{prepared.format} -> {dest.name}", quiet) as bar:
         try:
-            convert_op.run(job, out.overwrite, bar, out.workers)
+            report = prepared.write(out.overwrite, bar, out.workers)
         except KeyboardInterrupt as exc:
             terminated = isinstance(exc, Terminated)
             what = "terminated (SIGTERM)" if terminated else "interrupted"
             raise Interrupted(f"{what}; nothing was written to {dest}", terminated) from None
-    output.info(f"wrote {job.plan.format} {dest} ({len(job.plan.files)} files, {human_bytes(job.plan.total_bytes)})", quiet)
+    output.info(f"wrote {report.format} {dest} ({len(report.files)} files, {human_bytes(report.total_bytes)})", quiet)
 
 
 def convert(
@@ -151,15 +116,12 @@ def convert(
 ) -> None:
     """Convert any readable checkpoint to another format, streamed. Between DeepSpeed and dcp the whole training
     state moves (weights, Adam moments, param groups, step, scheduler, dataloader), so a run resumes in the other framework."""
-    request = convert_op.Request(
-        src,
-        dest,
-        to,
-        convert_op.SourceOptions(format_, tag, trust_pickle),
-        _transform(dtype, weights_only, select, strip_prefix, add_prefix),
-        _write_options(world_size, max_shard_size, num_shards),
-        _cross_options(layout, zero_stage, ds_config, rename, name_map, per_rank_state),
-    )
+    request = api.convert_request(
+        src, dest, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
+        weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
+        trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
+        per_rank_state=per_rank_state,
+    )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers))
 
 
@@ -188,15 +150,11 @@ def reshard(
     per_rank_state: PerRankState = "wrap",
 ) -> None:
     """Same format, new layout: --world-size N (dcp, deepspeed) or --num-shards/--max-shard-size (hf)."""
-    request = convert_op.Request(
-        src,
-        dest,
-        None,  # the source's own format
-        convert_op.SourceOptions(format_, tag, trust_pickle),
-        _transform(dtype, weights_only, select, strip_prefix, add_prefix),
-        _write_options(world_size, max_shard_size, num_shards),
-        _cross_options(layout, None, None, rename, name_map, per_rank_state),
-    )
+    request = api.reshard_request(
+        src, dest, world_size=world_size, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
+        weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
+        trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
+    )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers))
 
 
@@ -220,13 +178,10 @@ def merge(
     workers: Workers = None,
 ) -> None:
     """All shards into one file: DST.safetensors or DST.pt (model weights unless --all)."""
-    request = convert_op.Request(
-        src,
-        dest,
-        convert_op.merge_target(dest, all_),
-        convert_op.SourceOptions(format_, tag, trust_pickle),
-        _transform(dtype, not all_, select, strip_prefix, add_prefix),
-    )
+    request = api.merge_request(
+        src, dest, keep_all=all_, dtype=dtype, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix,
+        format=format_, tag=tag, trust_pickle=trust_pickle,
+    )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers))
 
 
@@ -249,12 +204,8 @@ def split(
     workers: Workers = None,
 ) -> None:
     """One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB)."""
-    request = convert_op.Request(
-        src,
-        dest,
-        "hf",
-        convert_op.SourceOptions(format_, tag, trust_pickle),
-        _transform(dtype, True, select, strip_prefix, add_prefix),
-        _write_options(None, max_shard_size, num_shards),
-    )
+    request = api.split_request(
+        src, dest, max_shard_size=max_shard_size, num_shards=num_shards, dtype=dtype, select=select, strip_prefix=strip_prefix,
+        add_prefix=add_prefix, format=format_, tag=tag, trust_pickle=trust_pickle,
+    )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers))

@@ -6,11 +6,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ckpt_cli import api
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Format, Json, Source, Tag, TrustPickle
 from ckpt_cli.core.sizes import human_bytes
-from ckpt_cli.ops import inspect as inspect_op
-from ckpt_cli.ops.source import open_checkpoint
 
 
 def inspect(
@@ -19,16 +18,30 @@ def inspect(
     yaml_: Annotated[bool, typer.Option("--yaml", help="YAML on stdout.")] = False,
     tensors: Annotated[bool, typer.Option("--tensors", help="Add the table of tensors (name, dtype, shape, role).")] = False,
     filter_: Annotated[Optional[list[str]], typer.Option("--filter", help="Only tensors matching this glob (repeatable).")] = None,
+    tree: Annotated[
+        bool,
+        typer.Option(
+            "--tree",
+            help="The module tree: parameters, bytes and dtypes per module, repeated blocks folded (layers.{0..31} ×32); "
+            "model weights, optimizer and other state one line each (--filter opens them).",
+        ),
+    ] = False,
+    depth: Annotated[Optional[int], typer.Option("--depth", help="--tree: show N levels below each role.", min=0)] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="--tree as a Markdown table, for a model card.")] = False,
     format_: Format = None,
     tag: Tag = None,
     trust_pickle: TrustPickle = False,
 ) -> None:
     """Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state."""
-    runs = inspect_op.run_root(src) if tag is None and format_ is None else None
-    ckpt = open_checkpoint(src, format_, tag, trust_pickle)
-    doc = inspect_op.summary(ckpt, tuple(filter_ or ()))
-    if runs:
-        doc["tags"] = runs
+    if tree or depth is not None or markdown:
+        with api.open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt:
+            view = ckpt.tree(depth, filter_ or ())
+        if json_ or yaml_:
+            output.emit_json(view.to_json()) if json_ else output.emit_yaml(view.to_json())
+        else:
+            output.emit(view.markdown() if markdown else view.text())
+        return
+    doc = api.inspect(src, filters=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
     if json_:
         output.emit_json(doc)
     elif yaml_:

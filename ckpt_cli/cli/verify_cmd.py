@@ -7,10 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from ckpt_cli import api
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Format, Json, Source, Tag, TrustPickle
-from ckpt_cli.ops.verify import VerifyOptions
-from ckpt_cli.ops.verify import verify as verify_op
 
 MAX_SHOWN = 20
 
@@ -40,21 +39,10 @@ def verify(
     ] = False,
 ) -> None:
     """Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare."""
-    options = VerifyOptions(
-        format=format_,
-        tag=tag,
-        trust_pickle=trust_pickle,
-        deep=deep,
-        finite=finite,
-        write_manifest=write_manifest,
-        overwrite=overwrite,
-        manifest=manifest,
-        against=against,
-        atol=atol,
-        rtol=rtol,
-        policy=policy,
-    )
-    report = verify_op(src, options)
+    report = api.verify(
+        src, deep=deep, finite=finite, against=against, atol=atol, rtol=rtol, manifest=manifest, write_manifest=write_manifest,
+        overwrite=overwrite, policy=policy, format=format_, tag=tag, trust_pickle=trust_pickle,
+    )  # fmt: skip
     if json_:
         output.emit_json(report.to_json())
     elif report.ok:

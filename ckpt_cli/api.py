@@ -1,0 +1,405 @@
+"""The Python API: what the `ckpt` commands do, as functions for notebooks and training scripts.
+
+    import ckpt_cli
+
+    with ckpt_cli.open("demo/dcp") as ckpt:          # metadata only: no tensor data is read
+        ckpt.format, ckpt.step, ckpt.world_size       # 'dcp', 3, 1
+        ckpt.tensors["model.embed.weight"]            # TensorInfo(dtype='float32', shape=(96, 32), role='model', ...)
+        w = ckpt.tensor("model.embed.weight")         # a torch.Tensor, streamed from its pieces
+        a = ckpt.numpy("model.norm.weight")           # a numpy array (no torch needed when no cast is)
+        print(ckpt.tree())                            # what `ckpt inspect --tree` prints
+    report = ckpt_cli.verify("demo/hf", deep=True)     # the Report `ckpt verify` prints; report.ok
+    ckpt_cli.convert("demo/dcp", "out/hf", to="hf", weights_only=True)  # a WriteReport
+
+Errors are `ckpt_cli.errors` exceptions, all `CkptError`s: `UsageError` when the call is wrong (no such
+path, an unknown format, dtype or tensor name, an option the target does not take, a destination that
+exists without `overwrite=True`); `DataError` when the checkpoint is corrupt, truncated or inconsistent;
+`UnsafePickleError` (a `DataError`) when a pickle names a global outside the allow list and `trust_pickle`
+is not set (nothing was executed). A KeyboardInterrupt during a write propagates unchanged, once the staged
+output is removed. The CLI is a thin layer over these functions; this module never imports `ckpt_cli.cli`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ckpt_cli.core import model as core_model
+from ckpt_cli.core import roles
+from ckpt_cli.core.dtypes import by_name
+from ckpt_cli.core.model import FileInfo
+from ckpt_cli.core.reading import SourceFiles
+from ckpt_cli.errors import UsageError
+from ckpt_cli.ops import inspect as inspect_op
+from ckpt_cli.ops import tensor_read, tree_view
+from ckpt_cli.ops.request import Request
+from ckpt_cli.ops.source import open_checkpoint
+from ckpt_cli.ops.tree_view import Tree
+from ckpt_cli.ops.verify import Report, VerifyOptions
+from ckpt_cli.ops.verify import verify as verify_op
+from ckpt_cli.ops.writes import (
+    PreparedWrite,
+    Size,
+    WriteReport,
+    convert_request,
+    merge_request,
+    prepare,
+    reshard_request,
+    split_request,
+)
+
+__all__ = [
+    "Checkpoint",
+    "PreparedWrite",
+    "Report",
+    "Request",
+    "TensorInfo",
+    "Tree",
+    "WriteReport",
+    "convert",
+    "convert_request",
+    "inspect",
+    "merge",
+    "merge_request",
+    "open",
+    "prepare",
+    "reshard",
+    "reshard_request",
+    "split",
+    "split_request",
+    "verify",
+]
+
+Progress = Callable[[int], None]  # called with the number of bytes written since the last call
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's metadata: dtype name (torch's: 'float32', 'bfloat16'), global shape, role ('model',
+    'optimizer' or 'other') and how many stored pieces (shards, partitions) hold it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    role: str
+    pieces: int
+    numel: int
+    nbytes: int
+
+
+class Checkpoint:
+    """An opened checkpoint (from `ckpt_cli.open`): its metadata, and its tensors read on request.
+
+    Use it as a context manager, or call `close()`, to close the files that reads opened."""
+
+    def __init__(self, ckpt: core_model.Checkpoint) -> None:
+        self._ckpt = ckpt
+        self._sources = SourceFiles()
+        self._tensors = {
+            t.name: TensorInfo(t.name, t.dtype.name, t.shape, t.role, len(t.pieces), t.numel, t.nbytes) for t in ckpt.tensors.values()
+        }
+
+    # Metadata --------------------------------------------------------------------------------------------
+
+    @property
+    def raw(self) -> core_model.Checkpoint:
+        """The reader's own model of the checkpoint (ckpt_cli.core.model.Checkpoint): pieces, files, objects."""
+        return self._ckpt
+
+    @property
+    def path(self) -> str:
+        return self._ckpt.path
+
+    @property
+    def format(self) -> str:
+        """'deepspeed', 'dcp', 'hf', 'safetensors' or 'torch' (a run folder: the format of its parts)."""
+        return self._ckpt.format
+
+    @property
+    def tag(self) -> str | None:
+        return self._ckpt.tag
+
+    @property
+    def step(self) -> int | None:
+        return self._ckpt.step
+
+    @property
+    def world_size(self) -> int | None:
+        return self._ckpt.world_size
+
+    @property
+    def files(self) -> list[FileInfo]:
+        return list(self._ckpt.files)
+
+    @property
+    def notes(self) -> list[str]:
+        """What opening chose (a run's newest checkpoint, a tag), as `inspect` prints it."""
+        return list(self._ckpt.notes)
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every tensor, by name, in the checkpoint's order."""
+        return dict(self._tensors)
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        """The non-tensor values (step, scheduler, RNG, client state), parsed through the allow list; a value it
+        refused is an `Opaque` naming the global."""
+        return {o.name: o.value for o in self._ckpt.objects.values()}
+
+    @property
+    def training_state(self) -> dict[str, Any]:
+        """Optimizer, lr scheduler, RNG, dataloader and client state, summarised as `inspect` shows them."""
+        return roles.describe_training_state(self._ckpt)
+
+    def summary(self, filters: Sequence[str] = ()) -> dict[str, Any]:
+        """The `ckpt inspect --json` document (tensors matching the globs `filters`, or all)."""
+        return inspect_op.summary(self._ckpt, tuple(filters))
+
+    def tree(self, depth: int | None = None, filters: Sequence[str] = (), expand: Sequence[str] | None = None) -> Tree:
+        """The module tree `ckpt inspect --tree` prints (`str(tree)`, `tree.markdown()`, `tree.to_json()`)."""
+        return tree_view.build(self._ckpt, tuple(filters), depth, tuple(expand) if expand is not None else None)
+
+    # Data ------------------------------------------------------------------------------------------------
+
+    def entry(self, name: str) -> core_model.TensorEntry:
+        """The reader's entry for tensor `name` (its pieces); UsageError naming close names if there is none."""
+        entry = self._ckpt.tensors.get(name)
+        if entry is None:
+            close = difflib.get_close_matches(name, list(self._ckpt.tensors), n=3)
+            hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+            raise UsageError(f"{self.path}: no tensor named '{name}'{hint}")
+        return entry
+
+    def tensor(self, name: str, dtype: str | None = None) -> Any:
+        """Tensor `name` as a torch.Tensor of its global shape, read piece by piece straight into it (cast to
+        `dtype`, e.g. 'float32', if given). DataError when its bytes are missing or truncated."""
+        return tensor_read.read_torch(self.entry(name), self._sources, by_name(dtype) if dtype else None)
+
+    def numpy(self, name: str, dtype: str | None = None) -> Any:
+        """Tensor `name` as a numpy.ndarray; without a cast and with contiguous pieces, torch is not imported.
+        numpy has no bfloat16 or float8: those raise UsageError unless `dtype` casts them."""
+        return tensor_read.read_numpy(self.entry(name), self._sources, by_name(dtype) if dtype else None)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.tensor(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    # Lifetime --------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the files tensor reads opened (reading again reopens them)."""
+        self._sources.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        step = f", step={self.step}" if self.step is not None else ""
+        world = f", world_size={self.world_size}" if self.world_size else ""
+        return f"<ckpt_cli.Checkpoint {self.format} {self.path!r}: {len(self)} tensors{step}{world}>"
+
+
+def open(path: str | Path, *, format: str | None = None, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
+    """Open a checkpoint of any supported format, or a run folder (its newest complete checkpoint, or `tag`),
+    reading metadata only. `format` skips detection; `trust_pickle` lets pickles name globals outside the
+    allow list (this runs code from the file). UsageError when nothing readable is there."""
+    return Checkpoint(open_checkpoint(path, format, tag, trust_pickle))
+
+
+def inspect(
+    path: str | Path, *, filters: Sequence[str] = (), format: str | None = None, tag: str | None = None, trust_pickle: bool = False
+) -> dict[str, Any]:
+    """The `ckpt inspect --json` document; for a run root, `tags` lists every checkpoint under it."""
+    runs = inspect_op.run_root(Path(path)) if tag is None and format is None else None
+    doc = inspect_op.summary(open_checkpoint(path, format, tag, trust_pickle), tuple(filters))
+    if runs:
+        doc["tags"] = runs
+    return doc
+
+
+def verify(
+    path: str | Path,
+    *,
+    deep: bool = False,
+    finite: bool = False,
+    against: str | Path | None = None,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    manifest: str | Path | None = None,
+    write_manifest: str | Path | None = None,
+    overwrite: bool = False,
+    policy: str | Path | None = None,
+    format: str | None = None,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+) -> Report:
+    """Check a checkpoint as `ckpt verify` does and return its Report: `ok`, `problems` (one line each, naming
+    the file), `checks`, `stats`, `nonfinite`, `to_json()`. A damaged checkpoint is a report with problems, not
+    an exception; a wrong call (a missing `against`, an unreadable policy) raises UsageError."""
+    options = VerifyOptions(
+        format=format,
+        tag=tag,
+        trust_pickle=trust_pickle,
+        deep=deep,
+        finite=finite,
+        write_manifest=_path(write_manifest),
+        overwrite=overwrite,
+        manifest=_path(manifest),
+        against=_path(against),
+        atol=atol,
+        rtol=rtol,
+        policy=_path(policy),
+    )
+    return verify_op(path, options)
+
+
+def _path(value: str | Path | None) -> Path | None:
+    return Path(value) if value is not None else None
+
+
+def _finish(request: Request, overwrite: bool, dry_run: bool, workers: int | None, progress: Progress | None) -> WriteReport:
+    prepared = prepare(request)
+    if dry_run:
+        return prepared.dry_run(overwrite)
+    return prepared.write(overwrite, progress, workers)
+
+
+def convert(
+    src: str | Path,
+    dest: str | Path,
+    *,
+    to: str,
+    world_size: int | None = None,
+    dtype: str = "keep",
+    max_shard_size: Size | None = None,
+    num_shards: int | None = None,
+    weights_only: bool = False,
+    select: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    format: str | None = None,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+    layout: str | None = None,
+    zero_stage: int | None = None,
+    ds_config: str | Path | None = None,
+    rename: Sequence[str] | None = None,
+    name_map: str | Path | None = None,
+    per_rank_state: str = "wrap",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> WriteReport:
+    """`ckpt convert`: write `src` as format `to` ('hf', 'safetensors', 'torch', 'dcp', 'deepspeed') at `dest`,
+    streamed, and return what was written (`dry_run=True`: what would be, writing nothing). Between DeepSpeed and
+    dcp the whole training state moves (`world_size` needed). Options as the CLI's flags of the same names."""
+    request = convert_request(
+        src, dest, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
+        weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
+        trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
+        per_rank_state=per_rank_state,
+    )  # fmt: skip
+    return _finish(request, overwrite, dry_run, workers, progress)
+
+
+def reshard(
+    src: str | Path,
+    dest: str | Path,
+    *,
+    world_size: int | None = None,
+    num_shards: int | None = None,
+    max_shard_size: Size | None = None,
+    dtype: str = "keep",
+    weights_only: bool = False,
+    select: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    format: str | None = None,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+    layout: str | None = None,
+    rename: Sequence[str] | None = None,
+    name_map: str | Path | None = None,
+    per_rank_state: str = "wrap",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> WriteReport:
+    """`ckpt reshard`: the same format in a new layout, `world_size` (dcp, deepspeed) or `num_shards` /
+    `max_shard_size` (hf: bytes, or '5GB')."""
+    request = reshard_request(
+        src, dest, world_size=world_size, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
+        weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
+        trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
+    )  # fmt: skip
+    return _finish(request, overwrite, dry_run, workers, progress)
+
+
+def merge(
+    src: str | Path,
+    dest: str | Path,
+    *,
+    keep_all: bool = False,
+    dtype: str = "keep",
+    select: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    format: str | None = None,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> WriteReport:
+    """`ckpt merge`: every shard into one `dest` .safetensors or .pt; model weights, or everything with
+    `keep_all=True` (.pt only)."""
+    request = merge_request(
+        src, dest, keep_all=keep_all, dtype=dtype, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix,
+        format=format, tag=tag, trust_pickle=trust_pickle,
+    )  # fmt: skip
+    return _finish(request, overwrite, dry_run, workers, progress)
+
+
+def split(
+    src: str | Path,
+    dest: str | Path,
+    *,
+    max_shard_size: Size | None = None,
+    num_shards: int | None = None,
+    dtype: str = "keep",
+    select: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    format: str | None = None,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> WriteReport:
+    """`ckpt split`: the model weights into a Hugging Face folder of shards (default at most 5GB each) and its index."""
+    request = split_request(
+        src, dest, max_shard_size=max_shard_size, num_shards=num_shards, dtype=dtype, select=select, strip_prefix=strip_prefix,
+        add_prefix=add_prefix, format=format, tag=tag, trust_pickle=trust_pickle,
+    )  # fmt: skip
+    return _finish(request, overwrite, dry_run, workers, progress)

@@ -1,0 +1,277 @@
+"""The writing commands as requests built from plain values, a prepared write, and the report of what it wrote.
+
+`convert`, `reshard`, `merge` and `split` differ only in the Request they build (target format and layout);
+the Python API (ckpt_cli/api.py) and the CLI both build them here, prepare them (metadata only: the plan)
+and run them, so that both check, plan and word things the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core import dtypes
+from ckpt_cli.core.distributed import is_main_process
+from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.core.sizes import parse_size
+from ckpt_cli.core.training import PER_RANK_RULES, NameMap
+from ckpt_cli.errors import UsageError
+from ckpt_cli.formats.dcp_training import LAYOUTS
+from ckpt_cli.ops import convert as convert_op
+from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
+from ckpt_cli.ops.transform import Transform
+
+Size = int | str  # bytes, or as users write them: 5GB, 500MB, 2GiB
+
+
+def transform(
+    dtype: str = "keep",
+    weights_only: bool = False,
+    select: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+) -> Transform:
+    cast = None if dtype == "keep" else dtypes.by_name(dtype)
+    return Transform(tuple(select or ()), strip_prefix, add_prefix, weights_only, cast)
+
+
+def write_options(world_size: int | None, max_shard_size: Size | None, num_shards: int | None) -> WriteOptions:
+    if max_shard_size and num_shards:
+        raise UsageError("give --max-shard-size or --num-shards, not both")
+    if world_size is not None and world_size < 1 or num_shards is not None and num_shards < 1:
+        raise UsageError("--world-size and --num-shards are at least 1")
+    size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    if size is not None and size <= 0:
+        raise UsageError(f"size must be positive, got '{max_shard_size}'")
+    return WriteOptions(size or None, num_shards, world_size)
+
+
+def cross_options(
+    layout: str | None = None,
+    zero_stage: int | None = None,
+    ds_config: str | Path | None = None,
+    rename: Sequence[str] | None = None,
+    name_map: str | Path | None = None,
+    per_rank: str = "wrap",
+) -> CrossOptions:
+    if layout is not None and layout not in LAYOUTS:
+        raise UsageError(f"--layout is one of {', '.join(LAYOUTS)}, not '{layout}'")
+    if per_rank not in PER_RANK_RULES:
+        raise UsageError(f"--per-rank-state is one of {', '.join(PER_RANK_RULES)}, not '{per_rank}'")
+    names = (NameMap.from_yaml(Path(name_map)) if name_map else NameMap()).with_renames(list(rename or []))
+    config = Path(ds_config) if ds_config is not None else None
+    return CrossOptions(layout, zero_stage, config, names, per_rank, bool(rename or name_map))
+
+
+@dataclass
+class WriteReport:
+    """What a write wrote (or, for a dry run, would write): the target format, destination, files with their
+    sizes and tensor counts, total bytes, the estimated peak memory and the notes (what was dropped, tied,
+    chosen). `written` is False for a dry run. `to_json()` is the document `--dry-run --json` prints."""
+
+    format: str
+    destination: str
+    files: list[dict[str, Any]]
+    total_bytes: int
+    tensor_bytes: int
+    largest_tensor_bytes: int
+    estimated_peak_rss: int
+    notes: list[str]
+    placement: dict[str, str]  # tensor name -> file
+    written: bool = False
+
+    @classmethod
+    def of(cls, job: Job, written: bool) -> WriteReport:
+        d = convert_op.describe(job)
+        return cls(
+            d["format"],
+            d["destination"],
+            d["files"],
+            d["total_bytes"],
+            d["tensor_bytes"],
+            d["largest_tensor_bytes"],
+            d["estimated_peak_rss"],
+            list(d["notes"]),
+            d["placement"],
+            written,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "destination": self.destination,
+            "files": self.files,
+            "total_bytes": self.total_bytes,
+            "tensor_bytes": self.tensor_bytes,
+            "largest_tensor_bytes": self.largest_tensor_bytes,
+            "estimated_peak_rss": self.estimated_peak_rss,
+            "notes": self.notes,
+            "placement": self.placement,
+        }
+
+
+@dataclass
+class PreparedWrite:
+    """A planned write (the source opened and checked, the destination's files laid out), not yet run."""
+
+    request: Request
+    job: Job
+
+    @property
+    def notes(self) -> list[str]:
+        """What the plan chose or drops (tied weights written once, state a target cannot hold), for the user."""
+        return self.job.notes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.job.plan.total_bytes
+
+    @property
+    def format(self) -> str:
+        return self.job.plan.format
+
+    def dry_run(self, overwrite: bool = False) -> WriteReport:
+        """The plan, with a note when the real run would refuse the destination."""
+        dest = self.request.dest
+        if dest.exists() and not overwrite:
+            self.job.notes.append(f"{dest} exists: the real run needs --overwrite")
+        elif overwrite:
+            try:
+                convert_op.check_destination(self.job, overwrite)
+            except UsageError as exc:
+                self.job.notes.append(f"the real run will refuse: {exc}")
+        return WriteReport.of(self.job, written=False)
+
+    def check_destination(self, overwrite: bool = False) -> None:
+        """UsageError (before any work) when the destination exists and may not be replaced; under torchrun, rank 0 checks."""
+        if is_main_process():
+            convert_op.check_destination(self.job, overwrite)
+
+    def write(self, overwrite: bool = False, progress: Callable[[int], None] | None = None, workers: int | None = None) -> WriteReport:
+        """Run the write (staged, then committed at once; on error or interrupt nothing is left at the destination)."""
+        self.check_destination(overwrite)
+        convert_op.run(self.job, overwrite, progress, workers)
+        return WriteReport.of(self.job, written=True)
+
+
+def prepare(request: Request) -> PreparedWrite:
+    """Open the source, refuse what verify would reject, and plan the write (nothing is written)."""
+    return PreparedWrite(request, convert_op.prepare(request))
+
+
+def convert_request(
+    src: str | Path,
+    dest: str | Path,
+    *,
+    to: str,
+    world_size: int | None = None,
+    dtype: str = "keep",
+    max_shard_size: Size | None = None,
+    num_shards: int | None = None,
+    weights_only: bool = False,
+    select: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    format: str | None = None,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+    layout: str | None = None,
+    zero_stage: int | None = None,
+    ds_config: str | Path | None = None,
+    rename: Sequence[str] | None = None,
+    name_map: str | Path | None = None,
+    per_rank_state: str = "wrap",
+) -> Request:
+    """`convert`: any readable checkpoint to the format `to`."""
+    return Request(
+        Path(src),
+        Path(dest),
+        to,
+        SourceOptions(format, tag, trust_pickle),
+        transform(dtype, weights_only, select, strip_prefix, add_prefix),
+        write_options(world_size, max_shard_size, num_shards),
+        cross_options(layout, zero_stage, ds_config, rename, name_map, per_rank_state),
+    )
+
+
+def reshard_request(
+    src: str | Path,
+    dest: str | Path,
+    *,
+    world_size: int | None = None,
+    num_shards: int | None = None,
+    max_shard_size: Size | None = None,
+    dtype: str = "keep",
+    weights_only: bool = False,
+    select: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    format: str | None = None,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+    layout: str | None = None,
+    rename: Sequence[str] | None = None,
+    name_map: str | Path | None = None,
+    per_rank_state: str = "wrap",
+) -> Request:
+    """`reshard`: the source's own format in a new layout (world size, or shards)."""
+    return Request(
+        Path(src),
+        Path(dest),
+        None,  # the source's own format
+        SourceOptions(format, tag, trust_pickle),
+        transform(dtype, weights_only, select, strip_prefix, add_prefix),
+        write_options(world_size, max_shard_size, num_shards),
+        cross_options(layout, None, None, rename, name_map, per_rank_state),
+    )
+
+
+def merge_request(
+    src: str | Path,
+    dest: str | Path,
+    *,
+    keep_all: bool = False,
+    dtype: str = "keep",
+    select: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    format: str | None = None,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+) -> Request:
+    """`merge`: every shard into one DEST.safetensors or DEST.pt (model weights, unless `keep_all`)."""
+    dest = Path(dest)
+    return Request(
+        Path(src),
+        dest,
+        convert_op.merge_target(dest, keep_all),
+        SourceOptions(format, tag, trust_pickle),
+        transform(dtype, not keep_all, select, strip_prefix, add_prefix),
+    )
+
+
+def split_request(
+    src: str | Path,
+    dest: str | Path,
+    *,
+    max_shard_size: Size | None = None,
+    num_shards: int | None = None,
+    dtype: str = "keep",
+    select: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+    format: str | None = None,
+    tag: str | None = None,
+    trust_pickle: bool = False,
+) -> Request:
+    """`split`: the model weights into a Hugging Face sharded folder with an index."""
+    return Request(
+        Path(src),
+        Path(dest),
+        "hf",
+        SourceOptions(format, tag, trust_pickle),
+        transform(dtype, True, select, strip_prefix, add_prefix),
+        write_options(None, max_shard_size, num_shards),
+    )
