@@ -13,7 +13,7 @@ from typing import Any
 import typer
 
 from ckpt_cli import __version__
-from ckpt_cli.cli import convert_cmd, demo_cmd, inspect_cmd, ls_cmd, verify_cmd
+from ckpt_cli.cli import convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, verify_cmd
 from ckpt_cli.cli.output import error
 from ckpt_cli.core import interrupt
 from ckpt_cli.errors import CkptError, Terminated, UnsafePickleError
@@ -54,6 +54,7 @@ app.command("merge")(convert_cmd.merge)
 app.command("split")(convert_cmd.split)
 app.command("demo")(demo_cmd.demo)
 app.command("ls")(ls_cmd.ls)
+app.command("diff")(diff_cmd.diff)
 
 
 def _hint(exc: CkptError) -> str:

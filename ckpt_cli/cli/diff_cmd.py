@@ -1,0 +1,126 @@
+"""`ckpt diff A B`: exit 0 when equal (within --atol/--rtol), 1 when not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ckpt_cli.cli import output
+from ckpt_cli.cli.options import Json, TrustPickle
+from ckpt_cli.formats.registry import FORMATS
+from ckpt_cli.ops.diff import DiffOptions, DiffReport
+from ckpt_cli.ops.diff import diff as diff_op
+
+MAX_GROUPS = 20  # group rows shown (--json lists all)
+MAX_NAMES = 8  # names shown per list
+
+SideA = Annotated[Path, typer.Argument(metavar="A", help="The first checkpoint (any format, or a run folder).", show_default=False)]
+SideB = Annotated[Path, typer.Argument(metavar="B", help="The second checkpoint (any format, or a run folder).", show_default=False)]
+
+
+def diff(
+    a: SideA,
+    b: SideB,
+    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance: |a-b| <= atol + rtol*|b| (default: bit-exact).")] = 0.0,
+    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance, as torch.allclose (default: bit-exact).")] = 0.0,
+    filter_: Annotated[Optional[list[str]], typer.Option("--filter", help="Only tensors whose names match this glob (repeatable).")] = None,
+    depth: Annotated[
+        Optional[int], typer.Option("--depth", help="Group by the first N name components (default: up to the layer index).", min=1)
+    ] = None,
+    json_: Json = False,
+    format_a: Annotated[Optional[str], typer.Option("--format-a", help=f"Format of A (default: detected): {', '.join(FORMATS)}.")] = None,
+    format_b: Annotated[Optional[str], typer.Option("--format-b", help="Format of B (default: detected).")] = None,
+    tag_a: Annotated[Optional[str], typer.Option("--tag-a", help="Which checkpoint of run folder A (default: the newest).")] = None,
+    tag_b: Annotated[Optional[str], typer.Option("--tag-b", help="Which checkpoint of run folder B (default: the newest).")] = None,
+    trust_pickle: TrustPickle = False,
+) -> None:
+    """Compare two checkpoints: tensors added, removed, renamed or changed (max |a-b|, relative L2, cosine), training state."""
+    options = DiffOptions(atol, rtol, tuple(filter_ or ()), depth, format_a, format_b, tag_a, tag_b, trust_pickle)
+    report = diff_op(a, b, options)
+    if json_:
+        output.emit_json(report.to_json())
+    else:
+        output.emit(render(report))
+    if not report.equal:
+        raise typer.Exit(1)
+
+
+def _num(x: float | None, spec: str = ".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _few(items: list[str]) -> str:
+    more = f", ... ({len(items) - MAX_NAMES} more)" if len(items) > MAX_NAMES else ""
+    return ", ".join(items[:MAX_NAMES]) + more
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={val}" for k, val in v.items())
+    return str(v)
+
+
+def _verdict(report: DiffReport) -> str:
+    tolerance = "bit-exact" if report.exact else f"within atol={report.atol:g} rtol={report.rtol:g}"
+    if report.equal:
+        return f"equal ({tolerance})"
+    c = report.counts()
+    parts = [f"{c['differ']} tensors differ ({tolerance})"] if c["differ"] else []
+    labels = {
+        "only_in_a": "only in A",
+        "only_in_b": "only in B",
+        "renamed": "renamed",
+        "shape_changed": "shape changed",
+        "dtype_changed": "dtype changed",
+        "training_state": "training-state values differ",
+    }
+    parts += [f"{c[k]} {label}" for k, label in labels.items() if c[k] and (k != "dtype_changed" or report.exact)]
+    return "different: " + ", ".join(parts)
+
+
+def render(report: DiffReport) -> str:
+    c = report.counts()
+    head = f"{c['matched']} tensors by {report.matched_by}: {c['identical']} identical"
+    if not report.exact:
+        head += f", {c['within_tolerance']} within tolerance"
+    head += f", {c['differ']} differ" if c["differ"] else ""
+    lines = [
+        f"A        {report.a.path} ({report.a.format}, {report.a.tensors} tensors)",
+        f"B        {report.b.path} ({report.b.format}, {report.b.tensors} tensors)",
+        f"matched  {head}",
+        f"result   {_verdict(report)}",
+    ]
+    changed = {t.group for t in report.tensors if not t.values.identical}
+    groups = [g for g in report.groups() if g.group in changed]
+    if groups:
+        width = max([len(g.group) for g in groups[:MAX_GROUPS]] + [5])
+        lines += ["", f"{'group':<{width}}  tensors  differ  max |a-b|     rel L2      cosine  worst tensor"]
+        for g in groups[:MAX_GROUPS]:
+            lines.append(
+                f"{g.group:<{width}}  {g.tensors:>7}  {g.differ:>6}  {_num(g.max_abs):>9}  {_num(g.rel_l2):>9}"
+                f"  {_num(g.cosine, '.6f'):>10}  {g.worst}"
+            )
+        if len(groups) > MAX_GROUPS:
+            lines.append(f"... and {len(groups) - MAX_GROUPS} more groups (--json lists all)")
+    lists = [
+        ("only in A", report.only_in_a),
+        ("only in B", report.only_in_b),
+        ("renamed", [f"{x} -> {y}" for x, y in report.renamed]),
+        ("shape changed", [f"{d['name']} {d['a']} -> {d['b']}" for d in report.shape_changed]),
+        ("dtype changed", [f"{d['name']} {d['a']} -> {d['b']}" for d in report.dtype_changed]),
+    ]
+    shown = [(label, items) for label, items in lists if items]
+    if shown:
+        lines.append("")
+        lines += [f"{label} ({len(items)}): {_few(items)}" for label, items in shown]
+    if report.training_state:
+        lines += ["", "training state (A -> B)"]
+        width = max(len(d["key"]) for d in report.training_state)
+        lines += [f"  {d['key']:<{width}}  {_value(d['a'])} -> {_value(d['b'])}" for d in report.training_state]
+    lines += [f"note: {t['side'].upper()}: {t['name']} is tied to {t['tied_to']} (the same data): not a difference" for t in report.tied]
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
