@@ -15,7 +15,9 @@ and times, on each source, `ckpt inspect`, `ckpt verify --deep`, the conversions
 (split, merge, convert, reshard) and, beside each conversion, the peer a user would otherwise run on
 the same input (a full load + save with safetensors / huggingface_hub, torch's dcp_to_torch_save,
 DeepSpeed's zero_to_fp32.py and ds_to_universal), and `cp -r` of the source, without and with a
-`sync` (ckpt fsyncs what it writes): the physical floor.
+`sync` (ckpt fsyncs what it writes): the physical floor. On the safetensors file, `ckpt diff` against
+the hf folder of the same tensors (identical bytes: compared as bytes) and against a bf16 copy made
+by `ckpt convert --dtype bf16` before each run, untimed (every value compared, --rtol 1e-2).
 
 Every run: the previous output removed, the input read once with `cat` (warm page cache, the same
 for every tool), `sync`; wall time is the median of --repeat runs, peak RSS the largest (see
@@ -94,6 +96,7 @@ class Task:
     out: Path | None = None  # what it writes (removed before every run)
     peer: str | None = None  # key of the peer task, for ckpt tasks
     multi_file: bool = False  # writes several files: also timed at --workers 1 and 2
+    setup: list[str] | None = None  # run before each timed run, not timed (makes what the command compares against)
 
 
 @dataclass
@@ -146,7 +149,17 @@ def tasks(group: str, src: Path, out: Path) -> list[Task]:
         Task("verify", "ckpt verify --deep", "ckpt", [*CKPT, "verify", "--deep", str(src)]),
     ]
     if group == "safetensors":
+        hf = src.with_name(src.name.replace("model-", "hf-", 1).removesuffix(".safetensors"))  # built beside it
+        bf16 = o / "bf16.safetensors"
         rows += [
+            Task("diff", "ckpt diff (the same tensors as an hf folder)", "ckpt", [*CKPT, "diff", str(src), str(hf)]),
+            Task(
+                "diff_bf16",
+                "ckpt diff --rtol 1e-2 (a bf16 copy: every value compared)",
+                "ckpt",
+                [*CKPT, "diff", str(src), str(bf16), "--rtol", "1e-2"],
+                setup=[*CKPT, "convert", str(src), str(bf16), "--to", "safetensors", "--dtype", "bf16", "--overwrite", "-q"],
+            ),
             Task(
                 "split",
                 f"ckpt split --max-shard-size {SHARD}",
@@ -345,6 +358,8 @@ def run_task(task: Task, group: str, src: Path, size: float, repeat: int, worker
         if task.out:
             remove(task.out)
             task.out.parent.mkdir(parents=True, exist_ok=True)
+        if task.setup:
+            subprocess.run(task.setup, stdout=subprocess.DEVNULL, check=True, env=env)
         warm(src)
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}

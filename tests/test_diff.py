@@ -119,10 +119,24 @@ def test_two_steps_of_a_trainer_run(ckpt, run_folders, name):
     keys = {e["key"]: e for e in d["training_state"]}
     assert keys["step"]["a"] == 2 and keys["step"]["b"] == 4
     assert any(k.startswith("lr_scheduler.") for k in keys), keys
+    assert keys["param_groups.0.lr"]["a"] < keys["param_groups.0.lr"]["b"]  # warmup
     text = ckpt("diff", run_folder_checkpoint(root, 2), run_folder_checkpoint(root, 4)).out
-    assert "training state (A -> B)" in text and "step" in text and "model.layers." in text
+    assert "training state (A -> B)" in text and "  step " in text and "param_groups.0.lr" in text
     # a step against itself
     assert ckpt("diff", run_folder_checkpoint(root, 4), root).code == 0
+
+
+def test_one_run_in_deepspeed_and_fsdp2_matches_by_parameter_name(ckpt, run_folders):
+    """Trainer on DeepSpeed ZeRO-2 and on FSDP2 (DCP, model and optimizer parts): the same run, reduced in another
+    order; weights and AdamW state match by parameter name and agree to float32 rounding."""
+    ds, fsdp = run_folder_checkpoint(run_folders["trainer-ds2"]), run_folder_checkpoint(run_folders["trainer-fsdp2"])
+    d = doc(ckpt("diff", ds, fsdp, "--json"))
+    assert d["matched_by"] == "parameter name (deepspeed vs get_state_dict key layouts)"
+    assert d["counts"]["matched"] == 21 + 3 * 21 and not d["only_in_a"] and not d["only_in_b"] and not d["training_state"]
+    assert d["counts"]["differ"] > 0 and all(t["rel_l2"] < 1e-5 and t["cosine"] > 0.99999 for t in d["tensors"])
+    assert {g["group"] for g in d["groups"]} >= {"model.layers.0", "optimizer.state.model.layers.0"}
+    res = ckpt("diff", ds, fsdp, "--rtol", "1e-5", "--atol", "1e-8")
+    assert res.code == 0 and "equal (within atol=1e-08 rtol=1e-05)" in res.out, res.out
 
 
 def test_a_tampered_copy_names_the_tensor(ckpt, mixed_files, tmp_path):

@@ -14,7 +14,7 @@ from ckpt_cli.ops.diff import DiffOptions, DiffReport
 from ckpt_cli.ops.diff import diff as diff_op
 
 MAX_GROUPS = 20  # group rows shown (--json lists all)
-MAX_NAMES = 8  # names shown per list
+MAX_NAMES = 4  # names shown per list
 
 SideA = Annotated[Path, typer.Argument(metavar="A", help="The first checkpoint (any format, or a run folder).", show_default=False)]
 SideB = Annotated[Path, typer.Argument(metavar="B", help="The second checkpoint (any format, or a run folder).", show_default=False)]
@@ -111,12 +111,14 @@ def render(report: DiffReport) -> str:
         ("only in B", report.only_in_b),
         ("renamed", [f"{x} -> {y}" for x, y in report.renamed]),
         ("shape changed", [f"{d['name']} {d['a']} -> {d['b']}" for d in report.shape_changed]),
-        ("dtype changed", [f"{d['name']} {d['a']} -> {d['b']}" for d in report.dtype_changed]),
     ]
-    shown = [(label, items) for label, items in lists if items]
+    casts: dict[str, list[str]] = {}
+    for d in report.dtype_changed:
+        casts.setdefault(f"{d['a']} -> {d['b']}", []).append(d["name"])
+    shown = [f"{label} ({len(items)}): {_few(items)}" for label, items in lists if items]
+    shown += [f"dtype changed ({len(names)}): {cast}: {_few(names)}" for cast, names in casts.items()]
     if shown:
-        lines.append("")
-        lines += [f"{label} ({len(items)}): {_few(items)}" for label, items in shown]
+        lines += ["", *shown]
     if report.training_state:
         lines += ["", "training state (A -> B)"]
         width = max(len(d["key"]) for d in report.training_state)

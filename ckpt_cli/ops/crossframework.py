@@ -13,7 +13,7 @@ from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.core.training import NameMap, TrainingFormat, TrainingState, renamed
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.formats import dcp_training, registry
+from ckpt_cli.formats import dcp_training, registry, run_read
 
 
 def training_format(ckpt: Checkpoint) -> TrainingFormat:
@@ -50,12 +50,15 @@ def by_parameter(ckpt: Checkpoint, strict: bool = True) -> Checkpoint:
     """The checkpoint's weights and optimizer state under neutral names (FQN, optimizer.state.FQN.KEY), so that two
     checkpoints of one run in different frameworks compare tensor by tensor. Not `strict`: an optimizer state keyed
     by parameter index keeps its indices (optimizer.state.I.KEY) instead of being refused."""
+    holder = ckpt
+    if run_read.is_run(ckpt) and len(ckpt.source.parts) == 1:  # a Trainer/accelerate folder holding one DeepSpeed checkpoint
+        holder = ckpt.source.parts[0][1]
     try:
-        state = from_checkpoint(ckpt, NameMap(), need_optimizer=False)
+        state = from_checkpoint(holder, NameMap(), need_optimizer=False)
     except UsageError:
         if strict:
             raise
-        state = training_format(ckpt).read_state(ckpt, need_optimizer=False)
+        state = training_format(holder).read_state(holder, need_optimizer=False)
     tensors = {n: dataclasses.replace(e, name=n, path=(n,)) for n, e in state.weights.items()}
     for fqn, keys in state.moments.items():
         for key, entry in keys.items():

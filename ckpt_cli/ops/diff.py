@@ -362,6 +362,11 @@ def training_summary(ckpt: Checkpoint) -> dict[str, dict[str, Any] | None]:
 
 
 def _param_groups(ckpt: Checkpoint) -> list[dict[str, Any]]:
+    """As saved: one pickled list (torch files, DeepSpeed, a Trainer's optimizer.pt), else as the format's training
+    reader finds them (DCP's flattened leaves, torchtitan's per-parameter ones)."""
+    for obj in ckpt.objects.values():
+        if obj.path and str(obj.path[-1]) == "param_groups" and isinstance(obj.value, list):
+            return [g for g in obj.value if isinstance(g, dict)]
     try:
         return crossframework.training_format(ckpt).read_state(ckpt, need_optimizer=False).groups
     except CkptError:
