@@ -229,32 +229,34 @@ def index_ranges(indices: list[int]) -> str:
 
 
 def _difference_note(trie: _Trie, path: str, groups: list[list[str]]) -> str:
-    where = path or "(top level)"
-    labels = ["{" + index_ranges([int(k) for k in g]) + "}" if len(g) > 1 else g[0] for g in groups]
-    first = trie.children[groups[0][0]]
-    diffs = [f"{label}: {_first_difference(first, trie.children[g[0]], '')}" for label, g in zip(labels[1:], groups[1:])]
-    shown = "; ".join(diffs[:3]) + (f"; ... ({len(diffs) - 3} more)" if len(diffs) > 3 else "")
-    return f"{where}: numbered blocks of {len(groups)} structures, not folded together ({shown}; compared with {labels[0]})"
+    """`layers.31 differs from layers.{0..30}: mlp.weight is float32 [10, 4], not float32 [12, 4]` (against the largest group)."""
+
+    def label(keys: list[str]) -> str:
+        name = "{" + index_ranges([int(k) for k in keys]) + "}" if len(keys) > 1 else keys[0]
+        return f"{path}.{name}" if path else name
+
+    main = max(groups, key=len)
+    first = trie.children[main[0]]
+    diffs = [f"{label(g)} differs from {label(main)}: {_first_difference(first, trie.children[g[0]], '')}" for g in groups if g is not main]
+    return "; ".join(diffs[:3]) + (f"; ... ({len(diffs) - 3} more)" if len(diffs) > 3 else "")
 
 
 def _first_difference(a: _Trie, b: _Trie, prefix: str) -> str:
-    """The first name where two subtrees differ: only in one of them, or another shape or dtype."""
+    """The first name where `b` differs from `a`: missing, extra, or another shape or dtype."""
     if a.entry is not None or b.entry is not None:
         if a.entry is None or b.entry is None:
             return f"{prefix or 'it'} is a tensor in one and a module in the other"
-        sa, sb = (a.entry.dtype.name, list(a.entry.shape)), (b.entry.dtype.name, list(b.entry.shape))
-        if sa != sb:
-            return f"{prefix} {sb[0]} {sb[1]} vs {sa[0]} {sa[1]}"
-        return f"{prefix} tied in one only"
+        sa, sb = f"{a.entry.dtype.name} {list(a.entry.shape)}", f"{b.entry.dtype.name} {list(b.entry.shape)}"
+        return f"{prefix} is {sb}, not {sa}" if sa != sb else f"{prefix} is tied in one only"
     for key in [*a.children, *(k for k in b.children if k not in a.children)]:
         name = f"{prefix}.{key}" if prefix else key
         if key not in b.children:
-            return f"no {name}"
+            return f"{name} missing"
         if key not in a.children:
-            return f"has {name}"
+            return f"{name} extra"
         if a.children[key].signature != b.children[key].signature:
             return _first_difference(a.children[key], b.children[key], name)
-    return "same structure in another order"
+    return "the same names in another order"
 
 
 def _compress(node: TreeNode) -> TreeNode:
