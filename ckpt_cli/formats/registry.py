@@ -9,7 +9,18 @@ from pathlib import Path
 from ckpt_cli.core.interface import Reader, Writer
 from ckpt_cli.core.training import TrainingFormat
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats import dcp, dcp_training, dcp_writer, deepspeed, deepspeed_training, deepspeed_writer, hf, safetensors, torch_save
+from ckpt_cli.formats import (
+    dcp,
+    dcp_training,
+    dcp_writer,
+    deepspeed,
+    deepspeed_training,
+    deepspeed_writer,
+    dtensor_ranks,
+    hf,
+    safetensors,
+    torch_save,
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,9 @@ FORMATS: dict[str, Format] = {
             True,
             reshard_by="world_size",
             training=dcp_training.TRAINING,
+        ),
+        Format(
+            "dtensor", dtensor_ranks.READER, None, "per-rank torch.save of DTensor shards (verl, SkyRL): model_world_size_W_rank_R.pt", True
         ),
         Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json", False, reshard_by="shards"),
         Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file", False),
