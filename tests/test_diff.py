@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -268,9 +270,22 @@ def test_windows_are_bounded_and_groups(monkeypatch, ckpt, tmp_path):
     monkeypatch.setattr("ckpt_cli.ops.values.read_elements", spy)
     d = doc(ckpt("diff", tmp_path / "a.safetensors", tmp_path / "c.safetensors", "--json"))
     assert d["tensors"][0]["mismatched"] == 1 and d["tensors"][0]["max_abs"] == pytest.approx(1.0)
+    a64, c64 = big.double(), changed.double()  # the first windows were equal: their norms count all the same
+    assert d["tensors"][0]["rel_l2"] == pytest.approx(float((a64 - c64).norm() / a64.norm()), rel=1e-9)
+    assert d["tensors"][0]["cosine"] == pytest.approx(float(a64 @ c64 / (a64.norm() * c64.norm())), rel=1e-12)
     d = doc(ckpt("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--rtol", "1e-2", "--json"))
     assert d["equal"] and d["tensors"][0]["cosine"] > 0.9999
     assert largest and max(largest) <= reading.BLOCK_BYTES
+
+
+def test_identical_plain_bytes_need_no_torch(mixed_files):
+    """Tensors stored plainly and identical are compared as bytes: torch is never imported (memory stays small)."""
+    probe = (
+        "import sys\nfrom ckpt_cli.ops.diff import diff, DiffOptions\n"
+        f"assert diff({str(mixed_files['safetensors'])!r}, {str(mixed_files['hf'])!r}, DiffOptions()).equal\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True)
 
 
 def test_group_of():

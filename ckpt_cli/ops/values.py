@@ -3,17 +3,18 @@
 `verify --against` and `diff` compare through this. Both tensors are read window by window (at most
 BLOCK_BYTES of stored elements, widened to float64 for the arithmetic), so memory stays a small
 multiple of a window whatever the tensor's size. Tensors of the same dtype are compared as bytes
-first: identical ones cost one read of each side and no arithmetic.
+first: identical ones cost one read of each side, no arithmetic and (stored plainly) no torch.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_cli.core.model import TensorEntry
-from ckpt_cli.core.reading import BLOCK_BYTES, SourceFiles, element_windows, read_elements
+from ckpt_cli.core.model import ZEROS, TensorEntry
+from ckpt_cli.core.reading import BLOCK_BYTES, ByteRun, SourceFiles, byte_runs, element_windows, read_elements
 
 WIDE = 8  # bytes per element of the arithmetic (float64)
 
@@ -57,6 +58,7 @@ class ValueDiff:
 
 
 def _add_norms(diff: ValueDiff, u: Any, v: Any) -> None:
+    """The norms and the dot product over the elements finite on both sides (float64 windows)."""
     import torch
 
     finite = torch.isfinite(u) & torch.isfinite(v)
@@ -79,10 +81,29 @@ def _wide(values: Any, complex_pair: bool) -> Any:
     return torch.view_as_real(values).reshape(-1).to(torch.float64)
 
 
-def _add_window(diff: ValueDiff, u: Any, v: Any, atol: float, rtol: float, complex_pair: bool) -> None:
+def _add_window(diff: ValueDiff, u: Any, v: Any, atol: float, rtol: float) -> None:
+    """One window of float64 values: the finite case in a few passes, NaN and infinities as torch.isclose has them."""
     import torch
 
-    u, v = _wide(u, complex_pair), _wide(v, complex_pair)
+    aa, bb, ab = float(torch.dot(u, u)), float(torch.dot(v, v)), float(torch.dot(u, v))
+    if not (math.isfinite(aa) and math.isfinite(bb) and math.isfinite(ab)):  # a NaN or an infinity in the window
+        _add_nonfinite_window(diff, u, v, atol, rtol)
+        return
+    diff.sq_a, diff.sq_b, diff.dot = diff.sq_a + aa, diff.sq_b + bb, diff.dot + ab
+    gap = u - v
+    diff.sq_diff += float(torch.dot(gap, gap))
+    gap.abs_()
+    worst = float(gap.max()) if gap.numel() else 0.0
+    diff.max_abs = max(diff.max_abs, worst)
+    if worst <= atol:
+        return
+    bound = v.abs().mul_(rtol).add_(atol) if rtol else atol
+    diff.mismatched += int((gap > bound).sum())
+
+
+def _add_nonfinite_window(diff: ValueDiff, u: Any, v: Any, atol: float, rtol: float) -> None:
+    import torch
+
     close = torch.isclose(u, v, rtol=rtol, atol=atol, equal_nan=True)
     diff.mismatched += int((~close).sum())
     gap = (u - v).abs_()
@@ -97,31 +118,64 @@ def _add_window(diff: ValueDiff, u: Any, v: Any, atol: float, rtol: float, compl
 
 def compare_values(a: TensorEntry, b: TensorEntry, atol: float, rtol: float, sources_a: SourceFiles, sources_b: SourceFiles) -> ValueDiff:
     """Compare two tensors of the same shape, element by element, reading a window of each at a time."""
-    import torch
-
     diff = ValueDiff(a.numel, a.dtype == b.dtype)
-    complex_pair = "complex" in a.dtype.name or "complex" in b.dtype.name
     begin = 0
     if diff.dtype_equal:
-        first = None
-        for start, count in element_windows(a):
-            u, v = read_elements(a, start, count, sources_a), read_elements(b, start, count, sources_b)
-            if not torch.equal(u.view(torch.uint8), v.view(torch.uint8)):
-                first = start
-                break
+        first = first_difference(a, b, sources_a, sources_b)
         if first is None:
             diff.identical = True
             return diff
-        for start, count in _windows(0, first):  # equal so far: their norms still count
-            u = _wide(read_elements(a, start, count, sources_a), complex_pair)
-            _add_norms(diff, u, u)
-        begin = first
-    for start, count in _windows(begin, a.numel):
-        _add_window(diff, read_elements(a, start, count, sources_a), read_elements(b, start, count, sources_b), atol, rtol, complex_pair)
+        begin = first - first % _STEP
+    complex_pair = "complex" in a.dtype.name or "complex" in b.dtype.name
+    for start in range(0, begin, _STEP):  # identical so far: the norms still count
+        u = _wide(read_elements(a, start, min(_STEP, begin - start), sources_a), complex_pair)
+        _add_norms(diff, u, u)
+    for start in range(begin, a.numel, _STEP):
+        count = min(_STEP, a.numel - start)
+        u = _wide(read_elements(a, start, count, sources_a), complex_pair)
+        v = _wide(read_elements(b, start, count, sources_b), complex_pair)
+        _add_window(diff, u, v, atol, rtol)
     return diff
 
 
-def _windows(begin: int, end: int) -> list[tuple[int, int]]:
-    """Windows of float64 size covering elements [begin, end)."""
-    step = max(BLOCK_BYTES // WIDE, 1)
-    return [(s, min(step, end - s)) for s in range(begin, end, step)]
+_STEP = max(BLOCK_BYTES // WIDE, 1)  # elements of a float64 window
+
+
+def first_difference(a: TensorEntry, b: TensorEntry, sources_a: SourceFiles, sources_b: SourceFiles) -> int | None:
+    """Where two tensors of one dtype and shape start to differ: the first element of the first window whose bytes
+    differ (None: identical). Plain stored bytes are compared as bytes, a window at a time, without torch; casts and strided pieces
+    through torch."""
+    runs_a, runs_b = byte_runs(a, a.dtype), byte_runs(b, b.dtype)
+    itemsize = a.dtype.itemsize
+    if runs_a is not None and runs_b is not None:
+        window = max(BLOCK_BYTES // itemsize, 1) * itemsize
+        for pos, (x, y) in enumerate(zip(_byte_windows(runs_a, sources_a, window), _byte_windows(runs_b, sources_b, window))):
+            if x != y:
+                return pos * window // itemsize
+        return None
+    import torch
+
+    for start, count in element_windows(a):
+        u, v = read_elements(a, start, count, sources_a), read_elements(b, start, count, sources_b)
+        if not torch.equal(u.view(torch.uint8), v.view(torch.uint8)):
+            return start
+    return None
+
+
+def _byte_windows(runs: list[ByteRun], sources: SourceFiles, size: int) -> Iterator[memoryview]:
+    """The runs' bytes in windows of `size` (the last one shorter), in one buffer reused from window to window."""
+    buf = memoryview(bytearray(size))
+    filled = 0
+    for path, offset, nbytes in runs:
+        while nbytes:
+            n = min(nbytes, size - filled)
+            if path == ZEROS:
+                buf[filled : filled + n] = bytes(n)
+            else:
+                sources.pread_into(path, offset, buf[filled : filled + n])
+            filled, offset, nbytes = filled + n, offset + n, nbytes - n
+            if filled == size:
+                yield buf
+                filled = 0
+    if filled:
+        yield buf[:filled]
