@@ -73,7 +73,7 @@ class Tree:
     path: str
     format: str
     roles: dict[str, TreeNode]
-    notes: list[tuple[str, str]] = field(default_factory=list)  # (role, note)
+    notes: list[tuple[str, str]] = field(default_factory=list)  # (role, note); role "": how it was opened (always shown)
     depth: int | None = None
     expanded: tuple[str, ...] = ROLES  # roles the text and Markdown renderings open (the others: one line each)
 
@@ -88,7 +88,7 @@ class Tree:
 
     def shown_notes(self) -> list[str]:
         """The notes on the roles the renderings open."""
-        return [note for role, note in self.notes if role in self.expanded]
+        return [note for role, note in self.notes if not role or role in self.expanded]
 
     def text(self) -> str:
         return render_text(self)
@@ -108,6 +108,7 @@ class _Trie:
 
 
 SELF = "(tensor)"  # a tensor whose name is also the prefix of others ('a' and 'a.b'): shown as a child of 'a'
+MAX_LEVELS = 64  # name components split into levels; the rest of a longer name stays one label (no deep recursion)
 
 
 def build(ckpt: Checkpoint, filters: tuple[str, ...] = (), depth: int | None = None, expand: tuple[str, ...] | None = None) -> Tree:
@@ -120,7 +121,7 @@ def build(ckpt: Checkpoint, filters: tuple[str, ...] = (), depth: int | None = N
     for entry in ckpt.tensors.values():
         if matches(entry.name, filters):
             _insert(roots.setdefault(entry.role, _Trie()), entry)
-    notes: list[tuple[str, str]] = []
+    notes: list[tuple[str, str]] = [("", n) for n in ckpt.notes]  # which checkpoint of a run, which tag
     roles = {}
     for role in sorted(roots, key=lambda r: ROLES.index(r) if r in ROLES else len(ROLES)):
         trie = roots[role]
@@ -140,7 +141,7 @@ def build(ckpt: Checkpoint, filters: tuple[str, ...] = (), depth: int | None = N
 
 def _insert(root: _Trie, entry: TensorEntry) -> None:
     node = root
-    for part in entry.name.split("."):
+    for part in entry.name.split(".", MAX_LEVELS):
         node = node.children.setdefault(part, _Trie())
     if node.children:  # 'a.b' came first: 'a' is a child of its own (_sign does the same when 'a' comes first)
         node = node.children.setdefault(SELF, _Trie())
@@ -189,7 +190,7 @@ def _add_stats(node: TreeNode, child: TreeNode) -> None:
 
 
 def _is_index(key: str) -> bool:
-    return key.isdigit() and (key == "0" or not key.startswith("0"))
+    return key.isascii() and key.isdigit() and (key == "0" or not key.startswith("0"))
 
 
 def _groups(trie: _Trie, path: str, notes: list[str]) -> list[tuple[str, list[str]]]:
@@ -349,5 +350,6 @@ def render_markdown(tree: Tree) -> str:
             count = f"{node.tensors} tensor{'s' if node.tensors != 1 else ''}"
             size = f"{node.total_params:,} | {human_bytes(node.total_bytes)} | {dtype_mix(node.dtypes)}"
             lines.append(f"| **{node.name}** ({count}) | | {size} |")
-    lines += ["", *(f"Note: {n}" for n in tree.shown_notes())] if tree.shown_notes() else []
+    notes = [note for role, note in tree.notes if role in tree.expanded]  # not how it was opened: a card has no local paths
+    lines += ["", *(f"Note: {n}" for n in notes)] if notes else []
     return "\n".join(lines)
