@@ -299,3 +299,26 @@ def run_folders_consolidated(run_folders, tmp_path_factory) -> dict[str, dict[st
     """Each run's step-4 checkpoint consolidated by its framework's own tool (consolidate_run_folders)."""
     checkpoints = {name: run_folder_checkpoint(run_folders[name]) for name in RUN_FOLDERS}
     return consolidate_run_folders(checkpoints, tmp_path_factory.mktemp("consolidated"))
+
+
+# ---- per-rank DTensor torch.save files and DCP with safetensors serialization (tests/producers/dtensor_saves.py) ----
+
+DTENSOR_W2 = ["fsdp2", "fsdp1", "dcp-st", "dcp-hf", "dcp-hfc"]
+DTENSOR_W4 = ["fsdp2", "hsdp", "tp"]
+
+
+@pytest.fixture(scope="session")
+def dtensor_saves_2(tmp_path_factory) -> Path:
+    """One torchrun of 2 processes: ROOT/CONFIG for each of DTENSOR_W2 (verl-style rank files from FSDP2 and FSDP1; DCP
+    with safetensors serialization from FileSystemWriter and HuggingFaceStorageWriter) and ROOT/references/CONFIG.pt."""
+    root = tmp_path_factory.mktemp("dtensor_w2")
+    torchrun(2, "dtensor_saves.py", "save", root, *DTENSOR_W2)
+    return root
+
+
+@pytest.fixture(scope="session")
+def dtensor_saves_4(tmp_path_factory) -> Path:
+    """One torchrun of 4 processes: verl-style rank files from FSDP2 (1-D), HSDP (2x2) and FSDP2 + tensor parallel (2x2)."""
+    root = tmp_path_factory.mktemp("dtensor_w4")
+    torchrun(4, "dtensor_saves.py", "save", root, *DTENSOR_W4)
+    return root

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ from ckpt_cli.core.safe_pickle import Sealed, TensorRef
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
+from ckpt_cli.formats import deepspeed_moe
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
 from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, ZeroFile, flat_pieces
 from ckpt_cli.formats.torch_save import load_archive, stored_array
@@ -35,11 +36,7 @@ from ckpt_cli.formats.torch_save import load_archive, stored_array
 LATEST = "latest"
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
-VARIANTS = (
-    (re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$"), "Mixture-of-Experts expert files"),
-    (re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$"), "Mixture-of-Experts optimizer files"),
-    (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline-parallel layer files"),
-)
+VARIANTS = ((re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline-parallel layer files"),)
 # Keys the engine itself saves (engine.py _common_checkpoint_state); anything else is client state.
 ENGINE_KEYS = {
     "lr_scheduler",
@@ -52,6 +49,7 @@ ENGINE_KEYS = {
     "dp_world_size",
     "mp_world_size",
     "universal_checkpoint_info",
+    *deepspeed_moe.ENGINE_KEYS,
 }
 # Model-states keys that describe the layout rather than training state.
 LAYOUT_KEYS = {
@@ -174,6 +172,8 @@ class ZeroSource(Protocol):
     def optim_prefix(self) -> str: ...  # "bf16_" or ""
     @property
     def dtypes(self) -> dict[str, Any]: ...  # the logical tensors as read: a writer refuses a view that selected, renamed or cast
+    @property
+    def copies(self) -> Mapping[str, ZeroFile]: ...  # files written again as they are, by name (MoE expert files)
 
 
 @dataclass
@@ -189,6 +189,7 @@ class Source:
     layout: Stage12Partitions | Stage3Partitions
     optim_prefix: str
     dtypes: dict[str, Any]
+    copies: dict[str, ZeroFile] = field(default_factory=dict)
 
 
 @dataclass
@@ -259,6 +260,9 @@ class DeepSpeedReader:
         if not model_paths and not shared_model:
             raise DataError(f"{folder}: no model-states file")
         first_model = _load(shared_model[0] if shared_model else model_paths[min(model_paths)], options)
+        moe_here = deepspeed_moe.is_moe(folder, first_model.tree)  # expert parallel: docs/formats.md §2.12
+        if moe_here:
+            deepspeed_moe.refuse_unsupported(folder, first_model.tree, bool(optim_paths))
         _refuse_variants(folder, first_model.tree)
         if not optim_paths:
             raise UsageError(
@@ -288,7 +292,11 @@ class DeepSpeedReader:
                 f"found ranks {sorted(models)}"
             )
         model = first_model.tree
-        layout = Stage3Partitions(models, optims, world) if stage == 3 else Stage12Partitions(first_model, optims, world, stage)
+        moe = deepspeed_moe.read_experts(folder, first_model, optims, world, stage, lambda p: _load(p, options)) if moe_here else None
+        if stage == 3:
+            layout: Stage12Partitions | Stage3Partitions = Stage3Partitions(models, optims, world)
+        else:
+            layout = Stage12Partitions(first_model, optims, world, stage, moe.layout if moe else None, moe.order if moe else None)
         tensors = layout.model_tensors()
         tensors.update(self._frozen_and_buffers(first_model, models, world, stage))
         for alias, owner in (model.get("shared_params") or {}).items():
@@ -296,10 +304,11 @@ class DeepSpeedReader:
                 tensors[alias] = TensorEntry(alias, tensors[owner].dtype, tensors[owner].shape, "model", tensors[owner].pieces)
         tensors.update(layout.optimizer_tensors())
         tensors.update(self._training_dtype_weights(first_model, stage))
+        tensors.update(moe.tensors(tensors) if moe else {})
         client_tensors, objects = self._client_state(first_model, layout.param_groups())
         tensors.update(client_tensors)
         files = [first_model.path] + [m.path for r, m in sorted(models.items()) if m.path != first_model.path]
-        files += [o.path for _, o in sorted(optims.items())]
+        files += [o.path for _, o in sorted(optims.items())] + (moe.paths if moe else [])
         wrapper = "BF16_Optimizer" if stage is None else f"DeepSpeedZeroOptimizer{'_Stage3' if stage == 3 else ''}"
         precision = self._precision(model, optim_paths)
         details = {
@@ -312,6 +321,7 @@ class DeepSpeedReader:
             "tags": ", ".join(list_tags(path)) if folder != path else tag,
             "tag_from": "latest" if options.tag is None and (path / LATEST).is_file() else "request",
             **layout.details(),
+            **(moe.details(world) if moe else {}),
         }
         ckpt = Checkpoint(
             format=self.name,
@@ -327,7 +337,8 @@ class DeepSpeedReader:
         )
         ckpt.training_state = self._training_state(ckpt, wrapper)
         prefix = "bf16_" if any(OPTIM_STATES.match(p.name).group(1) for p in optim_paths.values()) else ""
-        ckpt.source = Source(folder, stage, world, first_model, models, optims, layout, prefix, {n: t.dtype for n, t in tensors.items()})
+        dtypes_read = {n: t.dtype for n, t in tensors.items()}
+        ckpt.source = Source(folder, stage, world, first_model, models, optims, layout, prefix, dtypes_read, moe.copies if moe else {})
         return ckpt
 
     def _frozen_and_buffers(self, first: RankFile, models: dict[int, RankFile], world: int, stage: int | None) -> dict[str, TensorEntry]:
@@ -420,13 +431,15 @@ class DeepSpeedReader:
             osd = optim.tree.get("optimizer_state_dict") or {}
             stages.add(osd.get("zero_stage"))
             pc = osd.get("partition_count")
-            counts.add(tuple(pc) if isinstance(pc, list) else pc)
+            counts.add(tuple(sorted(pc)) if isinstance(pc, list) else pc)  # MoE: ranks may order their groups differently
         if len(stages) > 1 or len(counts) > 1:
             problems.append(
                 f"{ckpt.path}: rank files disagree: zero_stage {sorted(map(str, stages))}, partition_count {sorted(map(str, counts))}"
             )
         if isinstance(ckpt.source, Source):
             problems += _world_problems(ckpt.source)
+            if ckpt.source.layout.experts is not None:
+                problems += deepspeed_moe.partition_problems(ckpt.source.layout)
         if deep:
             for info in ckpt.files:
                 with open_regular(info.path) as f:

@@ -10,11 +10,16 @@ the reshard writer (formats/deepspeed_writer.py) and the source built from anoth
 - Stage 3 (partition_parameters.py, stage3.py): every parameter is partitioned on its own, ceil(n/W)
   elements per rank with zero padding at the end; each rank concatenates its partitions per sub-group.
   Frozen parameters are saved the same way, one fragment per rank.
+- MoE, expert parallel (groups.py _create_expert_and_data_parallel, moe/utils.py
+  split_params_into_different_moe_groups_for_optimizer, stage_1_and_2.py _configure_moe_settings): a param
+  group of experts is flattened and partitioned as above, but over the expert-data-parallel group
+  (W / ep_size ranks, partition_count[g]); each expert-parallel rank holds its own experts under local ids.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -59,6 +64,11 @@ class ZeroLayout(Protocol):
     @property
     def alignment_padding(self) -> bool:
         """Whether any param is followed by a parameter_alignment pad."""
+        ...
+
+    @property
+    def experts(self) -> ExpertLayout | None:
+        """MoE (expert parallel): how the groups are spread over the ranks; None for a dense checkpoint."""
         ...
 
     def offsets(self, g: int) -> list[Slot]:
@@ -217,3 +227,69 @@ def stage3_group_sub_groups(
         group_subs.append(list(range(len(subs), len(subs) + len(mine))))
         subs += mine
     return subs, group_subs
+
+
+# ---- expert parallelism (DeepSpeed MoE, ZeRO-1/2) ----------------------------------------------------
+
+EXPERT_GROUP = re.compile(r"^ep_size_(\d+)$")  # an MoE param group's name (MoE.expert_group_name)
+EXPERT_PARAM = re.compile(r"^(.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)(\..+)$")  # module, local id, rest
+
+
+def expert_data_parallel_size(world: int, ep_size: int) -> int:
+    """D: the ranks that share one expert-parallel rank's experts (groups.py: world must divide by ep_size)."""
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"world size {world} is not a multiple of the expert-parallel size {ep_size}")
+    return world // ep_size
+
+
+def expert_position(rank: int, world: int, ep_size: int, data_before_expert: bool) -> tuple[int, int]:
+    """(expert-parallel rank, expert-data-parallel rank) of a global rank. Default (E + D): the expert-data-parallel
+    groups are strided, ranks e, e+E, e+2E...; use_data_before_expert_parallelism (D + E): they are contiguous."""
+    d = expert_data_parallel_size(world, ep_size)
+    return (rank // d, rank % d) if data_before_expert else (rank % ep_size, rank // ep_size)
+
+
+def expert_holders(ep_rank: int, world: int, ep_size: int, data_before_expert: bool) -> list[int]:
+    """The global ranks holding partitions 0..D-1 of expert-parallel rank ep_rank's experts (its expert-data-parallel group,
+    in rank order, as stage_1_and_2.py get_ep_ranks lists it)."""
+    d = expert_data_parallel_size(world, ep_size)
+    return [ep_rank * d + i for i in range(d)] if data_before_expert else [ep_rank + i * ep_size for i in range(d)]
+
+
+def expert_module(name: str) -> str | None:
+    """The MoE module of an expert parameter's name; None for any other parameter."""
+    m = EXPERT_PARAM.match(name)
+    return m.group(1) if m else None
+
+
+def global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
+    """A local expert parameter's name with its global expert id, ep_rank * num_local + local id (engine.py
+    _save_moe_checkpoint); any other name unchanged."""
+    m = EXPERT_PARAM.match(name)
+    if not m:
+        return name
+    return f"{m.group(1)}.deepspeed_moe.experts.deepspeed_experts.{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a ZeRO-1/2 MoE checkpoint spreads its param groups (in the order of rank 0's file, which param_shapes
+    records): each group's expert-parallel size (1 for a dense group: one replica over all W ranks), the experts
+    per expert-parallel rank of each MoE module, and the rank topology."""
+
+    ep_sizes: tuple[int, ...]
+    num_local: Mapping[str, int]
+    data_before_expert: bool
+
+    def partition_count(self, g: int, world: int) -> int:
+        return expert_data_parallel_size(world, self.ep_sizes[g])
+
+    def holders(self, g: int, world: int, ep_rank: int) -> list[int]:
+        return expert_holders(ep_rank, world, self.ep_sizes[g], self.data_before_expert)
+
+    def position(self, g: int, world: int, rank: int) -> tuple[int, int]:
+        return expert_position(rank, world, self.ep_sizes[g], self.data_before_expert)
+
+    def name(self, local_name: str, ep_rank: int) -> str:
+        module = expert_module(local_name)
+        return local_name if module is None else global_expert_name(local_name, ep_rank, self.num_local[module])

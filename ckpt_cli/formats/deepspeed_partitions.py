@@ -3,7 +3,8 @@ optimizer state become pieces over the ranks' saved partitions, placed by the ru
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes
@@ -34,10 +35,21 @@ def flat_pieces(start: int, numel: int, partitions: list[tuple[int, int, StoredA
 
 
 class Stage12Partitions:
-    """Stage 1/2 and BF16_Optimizer: one flat fp32 buffer per param group, cut into W equal partitions."""
+    """Stage 1/2 and BF16_Optimizer: one flat fp32 buffer per param group, cut into W equal partitions.
+    MoE (`experts`): an expert group is cut into W/ep_size partitions per expert-parallel rank, each holding that
+    rank's experts under local ids; `order[r][g]` is where rank r's file keeps rank 0's group g (docs/formats.md §2.12)."""
 
-    def __init__(self, model: ZeroFile, optims: Mapping[int, ZeroFile], world: int, stage: int | None) -> None:
+    def __init__(
+        self,
+        model: ZeroFile,
+        optims: Mapping[int, ZeroFile],
+        world: int,
+        stage: int | None,
+        experts: zl.ExpertLayout | None = None,
+        order: Mapping[int, list[int]] | None = None,
+    ) -> None:
         self.model, self.optims, self.world, self.stage = model, optims, world, stage
+        self.experts, self.order = experts, order
         self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
         self.shapes: list[dict[str, zl.Shape]] = model.tree.get("param_shapes") or []
         base = self.osd[0]["base_optimizer_state"]
@@ -48,24 +60,39 @@ class Stage12Partitions:
     def offsets(self, g: int) -> list[Slot]:
         return zl.flat_slots(list(self.shapes[g].items()), self.paddings[g])
 
-    def _partitions(self, g: int, key: str | None) -> list[tuple[int, int, StoredArray, int]]:
-        """Every rank's partition of group g's flat fp32 weights (key None) or of a moment: (flat start, saved length, array, 0)."""
-        osd = self.osd[0]
-        saved = osd["single_partition_of_fp32_groups"][g].shape[0]
-        size = zl.partition_size_of_saved(saved, osd["group_paddings"][g], self.stage is None)
+    def index(self, rank: int, g: int) -> int:
+        """Where rank's file keeps group g."""
+        return self.order[rank][g] if self.order else g
+
+    def replicas(self, g: int) -> list[tuple[list[int], Callable[[str], str]]]:
+        """Group g's flat buffers: the ranks holding its partitions in order, and the logical name of a param in it."""
+        if self.experts is None:
+            return [(list(range(self.world)), str)]
+        return [
+            (self.experts.holders(g, self.world, e), functools.partial(self.experts.name, ep_rank=e))
+            for e in range(self.experts.ep_sizes[g])
+        ]
+
+    def _partitions(self, g: int, key: str | None, holders: list[int]) -> list[tuple[int, int, StoredArray, int]]:
+        """Every holder's partition of group g's flat fp32 weights (key None) or of a moment: (flat start, saved length, array, 0)."""
+        osd, k = self.osd[holders[0]], self.index(holders[0], g)
+        saved = osd["single_partition_of_fp32_groups"][k].shape[0]
+        size = zl.partition_size_of_saved(saved, osd["group_paddings"][k], self.stage is None)
         parts = []
-        for r in range(self.world):
-            osd = self.osd[r]
-            ref = osd["single_partition_of_fp32_groups"][g] if key is None else osd["base_optimizer_state"]["state"][g][key]
-            parts.append((r * size, ref.shape[0], self.optims[r].array(ref), 0))
+        for d, r in enumerate(holders):
+            osd, k = self.osd[r], self.index(r, g)
+            ref = osd["single_partition_of_fp32_groups"][k] if key is None else osd["base_optimizer_state"]["state"][k][key]
+            parts.append((d * size, ref.shape[0], self.optims[r].array(ref), 0))
         return parts
 
     def model_tensors(self) -> dict[str, TensorEntry]:
         out = {}
         for g in range(len(self.shapes)):
-            parts = self._partitions(g, None)
-            for slot in self.offsets(g):
-                out[slot.name] = TensorEntry(slot.name, dtypes.FLOAT32, slot.shape, "model", flat_pieces(slot.offset, slot.numel, parts))
+            for holders, name_of in self.replicas(g):
+                parts = self._partitions(g, None, holders)
+                for slot in self.offsets(g):
+                    name = name_of(slot.name)
+                    out[name] = TensorEntry(name, dtypes.FLOAT32, slot.shape, "model", flat_pieces(slot.offset, slot.numel, parts))
         return out
 
     def optimizer_tensors(self) -> dict[str, TensorEntry]:
@@ -74,16 +101,24 @@ class Stage12Partitions:
             for key, ref in self.state.get(g, {}).items():
                 if not isinstance(ref, TensorRef):
                     continue
-                parts = self._partitions(g, key) if ref.shape else []
-                for slot in self.offsets(g):
-                    # step: one 0-d value per group, the same on every rank
-                    pieces = flat_pieces(slot.offset, slot.numel, parts) if ref.shape else [Piece(Box((), ()), self.optims[0].array(ref))]
-                    out.update(moment(slot, key, ref, pieces))
+                for holders, name_of in self.replicas(g):
+                    if ref.shape:
+                        parts = self._partitions(g, key, holders)
+                    else:  # step: one 0-d value per group, the same on every rank
+                        held = self.osd[holders[0]]["base_optimizer_state"]["state"][self.index(holders[0], g)][key]
+                        step = [Piece(Box((), ()), self.optims[holders[0]].array(held))]
+                    for slot in self.offsets(g):
+                        pieces = flat_pieces(slot.offset, slot.numel, parts) if ref.shape else step
+                        out.update(moment(Slot(name_of(slot.name), slot.shape, slot.offset), key, ref, pieces))
         return out
 
     def param_groups(self) -> list[dict[str, Any]]:
         return [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": list(self.shapes[g])} for g, group in enumerate(self.groups)
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [name_of(n) for _, name_of in self.replicas(g) for n in self.shapes[g]],
+            }
+            for g, group in enumerate(self.groups)
         ]
 
     def details(self) -> dict[str, Any]:
@@ -95,6 +130,7 @@ class Stage3Partitions:
     """Stage 3: every parameter partitioned on its own (ceil(n/W) per rank), concatenated per sub-group."""
 
     alignment_padding = False
+    experts = None  # DeepSpeed refuses native MoE at stage 3 (engine.py _validate_zero3_moe_compatibility)
 
     def __init__(self, models: Mapping[int, ZeroFile], optims: Mapping[int, ZeroFile], world: int) -> None:
         self.models, self.optims, self.world = models, optims, world

@@ -111,6 +111,7 @@ class BuiltLayout:
     """Param groups as DeepSpeed flattens them (a ZeroLayout): the group's trainable params in order, no alignment pads."""
 
     alignment_padding = False
+    experts = None  # a dense layout: no MoE
 
     def __init__(self, shapes: list[OrderedDict[str, tuple[int, ...]]]) -> None:
         self.shapes = shapes
@@ -133,6 +134,7 @@ class BuiltSource:
     layout: BuiltLayout
     optim_prefix: str
     dtypes: dict[str, Any]
+    copies: dict[str, TreeFile] = field(default_factory=dict)  # none: every file is built
 
 
 def build(state: TrainingState, tgt: Target, tag: str, rule: str) -> Checkpoint:

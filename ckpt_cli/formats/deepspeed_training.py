@@ -16,6 +16,7 @@ from ckpt_cli.core.paths import step_number
 from ckpt_cli.core.training import StateOptions, TrainingState
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import deepspeed_template
+from ckpt_cli.formats.deepspeed_layout import expert_module
 
 # DeepSpeed engine bookkeeping with no meaning outside DeepSpeed (recomputed when writing DeepSpeed).
 _DS_ENGINE_ONLY = ("skipped_steps", "global_samples", "data_sampler", "random_ltd", "dp_world_size", "mp_world_size")
@@ -37,6 +38,12 @@ class DeepSpeedTraining:
     def write_state(self, state: TrainingState, options: StateOptions) -> Checkpoint:
         if options.layout is not None:
             raise UsageError("--layout applies to dcp targets")
+        expert = next((n for n in state.weights if expert_module(n)), None)
+        if expert is not None:  # the MoE layout (expert files, expert-parallel groups): docs/formats.md §2.12
+            raise UsageError(
+                f"{expert}: building DeepSpeed MoE files is not supported (only a reshard of a DeepSpeed MoE checkpoint to a new "
+                "--world-size writes them; a new ZeRO stage or --ds-config for an MoE run is not)"
+            )
         target = deepspeed_template.target(options.ds_config, options.zero_stage, options.world_size)
         if state.layout != "deepspeed":  # DeepSpeed records its ties (shared_params); DCP saves the tensor twice
             found = find_ties(state)

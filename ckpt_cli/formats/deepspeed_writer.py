@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +115,11 @@ class DeepSpeedWriter:
                 raise UsageError("reshard of checkpoints saved with both round_robin_gradients and parameter_alignment is not supported")
             reshard = Stage12Reshard(ckpt, src, world, round_robin, options.per_rank_rule)
         tag = plain_component(ckpt.tag or src.folder.name, f"{ckpt.path or 'the source'}: DeepSpeed tag")  # a folder name in DST
+        experts_note = _expert_parallel_note(src, world)
         files = reshard.files(tag)
+        for name, rank_file in src.copies.items():  # MoE expert files: the same at every data-parallel size
+            where = f"{tag}/{plain_component(name, f'{src.folder}: file name')}"
+            files.append(OutputFile(where, file_segments(tensorize(rank_file), where)))
         files.append(OutputFile(LATEST, [Literal(tag.encode())], commit_marker=True))
         notes = (
             [
@@ -128,7 +134,32 @@ class DeepSpeedWriter:
         )
         if reshard.per_rank_note:
             notes.append(reshard.per_rank_note)
+        if experts_note:
+            notes.append(experts_note)
         return WritePlan(self.name, dest, True, files, notes)
+
+
+def _expert_parallel_note(src: ZeroSource, world: int) -> str | None:
+    """MoE: refuse a world size the expert-parallel sizes do not divide (ckpt keeps them); name what the load needs."""
+    experts = src.layout.experts
+    if experts is None:
+        return None
+    groups = src.layout.groups
+    sizes = {str(g.get("name")): ep for g, ep in zip(groups, experts.ep_sizes) if g.get("moe")}
+    odd = sorted({ep for ep in sizes.values() if world % ep})
+    if odd:
+        raise UsageError(
+            f"--world-size {world} is not a multiple of the expert-parallel size {odd[0]}: a reshard keeps each MoE layer's "
+            "expert-parallel size (DeepSpeed needs the world size to divide by it; changing ep_size is not supported)"
+        )
+    kept = ", ".join(sorted(sizes))
+    if len(sizes) > 1:
+        order = ", ".join(dict.fromkeys(str(g.get("name")) for g in groups if g.get("moe")))
+        return (
+            f"kept the expert-parallel sizes ({kept}); every rank's optimizer file lists the MoE param groups in rank 0's order "
+            f"({order}), which DeepSpeed builds from a set of group names: load with a PYTHONHASHSEED that gives every process that order"
+        )
+    return f"kept the expert-parallel size ({kept}); load with the same MoE layers (ep_size, num_experts)"
 
 
 def _state_entry(ckpt: Checkpoint, param: str, key: str) -> TensorEntry:
@@ -156,13 +187,28 @@ class Stage12Reshard:
             out.append(OutputFile(name, self._optimizer_file(rank, name)))
         return out
 
+    def partitioning(self, g: int, rank: int) -> tuple[int, int, Callable[[str], str]]:
+        """Group g on a new rank: its partition count, the rank's partition, the logical name of a param in it
+        (MoE: the expert-data-parallel group of the rank's expert-parallel rank, docs/formats.md §2.12)."""
+        experts = self.src.layout.experts
+        if experts is None:
+            return self.world, rank, str
+        ep_rank, index = experts.position(g, self.world, rank)
+        return experts.partition_count(g, self.world), index, functools.partial(experts.name, ep_rank=ep_rank)
+
     def slots(self, g: int) -> list[Slot]:
         """Group g's params in the new flat order."""
         slots = self.src.layout.offsets(g)
         if not self.round_robin:
             return slots  # the order, and with it the alignment pads, do not depend on W
         params = [(slot.name, slot.shape) for slot in slots]
-        return zl.flat_slots(zl.round_robin(zl.undo_round_robin(params, self.src.world), self.world))
+        experts = self.src.layout.experts
+        old, new = (
+            (experts.partition_count(g, self.src.world), experts.partition_count(g, self.world))
+            if experts
+            else (self.src.world, self.world)
+        )
+        return zl.flat_slots(zl.round_robin(zl.undo_round_robin(params, old), new))
 
     def _model_states(self, where: str) -> list[Any]:
         tree = tensorize(self.src.model)
@@ -177,34 +223,37 @@ class Stage12Reshard:
         tree = tensorize(self.src.optims[0])
         osd = tree["optimizer_state_dict"]
         bf16_optimizer = self.src.stage is None
-        fp32, paddings, mappings = [], [], []
+        fp32, paddings, mappings, counts = [], [], [], []
         for g in range(len(self.src.layout.shapes)):
+            count, index, name_of = self.partitioning(g, rank)
             slots = self.slots(g)
             data = zl.flat_numel(slots)
-            size = zl.partition_size(data, self.world)
-            start = rank * size
-            pad = zl.group_padding(data, self.world, rank, bf16_optimizer)
-            fp32.append(self._flat(slots, "", start, zl.saved_partition_numel(size, pad, bf16_optimizer), f"fp32.{g}"))
+            size = zl.partition_size(data, count)
+            start = index * size
+            pad = zl.group_padding(data, count, index, bf16_optimizer)
+            fp32.append(self._flat(slots, "", start, zl.saved_partition_numel(size, pad, bf16_optimizer), f"fp32.{g}", name_of))
             state = osd["base_optimizer_state"]["state"].get(g)
             if state is not None:
                 for key, value in list(state.items()):
                     if isinstance(value, TensorEntry) and value.shape:
-                        state[key] = self._flat(slots, key, start, size, f"{key}.{g}")
+                        state[key] = self._flat(slots, key, start, size, f"{key}.{g}", name_of)
             paddings.append(pad)
+            counts.append(count)
             mappings.append(OrderedDict((name, fragment_address(n, at)) for name, n, at in zl.slice_mappings(slots, start, size)))
         osd["single_partition_of_fp32_groups"] = fp32
         osd["group_paddings"] = paddings
-        osd["partition_count"] = [self.world] * len(fp32)
+        osd["partition_count"] = counts
         if "param_slice_mappings" in osd:
             osd["param_slice_mappings"] = mappings
         return file_segments(tree, where)
 
-    def _flat(self, slots: list[Slot], key: str, start: int, length: int, name: str) -> TensorEntry:
-        """Elements [start, start+length) of a group's flat buffer: the params' master weights (key "") or moments."""
+    def _flat(self, slots: list[Slot], key: str, start: int, length: int, name: str, name_of: Callable[[str], str] = str) -> TensorEntry:
+        """Elements [start, start+length) of a group's flat buffer: the params' master weights (key "") or moments
+        (`name_of`: a param's logical name; MoE: a local expert's global name)."""
         parts = []
         dtype = None
         for slot in slots:
-            entry = _state_entry(self.ckpt, slot.name, key)
+            entry = _state_entry(self.ckpt, name_of(slot.name), key)
             dtype = entry.dtype
             if shared := zl.overlap(slot.offset, slot.numel, start, length):
                 lo, hi = shared

@@ -78,7 +78,8 @@ def mesh_shape(mesh: MeshRec, where: str) -> tuple[int, ...]:
     raise DataError(f"{where}: a device mesh without a shape (neither _layout nor mesh)")
 
 
-def _check_order(spec: SpecRec, placements: tuple[Placement, ...], where: str) -> None:
+def check_order(spec: SpecRec, placements: tuple[Placement, ...], where: str) -> None:
+    """A saved shard_order must be the default left-to-right one (None: _StridedShard placements encode it)."""
     order = attr(spec, "shard_order")
     if order is None:
         return
@@ -119,5 +120,4 @@ def layout_of(
         args = attr(meta, "args")
         if isinstance(args, tuple) and args and _ints(args[0]) is not None and tuple(args[0]) != shape:
             raise DataError(f"{where}: its spec says shape {list(args[0])}, the tensor {list(shape)}")
-    _check_order(spec, placements, where)
     return dims, tuple(coordinate), placements

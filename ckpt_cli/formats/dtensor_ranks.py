@@ -26,7 +26,7 @@ from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tree import flatten, path_name, unique_names
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import dtensor_layout as lay
-from ckpt_cli.formats.dtensor_mesh import layout_of
+from ckpt_cli.formats.dtensor_mesh import check_order, layout_of
 from ckpt_cli.formats.torch_save import load_archive, stored_array
 
 RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -112,6 +112,7 @@ def _dtensor(name: str, key: PathKey, role: str, leaves: list[tuple[RankFile, DT
         problem = lay.problem(shape, mesh_shape, coordinate, placements, world)
         if problem:
             raise DataError(f"{where}: {problem}")
+        check_order(ref.spec, placements, where)
         runs = lay.index_runs(shape, mesh_shape, coordinate, placements)
         if lay.local_shape(runs) != ref.local.shape or ref.local.dtype != dtype:
             raise DataError(
