@@ -301,6 +301,35 @@ def run_folders_consolidated(run_folders, tmp_path_factory) -> dict[str, dict[st
     return consolidate_run_folders(checkpoints, tmp_path_factory.mktemp("consolidated"))
 
 
+# ---- DeepSpeed MoE (expert parallel), tests/producers/deepspeed_moe.py -------------------------------------
+
+DS_MOE_W2 = ["stage1-fp32-ep2", "stage2-bf16-ep2", "stage1-bf16acc32-ep2", "stage2-fp32-ep2-mixed"]
+DS_MOE_W4 = ["stage2-fp32-ep2", "stage1-bf16-ep2-dbe", "stage2-fp32-ep2-mixed"]
+
+
+@pytest.fixture(scope="session")
+def ds_moe(tmp_path_factory) -> Path:
+    """Real DeepSpeed MoE runs (deepspeed.moe.layer.MoE, ZeRO-1/2, expert-parallel size 2) saved at world sizes 2 and 4,
+    each resharded by ckpt to the other size and loaded there by DeepSpeed with a plain load_checkpoint. Three torchrun
+    launches: save at 2 (plus a stage-0 run); save at 4 and load the 2->4 reshards; load the 4->2 reshards.
+    ROOT/w{2,4}/CONFIG: the saves, each with reference.pt (what the run held); ROOT/reshard/CONFIG-{2to4,4to2}: ckpt's
+    reshards; ROOT/loaded/CONFIG-{2to4,4to2}/loaded.pt: what DeepSpeed loaded from them, in reference.pt's layout."""
+    root = tmp_path_factory.mktemp("ds_moe")
+    torchrun(2, "deepspeed_moe.py", "save", root / "w2", *DS_MOE_W2, "stage0-fp32-ep2")
+    tasks: dict[int, list[str]] = {2: [], 4: []}
+    for src, dst, configs in ((2, 4, DS_MOE_W2), (4, 2, DS_MOE_W4)):
+        for config in configs:
+            name = f"{config}-{src}to{dst}"
+            tasks[dst].append(f"{root / 'reshard' / name}:{config}:{root / 'loaded' / name}")
+    for config in DS_MOE_W2:
+        ckpt_quiet("reshard", root / "w2" / config, root / "reshard" / f"{config}-2to4", "--world-size", 4)
+    torchrun(4, "deepspeed_moe.py", "save", root / "w4", *DS_MOE_W4, "+", "load", *tasks[4])
+    for config in DS_MOE_W4:
+        ckpt_quiet("reshard", root / "w4" / config, root / "reshard" / f"{config}-4to2", "--world-size", 2)
+    torchrun(2, "deepspeed_moe.py", "load", *tasks[2])
+    return root
+
+
 # ---- per-rank DTensor torch.save files and DCP with safetensors serialization (tests/producers/dtensor_saves.py) ----
 
 DTENSOR_W2 = ["fsdp2", "fsdp1", "dcp-st", "dcp-hf", "dcp-hfc"]
