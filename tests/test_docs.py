@@ -20,7 +20,7 @@ def test_completions_and_man_page_are_current():
 
 def test_every_command_and_option_has_help():
     cmds = docgen.commands()
-    assert {c.name for c in cmds} == {"inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls"}
+    assert {c.name for c in cmds} == {"inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls", "diff"}
     for c in cmds:
         assert c.help, c.name
         for o in c.options:
@@ -40,7 +40,7 @@ def test_completion_scripts_parse():
         subprocess.run(["fish", "--no-execute", str(ROOT / "completions/ckpt.fish")], check=True)
 
 
-@pytest.mark.parametrize("command", ["inspect", "verify", "convert", "reshard", "merge", "split", "demo"])
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls", "diff"])
 def test_help_works(ckpt, command):
     res = ckpt(command, "--help")
     assert res.code == 0 and "Usage" in res.out
