@@ -21,7 +21,7 @@ from ckpt_cli.core.model import Box, Piece, TensorEntry
 from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
-from ckpt_cli.formats.deepspeed_partitions import ZeroFile
+from ckpt_cli.formats.deepspeed_partitions import Stage12Partitions, ZeroFile
 
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 OLD_EXPERT_FILE = re.compile(r"^expert_\d+_mp_rank_\d+_model_states\.pt$")  # layer id -1: DeepSpeed before 0.6
@@ -190,12 +190,15 @@ def read_experts(
     )
 
 
-def partition_problems(layout: Any) -> list[str]:
-    """Where a rank's saved partition of a group disagrees with its place in the expert layout (a Stage12Partitions with
-    experts): the group padding, the saved length and the slice mappings each rank's file records must be those of its
-    expert-data-parallel rank under the topology ds_config names (a process that built its expert groups earlier keeps them)."""
+def partition_problems(layout: Stage12Partitions) -> list[str]:
+    """Where a rank's saved partition of a group disagrees with its place in the expert layout: the group padding, the saved
+    length and the slice mappings each rank's file records must be those of its expert-data-parallel rank under the topology
+    ds_config names (a process that built its expert groups earlier keeps them). Slice mappings are not compared under
+    round_robin_gradients, where DeepSpeed records original-order offsets (docs/formats.md §2.6 step 8)."""
+    assert layout.experts is not None
     problems: list[str] = []
     bf16_optimizer = layout.stage is None
+    round_robin = layout.details()["round_robin_gradients"]
     for g in range(len(layout.shapes)):
         slots = layout.offsets(g)
         data = zl.flat_numel(slots)
@@ -205,7 +208,7 @@ def partition_problems(layout: Any) -> list[str]:
                 osd, k = layout.osd[r], layout.index(r, g)
                 pad = zl.group_padding(data, len(holders), d, bf16_optimizer)
                 saved = osd["single_partition_of_fp32_groups"][k].shape[0]
-                mappings = osd.get("param_slice_mappings")
+                mappings = None if round_robin else osd.get("param_slice_mappings")
                 recorded = (
                     [(str(n), a.__dict__.get("numel"), a.__dict__.get("start")) for n, a in mappings[k].items()] if mappings else None
                 )
@@ -214,8 +217,10 @@ def partition_problems(layout: Any) -> list[str]:
                     or saved != zl.saved_partition_numel(size, pad, bf16_optimizer)
                     or (recorded is not None and recorded != zl.slice_mappings(slots, d * size, size))
                 ):
+                    where = getattr(layout.optims[r], "path", f"rank {r}")
+                    topology = "D+E" if layout.experts.data_before_expert else "E+D"
                     problems.append(
-                        f"{layout.optims[r].path}: its partition of param group {g} is not partition {d} of {len(holders)} that the "
-                        f"expert layout gives rank {r} (topology {'D+E' if layout.experts.data_before_expert else 'E+D'} from ds_config)"
+                        f"{where}: its partition of param group {g} is not partition {d} of {len(holders)} that the expert layout "
+                        f"gives rank {r} (topology {topology} from ds_config)"
                     )
     return problems
