@@ -148,7 +148,7 @@ def first_difference(a: TensorEntry, b: TensorEntry, sources_a: SourceFiles, sou
     runs_a, runs_b = byte_runs(a, a.dtype), byte_runs(b, b.dtype)
     itemsize = a.dtype.itemsize
     if runs_a is not None and runs_b is not None:
-        window = max(BLOCK_BYTES // itemsize, 1) * itemsize
+        window = min(max(BLOCK_BYTES // itemsize, 1), max(a.numel, 1)) * itemsize  # a small tensor: a small buffer
         for pos, (x, y) in enumerate(zip(_byte_windows(runs_a, sources_a, window), _byte_windows(runs_b, sources_b, window))):
             if x != y:
                 return pos * window // itemsize
