@@ -262,3 +262,16 @@ def test_training_continues_after_reshard(ds_resumed, config, src, dst):
     tolerance = 1e-5 if "fp32" in config else 1e-3
     for name, value in reference.items():
         assert torch.allclose(ours[name], value, rtol=0, atol=tolerance), (name, float((ours[name] - value).abs().max()))
+
+
+def test_tensor_parallel_save_is_refused_with_what_would_make_it_readable(ckpt, ds_saves, tmp_path):
+    """mp_rank_01 files hold a second tensor-parallel rank's slices under the same names; without DeepSpeed's
+    universal-checkpoint patterns nothing says along which dimension each tensor was split."""
+    src = tmp_path / "tp2"
+    shutil.copytree(ds_saves[2] / "stage2-fp32", src)
+    tag = next(p for p in src.iterdir() if p.is_dir())
+    for f in list(tag.iterdir()):
+        shutil.copy(f, tag / f.name.replace("mp_rank_00", "mp_rank_01"))
+    res = ckpt("inspect", src)
+    assert res.code == 2 and "tensor-parallel checkpoint (2 mp_rank files)" in res.err and "universal_checkpoint_info" in res.err
+    assert "Traceback" not in res.err

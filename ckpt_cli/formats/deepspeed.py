@@ -31,12 +31,12 @@ from ckpt_cli.formats import deepspeed_layout as zl
 from ckpt_cli.formats import deepspeed_moe
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
 from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, ZeroFile, flat_pieces
+from ckpt_cli.formats.deepspeed_variants import refuse_variants
 from ckpt_cli.formats.torch_save import load_archive, stored_array
 
 LATEST = "latest"
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
-VARIANTS = ((re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline-parallel layer files"),)
 # Keys the engine itself saves (engine.py _common_checkpoint_state); anything else is client state.
 ENGINE_KEYS = {
     "lr_scheduler",
@@ -227,25 +227,6 @@ def _ranked(folder: Path, pattern: re.Pattern[str], rank_group: int) -> dict[int
     return out
 
 
-def _refuse_variants(folder: Path, model: dict[str, Any]) -> None:
-    names = [p.name for p in folder.iterdir()]
-    for pattern, what in VARIANTS:
-        hit = next((n for n in names if pattern.match(n)), None)
-        if hit:
-            raise UsageError(f"{folder / hit}: {what} are not supported by ckpt (dense ZeRO data parallelism only)")
-    if (folder / "offloaded_tensors").exists():
-        raise UsageError(f"{folder}: NVMe-offloaded optimizer state (offloaded_tensors/) is not supported by ckpt")
-    mp = {int(m.group(2)) for n in names if (m := MODEL_STATES.match(n))}
-    if len(mp) > 1 or model.get("mp_world_size", 1) > 1:
-        raise UsageError(f"{folder}: tensor-parallel checkpoint (mp_world_size > 1); ckpt handles data parallelism only")
-    dims = model.get("checkpoint_parallel_dimensions") or {}
-    if dims.get("pp_degree", 1) > 1:
-        raise UsageError(f"{folder}: pipeline-parallel checkpoint (pp_degree > 1) is not supported by ckpt")
-    zero = (model.get("ds_config") or {}).get("zero_optimization") or {}
-    if (zero.get("zero_hpz_partition_size") or 1) > 1 or (zero.get("mics_shard_size") or 0) > 0:
-        raise UsageError(f"{folder}: hpZ/MiCS partitioning (partition group != data-parallel group) is not supported by ckpt")
-
-
 class DeepSpeedReader:
     name = "deepspeed"
 
@@ -263,7 +244,7 @@ class DeepSpeedReader:
         moe_here = deepspeed_moe.is_moe(folder, first_model.tree)  # expert parallel: docs/formats.md §2.12
         if moe_here:
             deepspeed_moe.refuse_unsupported(folder, first_model.tree, bool(optim_paths))
-        _refuse_variants(folder, first_model.tree)
+        refuse_variants(folder, first_model.tree, MODEL_STATES)
         if not optim_paths:
             raise UsageError(
                 f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"

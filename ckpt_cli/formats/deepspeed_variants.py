@@ -1,0 +1,49 @@
+"""DeepSpeed checkpoints ckpt recognises and refuses by name: pipeline and tensor parallelism, NVMe offload,
+hpZ/MiCS partitioning. Each refusal says why, and what would make the checkpoint readable."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.errors import UsageError
+
+VARIANTS = ((re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline-parallel layer files"),)
+
+
+def refuse_variants(folder: Path, model: dict[str, Any], model_states: re.Pattern[str]) -> None:
+    names = [p.name for p in folder.iterdir()]
+    for pattern, what in VARIANTS:
+        hit = next((n for n in names if pattern.match(n)), None)
+        if hit:
+            raise UsageError(f"{folder / hit}: {what} are not supported by ckpt (dense ZeRO data parallelism only)")
+    if (folder / "offloaded_tensors").exists():
+        raise UsageError(f"{folder}: NVMe-offloaded optimizer state (offloaded_tensors/) is not supported by ckpt")
+    mp = {int(m.group(2)) for n in names if (m := model_states.match(n))}
+    if len(mp) > 1 or model.get("mp_world_size", 1) > 1:
+        raise UsageError(_tensor_parallel_refusal(folder, max(len(mp), model.get("mp_world_size", 1)), model))
+    dims = model.get("checkpoint_parallel_dimensions") or {}
+    if dims.get("pp_degree", 1) > 1:
+        raise UsageError(f"{folder}: pipeline-parallel checkpoint (pp_degree > 1) is not supported by ckpt")
+    zero = (model.get("ds_config") or {}).get("zero_optimization") or {}
+    if (zero.get("zero_hpz_partition_size") or 1) > 1 or (zero.get("mics_shard_size") or 0) > 0:
+        raise UsageError(f"{folder}: hpZ/MiCS partitioning (partition group != data-parallel group) is not supported by ckpt")
+
+
+def _tensor_parallel_refusal(folder: Path, tp: int, model: dict[str, Any]) -> str:
+    """Why a tensor-parallel save cannot be joined, and what would make it readable. Each mp_rank_MM file holds
+    that rank's slices under the full names; only DeepSpeed's universal-checkpoint info (which Megatron-DeepSpeed
+    saves: universal_checkpoint_info with the row-parallel, replicated, averaged and vocabulary patterns) records
+    along which dimension each tensor was split."""
+    info = model.get("universal_checkpoint_info")
+    if not isinstance(info, dict) or not any(k.endswith("_patterns") for k in info):
+        return (
+            f"{folder}: tensor-parallel checkpoint ({tp} mp_rank files): the files do not record how each tensor is split "
+            "across the tensor-parallel ranks (no 'universal_checkpoint_info' patterns), so ckpt cannot join the slices; "
+            "save it from a client that records them (Megatron-DeepSpeed does), or join them with the training code"
+        )
+    return (
+        f"{folder}: tensor-parallel checkpoint ({tp} mp_rank files) with universal-checkpoint patterns: ckpt does not join "
+        "tensor-parallel slices yet; DeepSpeed's ds_to_universal reads these patterns"
+    )
