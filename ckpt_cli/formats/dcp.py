@@ -141,12 +141,12 @@ def _path_text(kind: type, *parts: Any) -> str:
 METADATA_GLOBALS = _metadata_globals()
 
 
-def load_metadata(path: Path, trust: bool) -> MetadataRec:
+def load_metadata(path: Path, trust: bool, globals_table: dict[tuple[str, str], Any] = METADATA_GLOBALS) -> MetadataRec:
     try:
         data = read_regular_bytes(path)
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
-    meta = safe_loads(data, str(path), METADATA_GLOBALS, trust)
+    meta = safe_loads(data, str(path), globals_table, trust)
     if not isinstance(meta, MetadataRec) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
         raise DataError(f"{path}: not a DCP Metadata pickle")
     if not isinstance(getattr(meta, "storage_data", None), dict):
@@ -284,6 +284,7 @@ def world_size_of(storage: dict[Any, StorageInfoRec]) -> int:
 
 class DCPReader:
     name = "dcp"
+    metadata_globals = METADATA_GLOBALS  # what `.metadata` may name (formats/megatron.py adds Megatron's classes)
 
     def detect(self, path: Path) -> bool:
         return path.is_dir() and (present(path / METADATA) or any(RANK_METADATA.match(p.name) for p in path.iterdir()))
@@ -295,7 +296,7 @@ class DCPReader:
                 f"{path}: per-rank metadata ({', '.join(ranks[:3])}...) and no global .metadata: saved with "
                 "use_collectives=False, which loads only at the same world size; ckpt does not read it yet"
             )
-        meta = load_metadata(path / METADATA, options.trust_pickle)
+        meta = load_metadata(path / METADATA, options.trust_pickle, self.metadata_globals)
         storage = {}
         for index, info in meta.storage_data.items():
             if not isinstance(index, IndexRec) or not isinstance(info, StorageInfoRec):

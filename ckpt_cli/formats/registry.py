@@ -18,6 +18,7 @@ from ckpt_cli.formats import (
     deepspeed_writer,
     dtensor_ranks,
     hf,
+    megatron,
     safetensors,
     torch_save,
 )
@@ -50,6 +51,13 @@ FORMATS: dict[str, Format] = {
             reshard_by="world_size",
             training=deepspeed_training.TRAINING,
             writes_any_state_dict=False,
+        ),
+        Format(
+            "megatron",
+            megatron.READER,
+            None,
+            "Megatron-Core torch_dist: metadata.json + common.pt + DCP .metadata/__R_I.distcp",
+            True,
         ),
         Format(
             "dcp",
