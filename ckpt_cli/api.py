@@ -286,6 +286,7 @@ def convert(
     *,
     to: str,
     world_size: int | None = None,
+    tp: int | None = None,
     dtype: str = "keep",
     max_shard_size: Size | None = None,
     num_shards: int | None = None,
@@ -309,9 +310,10 @@ def convert(
 ) -> WriteReport:
     """`ckpt convert`: write `src` as format `to` ('hf', 'safetensors', 'torch', 'dcp', 'deepspeed') at `dest`,
     streamed, and return what was written (`dry_run=True`: what would be, writing nothing). Between DeepSpeed and
-    dcp the whole training state moves (`world_size` needed). Options as the CLI's flags of the same names."""
+    dcp the whole training state moves (`world_size` needed; `tp`: a dcp target on a (world_size / tp) x tp mesh).
+    Options as the CLI's flags of the same names."""
     request = convert_request(
-        src, dest, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
+        src, dest, to=to, world_size=world_size, tp=tp, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
         per_rank_state=per_rank_state,
@@ -324,6 +326,7 @@ def reshard(
     dest: str | Path,
     *,
     world_size: int | None = None,
+    tp: int | None = None,
     num_shards: int | None = None,
     max_shard_size: Size | None = None,
     dtype: str = "keep",
@@ -343,10 +346,10 @@ def reshard(
     workers: int | None = None,
     progress: Progress | None = None,
 ) -> WriteReport:
-    """`ckpt reshard`: the same format in a new layout, `world_size` (dcp, deepspeed) or `num_shards` /
-    `max_shard_size` (hf: bytes, or '5GB')."""
+    """`ckpt reshard`: the same format in a new layout, `world_size` (dcp, deepspeed; dcp with `tp`: FSDP2 + tensor
+    parallel on a (world_size / tp) x tp mesh) or `num_shards` / `max_shard_size` (hf: bytes, or '5GB')."""
     request = reshard_request(
-        src, dest, world_size=world_size, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
+        src, dest, world_size=world_size, tp=tp, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
         trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
     )  # fmt: skip

@@ -351,3 +351,24 @@ def dtensor_saves_4(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dtensor_w4")
     torchrun(4, "dtensor_saves.py", "save", root, *DTENSOR_W4)
     return root
+
+
+# ---- FSDP2 + tensor parallel on a 2-D mesh, saved with DCP (tests/producers/dcp_tp.py) ----------------------------
+
+DCP_TP_MESHES = ["4x1", "1x4", "2x2"]  # dp x tp meshes of 4 ranks the 2x2 save is resharded to and loaded on
+
+
+@pytest.fixture(scope="session")
+def dcp_tp(tmp_path_factory) -> Path:
+    """FSDP2 + tensor parallel on a 2x2 (dp, tp) mesh and FSDP2 alone on 4 ranks, saved with dcp.save; the first resharded by
+    ckpt to each of DCP_TP_MESHES and loaded there by dcp.load + set_state_dict. Two torchrun launches of 4 processes.
+    ROOT/{tp,fsdp}: the saves; ROOT/references/{tp,fsdp}.pt: what the runs held (full tensors); ROOT/reshard/MESH: ckpt reshard
+    --world-size 4 --tp T; ROOT/loaded/MESH/loaded.pt: what the model on MESH loaded from it; ROOT/loaded/MESH/resaved: its dcp.save."""
+    root = tmp_path_factory.mktemp("dcp_tp")
+    torchrun(4, "dcp_tp.py", "save", root, "tp", "fsdp")
+    tasks = []
+    for mesh in DCP_TP_MESHES:
+        ckpt_quiet("reshard", root / "tp", root / "reshard" / mesh, "--world-size", 4, "--tp", mesh.split("x")[1])
+        tasks.append(f"{root / 'reshard' / mesh}:{mesh}:{root / 'loaded' / mesh}")
+    torchrun(4, "dcp_tp.py", "load", *tasks)
+    return root

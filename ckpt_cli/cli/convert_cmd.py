@@ -29,6 +29,7 @@ from ckpt_cli.cli.options import (
     Source,
     StripPrefix,
     Tag,
+    TensorParallel,
     TrustPickle,
     WeightsOnly,
     Workers,
@@ -92,6 +93,7 @@ def convert(
         str, typer.Option("--to", help=f"Target format: {', '.join(n for n, f in FORMATS.items() if f.writer)}.", show_default=False)
     ],
     world_size: WorldSize = None,
+    tp: TensorParallel = None,
     dtype: DType = "keep",
     max_shard_size: MaxShardSize = None,
     num_shards: NumShards = None,
@@ -117,7 +119,7 @@ def convert(
     """Convert any readable checkpoint to another format, streamed. Between DeepSpeed and dcp the whole training
     state moves (weights, Adam moments, param groups, step, scheduler, dataloader), so a run resumes in the other framework."""
     request = api.convert_request(
-        src, dest, to=to, world_size=world_size, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
+        src, dest, to=to, world_size=world_size, tp=tp, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
         per_rank_state=per_rank_state,
@@ -129,6 +131,7 @@ def reshard(
     src: Source,
     dest: Dest,
     world_size: WorldSize = None,
+    tp: TensorParallel = None,
     num_shards: NumShards = None,
     max_shard_size: MaxShardSize = None,
     dtype: DType = "keep",
@@ -149,9 +152,10 @@ def reshard(
     name_map: NameMapFile = None,
     per_rank_state: PerRankState = "wrap",
 ) -> None:
-    """Same format, new layout: --world-size N (dcp, deepspeed) or --num-shards/--max-shard-size (hf)."""
+    """Same format, new layout: --world-size N (dcp, deepspeed; dcp with --tp T: FSDP2 + tensor parallel on an (N/T) x T
+    mesh) or --num-shards/--max-shard-size (hf)."""
     request = api.reshard_request(
-        src, dest, world_size=world_size, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
+        src, dest, world_size=world_size, tp=tp, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
     )  # fmt: skip

@@ -32,6 +32,15 @@ DType = Annotated[
 MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", help="hf: largest shard, e.g. 5GB, 500MB, 2GiB.")]
 NumShards = Annotated[Optional[int], typer.Option("--num-shards", help="hf: exact number of shards.", min=1)]
 WorldSize = Annotated[Optional[int], typer.Option("--world-size", help="dcp, deepspeed: number of ranks to write for.", min=1)]
+TensorParallel = Annotated[
+    Optional[int],
+    typer.Option(
+        "--tp",
+        help="dcp: tensor-parallel size T: lay out FSDP2 + tensor parallel on a (N/T) x T (dp x tp) mesh of the --world-size N "
+        "ranks, each tensor split along the dim its source chunks show.",
+        min=1,
+    ),
+]
 WeightsOnly = Annotated[bool, typer.Option("--weights-only", help="Model weights only (no optimizer or training state).")]
 Select = Annotated[Optional[list[str]], typer.Option("--select", help="Keep tensors whose names match this glob (repeatable).")]
 StripPrefix = Annotated[Optional[str], typer.Option("--strip-prefix", help="Remove this prefix from tensor names.")]

@@ -21,6 +21,7 @@ class WriteOptions:
     max_shard_size: int | None = None  # hf: bytes per shard
     num_shards: int | None = None  # hf: exact number of shards
     world_size: int | None = None  # dcp, deepspeed: number of ranks to write for
+    tp: int | None = None  # dcp: tensor-parallel size of a (world_size / tp) x tp mesh (formats/dcp_mesh.py)
     per_rank_rule: str = "wrap"  # per-rank values under a new world size (core/training.py)
 
 

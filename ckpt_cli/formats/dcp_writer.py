@@ -1,10 +1,13 @@
-"""Writing a Distributed Checkpoint laid out as FSDP2 (`fully_shard`, Shard(0)) on N ranks saves it.
+"""Writing a Distributed Checkpoint laid out as FSDP2 (`fully_shard`) saves it on N ranks, alone (Shard(0)) or with
+tensor parallel on a dp x tp mesh (`--tp T`).
 
-Every model weight and optimizer moment of rank >= 1 is cut along dim 0 with `torch.chunk`
-semantics (ranks past the end keep an empty chunk, listed once); 0-d tensors, buffers and other
-replicated tensors are one whole chunk; non-tensor values are BYTE_IO items (copied verbatim from
-a DCP source). Replicated items go to the rank file chosen the way `dedup_save_plans` chooses.
-`.metadata` is built from DCP's own classes and written last. Facts: docs/formats.md §1.5-1.9.
+Without --tp every model weight and optimizer moment of rank >= 1 is cut along dim 0 with `torch.chunk`
+semantics (ranks past the end keep an empty chunk, listed once). With --tp each sharded tensor keeps the split
+its source chunks show (the dim FSDP shards, the dim tensor parallel shards: formats/dcp_mesh.py) and is cut as
+FSDP2 + TP cut it on the new mesh. 0-d tensors, buffers and other replicated tensors are one whole chunk;
+non-tensor values are BYTE_IO items (copied verbatim from a DCP source). Replicated items go to the rank file
+chosen the way `dedup_save_plans` chooses. `.metadata` is built from DCP's own classes and written last.
+Facts: docs/formats.md §1.5-1.9, §1.12.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import math
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,19 +22,15 @@ from typing import Any
 
 from ckpt_cli.core import pickler, zipio
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Opaque, PathKey, TensorEntry, sub_tensor, unsafe_value_problem
+from ckpt_cli.core.model import Box, Checkpoint, FlatRange, ObjectEntry, Opaque, PathKey, Piece, TensorEntry, box_runs, unsafe_value_problem
 from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.pickler import Global, Instance, Reduce, size
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.core.training import apply_per_rank_rule
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import torch_save
-
-
-def fsdp2_rows(n0: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Rows [start, end) of dim 0 that `rank` holds under Shard(0): torch.chunk, ceil(n0/W) rows each."""
-    per = -(-n0 // world_size)
-    return min(rank * per, n0), min((rank + 1) * per, n0)
+from ckpt_cli.formats.dcp import DATA_FILE
+from ckpt_cli.formats.dcp_mesh import Saved, SourceMesh, Split, chunk_of, parse_mesh, source_mesh
 
 
 def is_sharded(entry: TensorEntry, ckpt: Checkpoint) -> bool:
@@ -99,35 +97,160 @@ def byte_items(ckpt: Checkpoint) -> list[ObjectEntry]:
     return out
 
 
-def rank_plans(ckpt: Checkpoint, world_size: int) -> tuple[list[list[Item]], dict[str, Any], dict[str, Any], list[ObjectEntry]]:
-    """Each rank's items, the per-tensor chunk lists (offsets, sizes), planner_data and the BYTE_IO leaves."""
-    plans: list[list[Item]] = [[] for _ in range(world_size)]
-    chunks: dict[str, Any] = {}
+@dataclass
+class Layout:
+    """The mesh a write lays tensors out on and each sharded tensor's split (dp, tp); others are written whole."""
+
+    mesh: tuple[int, int]
+    splits: dict[str, Split]
+    notes: list[str]
+
+
+def sub_box(entry: TensorEntry, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> TensorEntry:
+    """The box `offsets` + `sizes` of `entry` as a tensor of its own: one flat piece per contiguous run of the box
+    that one source piece holds (whole rows of a row range are one run; a column range is one run per row)."""
+    if offsets == (0,) * len(entry.shape) and sizes == entry.shape:
+        return dataclasses.replace(entry, name=name)
+    source = entry.runs()
+    pieces, i = [], 0
+    for gstart, length, lstart in box_runs(offsets, sizes, entry.shape):
+        end = gstart + length
+        while i < len(source) and source[i][0] + source[i][1] <= gstart:
+            i += 1
+        j = i
+        while j < len(source) and source[j][0] < end:
+            g, n, piece, local = source[j]
+            lo, hi = max(g, gstart), min(g + n, end)
+            if lo < hi:
+                pieces.append(Piece(FlatRange(lstart + lo - gstart, hi - lo), piece.data, local + lo - g))
+            j += 1
+    return TensorEntry(name, entry.dtype, sizes, entry.role, pieces, entry.path)
+
+
+def saved_chunks(entry: TensorEntry) -> Saved | None:
+    """The boxes the source stored the tensor in (DCP chunks, DTensor shards), each with the rank whose DCP file holds
+    it (`__{r}_{i}.distcp`; None for other files); None when its pieces are flat ranges."""
+    out = set()
+    for p in entry.pieces:
+        if not isinstance(p.region, Box):
+            return None
+        m = DATA_FILE.search(p.data.path)
+        out.add(((p.region.offsets, p.region.sizes), int(m.group(1)) if m else None))
+    return frozenset(out)
+
+
+def _source_mesh(ckpt: Checkpoint, sharded: list[TensorEntry]) -> SourceMesh | str:
+    world = ckpt.world_size or 1
+    tensors = {}
+    for entry in sharded:
+        boxes = saved_chunks(entry)
+        if boxes is None:
+            return f"'{entry.name}' is stored as flat ranges ({ckpt.format}), not as boxes of the tensor"
+        tensors[entry.name] = (entry.shape, boxes)
+    if world == 1 or not tensors:
+        return "it is not sharded"
+    return source_mesh(tensors, world)
+
+
+def layout_for(ckpt: Checkpoint, world: int, tp: int | None) -> Layout:
+    """FSDP2 alone on `world` ranks (tp None), or FSDP2 + tensor parallel on a (world / tp) x tp mesh with each tensor
+    split as its source chunks show; UsageError when --tp > 1 and the source does not say how tensors are split."""
+    sharded = [e for e in ckpt.tensors.values() if is_sharded(e, ckpt)]
+    found = _source_mesh(ckpt, sharded) if tp is not None or (ckpt.world_size or 1) > 1 else "it is not sharded"
+    says = isinstance(found, SourceMesh) and found.tensor_parallel
+    if tp is None or (tp == 1 and not says):
+        notes = []
+        if says:
+            assert isinstance(found, SourceMesh)
+            notes.append(
+                f"the source is FSDP2 + tensor parallel on a {found.dp}x{found.tp} (dp, tp) mesh; written as FSDP2 alone "
+                f"(Shard(0)) on {world} ranks: --tp T keeps tensor parallel on a {world}/T x T mesh"
+            )
+        return Layout((world, 1), {e.name: Split(0, None) for e in sharded}, notes)
+    try:
+        mesh = parse_mesh(world, tp)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if not says:
+        if isinstance(found, SourceMesh):
+            found = (
+                f"its chunks are FSDP's alone on {found.dp} ranks"
+                if found.tp == 1
+                else f"on its {found.dp}x{found.tp} mesh no tensor is split by tensor parallel"
+            )
+        raise UsageError(
+            f"{ckpt.path}: --tp {tp} needs to know which tensors tensor parallel splits, and along which dim, and the source "
+            f"does not say ({found}); reshard it without --tp (FSDP2 alone), or from a checkpoint saved with tensor parallel"
+        )
+    assert isinstance(found, SourceMesh)
+    kinds = {"strided": 0, "tp": 0, "fsdp": 0}
+    for split in found.splits.values():
+        kinds["strided" if split.tp_dim is not None and split.tp_dim == split.dp_dim else "tp" if split.tp_dim is not None else "fsdp"] += 1
+    notes = [
+        f"layout: FSDP2 + tensor parallel on a {mesh[0]}x{mesh[1]} (dp, tp) mesh (the source's: {found.dp}x{found.tp}); "
+        f"{kinds['strided']} tensors split by tp and FSDP on the same dim (_StridedShard), {kinds['tp']} by tp and FSDP on "
+        f"different dims, {kinds['fsdp']} by FSDP alone, {len(ckpt.tensors) - len(sharded)} replicated"
+    ]
+    if found.others:
+        notes.append(f"the source's chunks fit a {' and a '.join(found.others)} mesh too; read as {found.dp}x{found.tp}")
+    if found.dp == 1 and mesh[0] > 1:
+        notes.append(
+            "the source's dp size is 1, so its chunks do not record which tensors FSDP shards or along which dim: "
+            "tensors it holds whole are written whole, the others sharded by FSDP on dim 0"
+        )
+    if found.ambiguous:
+        notes.append(
+            f"{len(found.ambiguous)} tensors' chunks fit more than one split (e.g. '{found.ambiguous[0]}'); each is written "
+            "with the plainest (FSDP on dim 0 first)"
+        )
+    return Layout(mesh, found.splits, notes)
+
+
+def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[list[list[Item]], dict[str, TensorEntry], dict[str, Any], list[ObjectEntry]]:
+    """Each rank's items, the tensors by flat key, planner_data and the BYTE_IO leaves."""
+    world = layout.mesh[0] * layout.mesh[1]
+    plans: list[list[Item]] = [[] for _ in range(world)]
+    entries: dict[str, TensorEntry] = {}
     planner: dict[str, Any] = {}
     for entry in ckpt.tensors.values():
         path = dcp_path(entry.path, ckpt.containers)
         fqn = ".".join(map(str, path))
         planner[fqn] = path
-        rest = entry.shape[1:]
-        inner = math.prod(rest)
-        listed: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-        for r in range(world_size):
-            if is_sharded(entry, ckpt):
-                start, end = fsdp2_rows(entry.shape[0], world_size, r)
-                offsets, sizes = (start, *(0 for _ in rest)), (end - start, *rest)
-                part = sub_tensor(entry, fqn, start * inner, sizes)
+        entries[fqn] = entry
+        split = layout.splits.get(entry.name)
+        for r in range(world):
+            if split is None:
+                offsets, part = (0,) * len(entry.shape), entry
             else:
-                offsets, sizes, part = (0,) * len(entry.shape), entry.shape, entry
-            if (offsets, sizes) not in listed:
-                listed.append((offsets, sizes))
+                offsets, sizes = chunk_of(entry.shape, split, layout.mesh, r)
+                part = sub_box(entry, fqn, offsets, sizes)
             plans[r].append(Item(fqn, offsets, part.nbytes, tensor=part))
-        chunks[fqn] = (entry, listed)
     objects = byte_items(ckpt)
     for obj in objects:
         planner[obj.name] = obj.path
-        for r in range(world_size):
+        for r in range(world):
             plans[r].append(Item(obj.name, None, 1, obj=obj))
-    return plans, chunks, planner, objects
+    order = flat_order(ckpt)
+    if order:  # each rank plans its flattened state dict in order: dedup_save_plans takes items in that order
+        position = {fqn: order.get(fqn, len(order)) for fqn in planner}
+        plans = [sorted(items, key=lambda item: position[item.fqn]) for items in plans]
+    return plans, entries, planner, objects
+
+
+def flat_order(ckpt: Checkpoint) -> dict[str, int]:
+    """The order a DCP source's state dict was flattened in (its planner_data), by flat key; empty for other sources."""
+    planner = getattr(getattr(ckpt.source, "metadata", None), "planner_data", None)
+    return {str(fqn): i for i, fqn in enumerate(planner)} if isinstance(planner, dict) else {}
+
+
+def chunk_lists(entries: dict[str, TensorEntry], kept: list[list[Item]]) -> dict[str, Any]:
+    """Each tensor's chunks (offsets, sizes) in the order DCP's global plan lists them: the kept plans, rank by rank."""
+    listed: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {fqn: [] for fqn in entries}
+    for items in kept:
+        for item in items:
+            if item.tensor is not None and item.offsets is not None:
+                listed[item.fqn].append((item.offsets, item.tensor.shape))
+    return {fqn: (entry, listed[fqn]) for fqn, entry in entries.items()}
 
 
 def dedup(plans: list[list[Item]]) -> list[list[Item]]:
@@ -193,8 +316,11 @@ class DCPWriter:
         opaque = [o.name for o in ckpt.objects.values() if isinstance(o.value, Opaque) and o.raw is None]
         if opaque:
             raise UsageError(f"cannot write non-tensor values that were not parsed: {', '.join(opaque[:3])} (try --trust-pickle)")
-        plans, chunks, planner, objects = rank_plans(ckpt, world_size)
+        layout = layout_for(ckpt, world_size, options.tp)
+        plans, entries, planner, objects = rank_plans(ckpt, layout)
         kept = dedup(plans)
+        chunks = chunk_lists(entries, kept)
+        order = list(dict.fromkeys(item.fqn for items in kept for item in items))
         files, storage = [], {}
         for r, items in enumerate(kept):
             name = f"__{r}_0.distcp"
@@ -211,12 +337,14 @@ class DCPWriter:
                 segments += parts
                 pos += length
             files.append(OutputFile(name, segments))
-        files.append(OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, storage, objects, dest))], commit_marker=True))
-        sharded = sum(1 for entry, listed in chunks.values() if len(listed) > 1 or is_sharded(entry, ckpt))
-        notes.append(
-            f"layout: FSDP2 Shard(0) on {world_size} ranks; {sharded} tensors sharded by rows, "
-            f"{len(chunks) - sharded} replicated, {len(ckpt.objects)} non-tensor values"
-        )
+        files.append(OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, storage, objects, dest, order))], commit_marker=True))
+        notes += layout.notes
+        if layout.mesh[1] == 1 and not any(n.startswith("layout:") for n in layout.notes):
+            sharded = sum(1 for entry, listed in chunks.values() if len(listed) > 1 or is_sharded(entry, ckpt))
+            notes.append(
+                f"layout: FSDP2 Shard(0) on {world_size} ranks; {sharded} tensors sharded by rows, "
+                f"{len(chunks) - sharded} replicated, {len(ckpt.objects)} non-tensor values"
+            )
         return WritePlan(self.name, dest, True, files, notes)
 
 
@@ -235,9 +363,15 @@ def _properties(entry: TensorEntry) -> Instance:
 
 
 def metadata_bytes(
-    chunks: dict[str, Any], planner: dict[str, Any], storage: dict[Any, tuple[str, int, int]], objects: list[ObjectEntry], dest: Path
+    chunks: dict[str, Any],
+    planner: dict[str, Any],
+    storage: dict[Any, tuple[str, int, int]],
+    objects: list[ObjectEntry],
+    dest: Path,
+    order: list[str] | None = None,
 ) -> bytes:
-    """`.metadata` as FileSystemWriter.finish pickles DCP's dataclasses (written without importing torch)."""
+    """`.metadata` as FileSystemWriter.finish pickles DCP's dataclasses (written without importing torch); `order`: the
+    keys in the order the global plan first meets them (state_dict_metadata's order in a real save)."""
     sdm: dict[str, Any] = {}
     storage_data: dict[Any, Any] = {}
 
@@ -258,6 +392,8 @@ def metadata_bytes(
     for obj in objects:
         sdm[obj.name] = Instance(_cls("BytesStorageMetadata"))
         storage_data[Instance(_cls("MetadataIndex"), {"fqn": obj.name, "index": None})] = storage_info((obj.name, None))
+    if order:
+        sdm = {key: sdm[key] for key in order if key in sdm} | sdm
     body = repr((sorted(storage.items()), sorted(planner))).encode()
     save_id = str(uuid.UUID(bytes=hashlib.sha256(body).digest()[:16], version=4))  # reproducible, unlike uuid4()
     storage_meta = Instance(

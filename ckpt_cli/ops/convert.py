@@ -50,6 +50,8 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
     if write.world_size is not None and target.reshard_by != "world_size":
         raise UsageError(f"--world-size applies to {_targets_by('world_size')} targets, not {target.name}")
+    if write.tp is not None and target.name != "dcp":
+        raise UsageError(f"--tp applies to dcp targets, not {target.name}")
     if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards":
         raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
     view = training_view(ckpt, target, t, write, cross) if carries_training_state(ckpt, target, t, cross) else transform.apply(ckpt, t)

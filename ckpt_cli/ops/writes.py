@@ -37,15 +37,19 @@ def transform(
     return Transform(tuple(select or ()), strip_prefix, add_prefix, weights_only, cast)
 
 
-def write_options(world_size: int | None, max_shard_size: Size | None, num_shards: int | None) -> WriteOptions:
+def write_options(world_size: int | None, max_shard_size: Size | None, num_shards: int | None, tp: int | None = None) -> WriteOptions:
     if max_shard_size and num_shards:
         raise UsageError("give --max-shard-size or --num-shards, not both")
-    if world_size is not None and world_size < 1 or num_shards is not None and num_shards < 1:
-        raise UsageError("--world-size and --num-shards are at least 1")
+    if world_size is not None and world_size < 1 or num_shards is not None and num_shards < 1 or tp is not None and tp < 1:
+        raise UsageError("--world-size, --tp and --num-shards are at least 1")
+    if tp is not None and world_size is None:
+        raise UsageError("--tp T needs --world-size N: the mesh is (N / T) x T (dp x tp)")
+    if tp is not None and world_size is not None and world_size % tp:
+        raise UsageError(f"--tp {tp} does not divide --world-size {world_size}: the mesh is (N / T) x T (dp x tp)")
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     if size is not None and size <= 0:
         raise UsageError(f"size must be positive, got '{max_shard_size}'")
-    return WriteOptions(size or None, num_shards, world_size)
+    return WriteOptions(size or None, num_shards, world_size, tp)
 
 
 def cross_options(
@@ -167,6 +171,7 @@ def convert_request(
     *,
     to: str,
     world_size: int | None = None,
+    tp: int | None = None,
     dtype: str = "keep",
     max_shard_size: Size | None = None,
     num_shards: int | None = None,
@@ -191,7 +196,7 @@ def convert_request(
         to,
         SourceOptions(format, tag, trust_pickle),
         transform(dtype, weights_only, select, strip_prefix, add_prefix),
-        write_options(world_size, max_shard_size, num_shards),
+        write_options(world_size, max_shard_size, num_shards, tp),
         cross_options(layout, zero_stage, ds_config, rename, name_map, per_rank_state),
     )
 
@@ -201,6 +206,7 @@ def reshard_request(
     dest: str | Path,
     *,
     world_size: int | None = None,
+    tp: int | None = None,
     num_shards: int | None = None,
     max_shard_size: Size | None = None,
     dtype: str = "keep",
@@ -216,14 +222,14 @@ def reshard_request(
     name_map: str | Path | None = None,
     per_rank_state: str = "wrap",
 ) -> Request:
-    """`reshard`: the source's own format in a new layout (world size, or shards)."""
+    """`reshard`: the source's own format in a new layout (world size, a dp x tp mesh for dcp with `tp`, or shards)."""
     return Request(
         Path(src),
         Path(dest),
         None,  # the source's own format
         SourceOptions(format, tag, trust_pickle),
         transform(dtype, weights_only, select, strip_prefix, add_prefix),
-        write_options(world_size, max_shard_size, num_shards),
+        write_options(world_size, max_shard_size, num_shards, tp),
         cross_options(layout, None, None, rename, name_map, per_rank_state),
     )
 
