@@ -3,7 +3,8 @@
 `.metadata` is unpickled through inert stand-ins of DCP's dataclasses, never with torch's raw
 `pickle.load`. Each `storage_data` byte range is one complete `torch.save` archive; a tensor
 chunk is located by the zip local header of its `data/0` record, so chunks are read (or copied)
-as byte ranges. Facts: docs/formats.md §1.
+as byte ranges. Saved with SerializationFormat.SAFETENSORS, tensor chunks are entries of one safetensors
+document per file (formats/dcp_safetensors.py). Facts: docs/formats.md §1.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ckpt_cli.core.pickle_guard import PickleRefused, charge
 from ckpt_cli.core.safe_pickle import Sealed, TensorRef, safe_loads
 from ckpt_cli.core.tree import holds_tensor
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
+from ckpt_cli.formats.dcp_safetensors import Blobs
 from ckpt_cli.formats.torch_save import load_archive, stored_array
 
 METADATA = ".metadata"
@@ -161,15 +163,18 @@ class DCPSource:
 
     folder: Path
     metadata: MetadataRec
+    safetensors: frozenset[tuple[str, int]] = frozenset()  # (file, offset) of the safetensors documents
+    problems: tuple[str, ...] = ()  # what parsing them found that does not stop a read
 
 
 @dataclass
 class _Files:
-    """Open data files of one checkpoint, with their sizes."""
+    """Open data files of one checkpoint, with their sizes (and the safetensors documents found in them)."""
 
     folder: Path
     handles: dict[str, BinaryIO] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
+    blobs: Blobs = field(default_factory=Blobs)
 
     def open(self, relative: str) -> BinaryIO:
         if relative not in self.handles:
@@ -200,10 +205,14 @@ def _range(files: _Files, info: StorageInfoRec, fqn: str) -> tuple[BinaryIO, str
             f"{files.sizes[info.relative_path]} (truncated?)"
         )
     f.seek(info.offset)
+    return f, where
+
+
+def _archive(files: _Files, info: StorageInfoRec, fqn: str) -> tuple[BinaryIO, str]:
+    """The byte range of an item stored as a torch.save archive (every BYTE_IO item, tensors under TORCH_SAVE)."""
+    f, where = _range(files, info, fqn)
     if f.read(4) != zipio.ZIP_MAGIC:
-        raise UsageError(
-            f"{where}: '{fqn}' is not a torch.save archive; checkpoints written with SerializationFormat.SAFETENSORS are not supported"
-        )
+        raise DataError(f"{where}: '{fqn}' at byte {info.offset} is neither a torch.save archive nor a safetensors tensor")
     return f, where
 
 
@@ -218,6 +227,9 @@ def _tensor_pieces(
         if info is None:
             raise DataError(f"{files.folder / METADATA}: chunk {list(offsets)} of '{fqn}' has no storage entry")
         f, where = _range(files, info, fqn)
+        if f.read(4) != zipio.ZIP_MAGIC:  # SerializationFormat.SAFETENSORS: an entry of the file's safetensors document
+            pieces.append(Piece(Box(offsets, sizes), files.blobs.chunk(f, where, info.offset, fqn, offsets, sizes, dtype)))
+            continue
         obj, records = load_archive(f, f"{where} ('{fqn}' at {info.offset})", options, info.offset, info.length)
         if not isinstance(obj, TensorRef):
             raise DataError(f"{where}: '{fqn}' chunk at offset {info.offset} does not hold a tensor")
@@ -228,7 +240,7 @@ def _tensor_pieces(
 
 
 def _object(files: _Files, fqn: str, info: StorageInfoRec, options: ReadOptions) -> tuple[Any, tuple[str, int, int]]:
-    f, where = _range(files, info, fqn)
+    f, where = _archive(files, info, fqn)
     raw = (str(files.folder / info.relative_path), info.offset, info.length)
     try:
         value, _ = load_archive(f, f"{where} ('{fqn}')", options, info.offset, info.length)
@@ -340,8 +352,8 @@ class DCPReader:
             + [FileInfo(str(path / f), files.sizes.get(f, 0)) for f in data_files],
             world_size=world_size_of(storage),
             containers=containers,
-            details=self._details(meta, tensors, data_files, planner),
-            source=DCPSource(path, meta),
+            details=self._details(meta, tensors, data_files, planner, files.blobs),
+            source=DCPSource(path, meta, frozenset((Path(w).name, o) for w, o in files.blobs.parsed), tuple(files.blobs.problems())),
         )
         ckpt.step = roles.find_step(ckpt)
         refused = {o.name: o.value.unsafe_global for o in ckpt.unsafe_values()}
@@ -349,7 +361,7 @@ class DCPReader:
             ckpt.details["refused_pickles"] = refused
         return ckpt
 
-    def _details(self, meta: MetadataRec, tensors: dict[str, TensorEntry], data_files: list[str], planner: dict) -> dict:
+    def _details(self, meta: MetadataRec, tensors: dict[str, TensorEntry], data_files: list[str], planner: dict, blobs: Blobs) -> dict:
         storage_meta = getattr(meta, "storage_meta", None)
         chunk_counts = [len(t.pieces) for t in tensors.values()]
         return {
@@ -361,6 +373,7 @@ class DCPReader:
             "max_chunks_per_tensor": max(chunk_counts, default=0),
             "sharded_tensors": sum(1 for n in chunk_counts if n > 1),
             "save_id": getattr(storage_meta, "save_id", None),
+            "serialization": "safetensors" if blobs.parsed else "torch_save",
         }
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
@@ -382,17 +395,24 @@ class DCPReader:
             data = folder / rel
             if data.exists() and data.stat().st_mtime_ns > meta_mtime:
                 problems.append(f"{data}: newer than {METADATA}; an interrupted re-save may have mixed old metadata with new data")
-        problems += _overlaps(folder, list(meta.storage_data.values()))
+        problems += _overlaps(folder, list(meta.storage_data.values()), source.safetensors)
+        problems += list(source.problems)
         problems += _bounds(ckpt)
         problems += [unsafe_value_problem(o) for o in ckpt.unsafe_values()]
         if deep:
-            problems += _crc_problems(folder, meta)
+            problems += _crc_problems(folder, meta, source.safetensors)
         return problems
 
 
-def _overlaps(folder: Path, infos: list[StorageInfoRec]) -> list[str]:
+def _overlaps(folder: Path, infos: list[StorageInfoRec], safetensors: frozenset[tuple[str, int]]) -> list[str]:
+    """Byte ranges that overlap; the tensor items of one safetensors document share its offset and count once."""
     by_file: dict[str, list[tuple[int, int]]] = {}
+    seen: set[tuple[str, int]] = set()
     for info in infos:
+        if (info.relative_path, info.offset) in safetensors:
+            if (info.relative_path, info.offset) in seen:
+                continue
+            seen.add((info.relative_path, info.offset))
         by_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
     problems = []
     for rel, spans in by_file.items():
@@ -416,12 +436,15 @@ def _bounds(ckpt: Checkpoint) -> list[str]:
     return problems
 
 
-def _crc_problems(folder: Path, meta: MetadataRec) -> list[str]:
+def _crc_problems(folder: Path, meta: MetadataRec, safetensors: frozenset[tuple[str, int]]) -> list[str]:
+    """Every torch.save archive against its CRC32s (safetensors entries have none: docs/formats.md)."""
     files = _Files(folder)
     problems = []
     try:
         for index, info in meta.storage_data.items():
-            f, where = _range(files, info, index.fqn)
+            if (info.relative_path, info.offset) in safetensors:
+                continue
+            f, where = _archive(files, info, index.fqn)
             for rec in zipio.read_records(f, where, info.offset, info.length).values():
                 problem = zipio.crc_problem(f, rec, f"{where} ('{index.fqn}')")
                 if problem:

@@ -11,6 +11,7 @@ from ckpt_cli.core.training import TrainingFormat
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import (
     dcp,
+    dcp_safetensors,
     dcp_training,
     dcp_writer,
     deepspeed,
@@ -71,6 +72,7 @@ FORMATS: dict[str, Format] = {
         Format(
             "dtensor", dtensor_ranks.READER, None, "per-rank torch.save of DTensor shards (verl, SkyRL): model_world_size_W_rank_R.pt", True
         ),
+        Format("dcp-hf", dcp_safetensors.HF_READER, None, "DCP by HuggingFaceStorageWriter: shard-R-model-I-of-N.safetensors", False),
         Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json", False, reshard_by="shards"),
         Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file", False),
         Format("torch", torch_save.READER, torch_save.WRITER, "one torch.save file (.pt/.pth/.bin)", True),
