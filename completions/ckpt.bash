@@ -8,20 +8,20 @@ _ckpt() {
     fi
     case "$prev" in
         --to) COMPREPLY=($(compgen -W "deepspeed dcp hf safetensors torch" -- "$cur")); return ;;
-        --format) COMPREPLY=($(compgen -W "deepspeed dcp dtensor hf safetensors torch" -- "$cur")); return ;;
+        --format) COMPREPLY=($(compgen -W "deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "keep fp32 bf16 fp16" -- "$cur")); return ;;
         --layout) COMPREPLY=($(compgen -W "get_state_dict torchtitan" -- "$cur")); return ;;
         --per-rank-state) COMPREPLY=($(compgen -W "wrap first drop" -- "$cur")); return ;;
     esac
     local opts=""
     case "${words[1]}" in
-        convert) opts="--to --world-size --dtype --max-shard-size --num-shards --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --layout --zero-stage --ds-config --rename --name-map --per-rank-state --help -h" ;;
+        convert) opts="--to --world-size --tp --dtype --max-shard-size --num-shards --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --layout --zero-stage --ds-config --rename --name-map --per-rank-state --help -h" ;;
         demo) opts="--overwrite --help -h" ;;
         diff) opts="--atol --rtol --filter --depth --json --format-a --format-b --tag-a --tag-b --trust-pickle --help -h" ;;
         inspect) opts="--json --yaml --tensors --filter --tree --depth --markdown --format --tag --trust-pickle --help -h" ;;
         ls) opts="--json --trust-pickle --help -h" ;;
         merge) opts="--dtype --all --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --help -h" ;;
-        reshard) opts="--world-size --num-shards --max-shard-size --dtype --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --layout --rename --name-map --per-rank-state --help -h" ;;
+        reshard) opts="--world-size --tp --num-shards --max-shard-size --dtype --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --layout --rename --name-map --per-rank-state --help -h" ;;
         split) opts="--max-shard-size --num-shards --dtype --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --help -h" ;;
         verify) opts="--deep --finite --write-manifest --manifest --against --atol --rtol --policy --json --format --tag --trust-pickle --overwrite --help -h" ;;
     esac

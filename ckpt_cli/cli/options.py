@@ -63,11 +63,15 @@ DSConfig = Annotated[
 ]
 Rename = Annotated[
     Optional[list[str]],
-    typer.Option("--rename", help="Training-state conversions: rename parameters, REGEX=REPLACEMENT (repeatable, applied in order)."),
+    typer.Option("--rename", help="Rename parameters, REGEX=REPLACEMENT (repeatable, in order): training-state conversions and exports."),
 ]
 NameMapFile = Annotated[
     Optional[Path],
-    typer.Option("--name-map", help="Training-state conversions: YAML with strip_segments, rename [{from, to}] and tied {alias: owner}."),
+    typer.Option(
+        "--name-map",
+        help="YAML name map: strip_segments, rename [{from, to}], tied {alias: owner}; weight exports (hf, safetensors, torch) "
+        "also split [{from, to, groups, layers}]: fused QKV, gate/up and layer-stacked tensors by rows.",
+    ),
 ]
 PerRankState = Annotated[
     str,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
+from ckpt_cli.core.row_split import RowSplit
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
 
@@ -33,15 +34,18 @@ _NOT_DP_RANK = re.compile(r"(?:^|[_.-])(?:tp|pp|mp|ep|sp|cp|expert|lora|low)_?ra
 @dataclass(frozen=True)
 class NameMap:
     """How parameter names change on the way: wrapper segments dropped, regex renames applied in order,
-    and tied weights (alias -> owner) that the source does not record."""
+    and tied weights (alias -> owner) that the source does not record. Weight exports also split fused
+    tensors by rows (core/row_split.py): a tensor a split matches is split instead of renamed."""
 
     strip_segments: tuple[str, ...] = WRAPPER_SEGMENTS
     renames: tuple[tuple[str, str], ...] = ()
     tied: tuple[tuple[str, str], ...] = ()
+    splits: tuple[RowSplit, ...] = ()
 
     @classmethod
     def from_yaml(cls, path: Path) -> NameMap:
-        """`strip_segments: [...]`, `rename: [{from: REGEX, to: REPL}, ...]`, `tied: {alias: owner}`."""
+        """`strip_segments: [...]`, `rename: [{from: REGEX, to: REPL}, ...]`, `tied: {alias: owner}`,
+        `split: [{from: REGEX, to: NAMES, groups: N, layers: BOOL}, ...]`."""
         import yaml
 
         try:
@@ -50,8 +54,8 @@ class NameMap:
             raise UsageError(f"{path}: cannot read the name map ({exc.strerror})") from exc
         except yaml.YAMLError as exc:
             raise UsageError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
-        if not isinstance(data, dict) or set(data) - {"strip_segments", "rename", "tied"}:
-            raise UsageError(f"{path}: a name map holds strip_segments, rename and tied only")
+        if not isinstance(data, dict) or set(data) - {"strip_segments", "rename", "tied", "split"}:
+            raise UsageError(f"{path}: a name map holds strip_segments, rename, split and tied only")
         renames = []
         for item in data.get("rename") or []:
             if not isinstance(item, dict) or set(item) != {"from", "to"}:
@@ -63,10 +67,14 @@ class NameMap:
         tied = data.get("tied") or {}
         if not isinstance(tied, dict):
             raise UsageError(f"{path}: tied maps alias names to owner names")
+        splits = data.get("split") or []
+        if not isinstance(splits, list):
+            raise UsageError(f"{path}: split is a list of {{from, to, groups, layers}}")
         return cls(
             tuple(segments),
             tuple(renames),
             tuple((str(a), str(o)) for a, o in tied.items()),
+            tuple(RowSplit.parse(item, str(path)) for item in splits),
         ).checked(str(path))
 
     def with_renames(self, pairs: list[str]) -> NameMap:
@@ -87,9 +95,11 @@ class NameMap:
                 raise UsageError(f"{where}: bad regular expression '{pattern}' ({exc})") from exc
         return self
 
+    def strip(self, name: str) -> str:
+        return ".".join(p for p in name.split(".") if p not in self.strip_segments)
+
     def apply(self, name: str) -> str:
-        parts = [p for p in name.split(".") if p not in self.strip_segments]
-        out = ".".join(parts)
+        out = self.strip(name)
         for pattern, repl in self.renames:
             try:
                 out = re.sub(pattern, repl, out)
@@ -101,6 +111,7 @@ class NameMap:
         rules = [f"drop segments {', '.join(self.strip_segments)}" if self.strip_segments else "keep every segment"]
         rules += [f"rename /{p}/ -> '{r}'" for p, r in self.renames]
         rules += [f"tie {a} -> {o}" for a, o in self.tied]
+        rules += [s.describe() for s in self.splits]
         return "; ".join(rules)
 
 

@@ -18,7 +18,7 @@ from ckpt_cli.core.plan import TensorData, WritePlan
 from ckpt_cli.core.training import StateOptions
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry, run_read
-from ckpt_cli.ops import crossframework, runs, structure, transform
+from ckpt_cli.ops import crossframework, name_map, runs, structure, transform
 from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
 from ckpt_cli.ops.source import open_checkpoint
 
@@ -54,7 +54,12 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
         raise UsageError(f"--tp applies to dcp targets, not {target.name}")
     if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards":
         raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
-    view = training_view(ckpt, target, t, write, cross) if carries_training_state(ckpt, target, t, cross) else transform.apply(ckpt, t)
+    if carries_training_state(ckpt, target, t, cross):
+        if cross.names.splits:
+            raise UsageError("a name map's split applies to weight exports (hf, safetensors, torch), not to training-state conversions")
+        view = training_view(ckpt, target, t, write, cross)
+    else:
+        view = transform.apply(name_map.weights_view(ckpt, cross.names) if cross.names_given else ckpt, t)
     plan = writer.plan(view, request.dest, write)
     return Job(plan, list(view.notes) + plan.notes, (str(request.src), *(f.path for f in ckpt.files)))
 

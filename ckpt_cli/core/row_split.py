@@ -1,0 +1,112 @@
+"""Splitting a tensor by rows into several named tensors (a name map's `split`), without reading it.
+
+Frameworks fuse parameters that other frameworks keep apart: Megatron's `linear_qkv` holds, for each query
+group, the group's query heads then its key head then its value head; its SwiGLU `linear_fc1` holds the gate
+rows then the up rows; its torch_dist checkpoints stack the layers of a block along a leading dimension. A
+`RowSplit` says how: dim 0 is first a stack of layers (`layers`), each layer's rows are `groups` equal blocks,
+and each block is cut in proportion to `shares`, part j of every block going (in block order) to output j.
+Every output is a list of element ranges of the source, so its pieces point into the source's stored bytes
+(core/model.py): the export streams them as byte ranges and never loads the fused tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt_cli.core.model import FlatRange, Piece, TensorEntry
+from ckpt_cli.errors import UsageError
+
+LAYER = "{layer}"
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    pattern: str  # a regular expression the whole (segment-stripped) source name must match
+    names: tuple[str, ...]  # output names: regex group references (\1) and {layer} are filled in
+    shares: tuple[int, ...]  # each output's share of a block's rows
+    groups: int = 1
+    layers: bool = False
+
+    @classmethod
+    def parse(cls, item: Any, where: str) -> RowSplit:
+        """One `split` entry: {from: REGEX, to: NAME | [NAME, ...] | {NAME: SHARE, ...}, groups: N, layers: BOOL}."""
+        if not isinstance(item, dict) or not {"from", "to"} <= set(item) or set(item) - {"from", "to", "groups", "layers"}:
+            raise UsageError(f"{where}: each split is {{from: REGEX, to: NAMES, groups: N, layers: true|false}}")
+        to = item["to"]
+        pairs = [(to, 1)] if isinstance(to, str) else [(n, 1) for n in to] if isinstance(to, list) else list((to or {}).items())
+        groups, layers = item.get("groups", 1), item.get("layers", False)
+        if not pairs or not all(isinstance(n, str) and n and type(s) is int and s > 0 for n, s in pairs):
+            raise UsageError(f"{where}: split '{item['from']}': 'to' names the outputs (a name, a list, or name: share with shares >= 1)")
+        if type(groups) is not int or groups < 1 or not isinstance(layers, bool):
+            raise UsageError(f"{where}: split '{item['from']}': groups is an integer >= 1 and layers true or false")
+        if layers and not all(LAYER in n for n, _ in pairs):
+            raise UsageError(f"{where}: split '{item['from']}' has layers: true, so every output name needs {LAYER}")
+        if len({n for n, _ in pairs}) != len(pairs):
+            raise UsageError(f"{where}: split '{item['from']}' names an output twice")
+        try:
+            re.compile(str(item["from"]))
+        except re.error as exc:
+            raise UsageError(f"{where}: bad regular expression '{item['from']}' ({exc})") from exc
+        return cls(str(item["from"]), tuple(n for n, _ in pairs), tuple(s for _, s in pairs), groups, layers)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{n} ({s})" if len(set(self.shares)) > 1 else n for n, s in zip(self.names, self.shares))
+        how = f"{self.groups} groups of rows" if self.groups > 1 else "rows"
+        return f"split /{self.pattern}/{' per layer' if self.layers else ''}: {how} -> {parts}"
+
+    def apply(self, entry: TensorEntry, name: str) -> list[TensorEntry] | None:
+        """The outputs for `entry` (known as `name`), or None when the pattern does not match the name."""
+        match = re.fullmatch(self.pattern, name)
+        if match is None:
+            return None
+        shape = entry.shape
+        where = f"split of '{entry.name}' {list(shape)}"
+        layers = shape[0] if self.layers and shape else 1
+        inner = shape[1:] if self.layers else shape
+        if not inner:
+            raise UsageError(f"{where}: {'a stack of layers needs' if self.layers else 'splitting rows needs'} one more dimension")
+        rows, row = inner[0], math.prod(inner[1:])
+        if rows % self.groups:
+            raise UsageError(f"{where}: {rows} rows do not divide into {self.groups} groups")
+        block = rows // self.groups
+        if block % sum(self.shares):
+            raise UsageError(f"{where}: blocks of {block} rows do not split in the proportion {':'.join(map(str, self.shares))}")
+        unit = block // sum(self.shares)
+        runs = entry.runs()
+        starts = [r[0] for r in runs]
+        out = []
+        for layer in range(layers):
+            first = layer * rows
+            for j, (template, share) in enumerate(zip(self.names, self.shares)):
+                offset = sum(self.shares[:j]) * unit
+                ranges = [((first + g * block + offset) * row, share * unit * row) for g in range(self.groups)]
+                new = match.expand(template).replace(LAYER, str(layer))
+                out.append(_gather(entry, new, runs, starts, ranges, (self.groups * share * unit, *inner[1:])))
+        return out
+
+
+def _gather(
+    entry: TensorEntry,
+    name: str,
+    runs: list[tuple[int, int, Piece, int]],
+    starts: list[int],
+    ranges: list[tuple[int, int]],
+    shape: tuple[int, ...],
+) -> TensorEntry:
+    """Elements [start, start + count) of `entry` for each range, one after the other, as a tensor of `shape`."""
+    pieces: list[Piece] = []
+    pos = 0
+    for start, count in ranges:
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(runs) and runs[i][0] < start + count:
+            gstart, length, piece, lstart = runs[i]
+            lo, hi = max(gstart, start), min(gstart + length, start + count)
+            if lo < hi:
+                pieces.append(Piece(FlatRange(pos + lo - start, hi - lo), piece.data, lstart + lo - gstart))
+            i += 1
+        pos += count
+    return TensorEntry(name, entry.dtype, shape, entry.role, pieces)
