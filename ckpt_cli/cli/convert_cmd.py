@@ -152,8 +152,8 @@ def reshard(
     name_map: NameMapFile = None,
     per_rank_state: PerRankState = "wrap",
 ) -> None:
-    """Same format, new layout: --world-size N (dcp, deepspeed; dcp with --tp T: FSDP2 + tensor parallel on an (N/T) x T
-    mesh) or --num-shards/--max-shard-size (hf)."""
+    """Same format, new layout: --world-size N (dcp, deepspeed; dcp on an N/T x T mesh with --tp T) or --num-shards/--max-shard-size (hf).
+    With --tp, FSDP2 + tensor parallel: each tensor split along the dims its source chunks show."""
     request = api.reshard_request(
         src, dest, world_size=world_size, tp=tp, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,

@@ -7,7 +7,7 @@ When both shard the same dim, FSDP shards the tp-local rows and the DTensor says
 over dp then `Shard(d)` over tp (`strided`). DCP records each rank's
 chunk as a box (`compute_local_shape_and_global_offset`): its first global index and local size per dim,
 with the offset of an empty dim at the dim's size. Rank r sits at mesh coordinate (r // tp, r % tp)
-(`init_device_mesh` row-major). Facts: docs/formats.md §1.12.
+(`init_device_mesh` row-major). Facts: docs/formats.md §1.13.
 """
 
 from __future__ import annotations

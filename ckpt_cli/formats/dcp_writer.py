@@ -7,7 +7,7 @@ its source chunks show (the dim FSDP shards, the dim tensor parallel shards: for
 FSDP2 + TP cut it on the new mesh. 0-d tensors, buffers and other replicated tensors are one whole chunk;
 non-tensor values are BYTE_IO items (copied verbatim from a DCP source). Replicated items go to the rank file
 chosen the way `dedup_save_plans` chooses. `.metadata` is built from DCP's own classes and written last.
-Facts: docs/formats.md §1.5-1.9, §1.12.
+Facts: docs/formats.md §1.5-1.9, §1.13.
 """
 
 from __future__ import annotations
