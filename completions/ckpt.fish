@@ -6,7 +6,7 @@ complete -c ckpt -n '__fish_use_subcommand' -a diff -d 'Compare two checkpoints:
 complete -c ckpt -n '__fish_use_subcommand' -a inspect -d 'Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state.'
 complete -c ckpt -n '__fish_use_subcommand' -a ls -d 'List every checkpoint under a run root, marking the newest complete one of each run.'
 complete -c ckpt -n '__fish_use_subcommand' -a merge -d 'All shards into one file: DST.safetensors or DST.pt (model weights unless --all).'
-complete -c ckpt -n '__fish_use_subcommand' -a reshard -d 'Same format, new layout: --world-size N (dcp, deepspeed; dcp with --tp T: FSDP2 + tensor parallel on an (N/T) x T'
+complete -c ckpt -n '__fish_use_subcommand' -a reshard -d 'Same format, new layout: --world-size N (dcp, deepspeed; dcp on an N/T x T mesh with --tp T) or --num-shards/--max-shard-size (hf).'
 complete -c ckpt -n '__fish_use_subcommand' -a split -d 'One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB).'
 complete -c ckpt -n '__fish_use_subcommand' -a verify -d 'Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -F
