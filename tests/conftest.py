@@ -332,7 +332,7 @@ def ds_moe(tmp_path_factory) -> Path:
 
 # ---- per-rank DTensor torch.save files and DCP with safetensors serialization (tests/producers/dtensor_saves.py) ----
 
-DTENSOR_W2 = ["fsdp2", "fsdp1", "dcp-st", "dcp-hf", "dcp-hfc"]
+DTENSOR_W2 = ["fsdp2", "skyrl", "fsdp1", "dcp-st", "dcp-hf", "dcp-hfc"]
 DTENSOR_W4 = ["fsdp2", "hsdp", "tp"]
 
 

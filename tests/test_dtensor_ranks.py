@@ -116,6 +116,19 @@ def test_merge_and_hf_export_equal_full_tensor(ckpt, saves, world, config, tmp_p
         assert_same_tensors(got, ref["optim"])
 
 
+def test_skyrl_layout(ckpt, saves, tmp_path):
+    """SkyRL's FSDPStrategy: {} in the optimizer files (no optimizer), client_state/tag/rank in the extra state, fsdp_config.json
+    with fsdp_strategy; folder step_N as its trainer names it."""
+    folder, ref = source(saves, "w2", "skyrl")
+    step_folder = tmp_path / "step_7" / "policy"
+    shutil.copytree(folder, step_folder)
+    doc = json.loads(ckpt("inspect", step_folder, "--json").out)
+    assert doc["step"] == 7 and doc["details"]["fsdp_strategy"] == "fsdp2" and not doc["training_state"]["optimizer"]
+    assert {t["name"] for t in doc["tensors"] if t["role"] == "model"} == set(ref["model"])
+    assert ckpt("merge", step_folder, tmp_path / "m.safetensors", "--quiet").code == 0
+    assert_same_tensors(load_file(tmp_path / "m.safetensors"), ref["model"])
+
+
 def test_tp_layout_is_strided_and_two_dimensional(ckpt, saves):
     """FSDP2 over tensor parallel: colwise weights are (_StridedShard(0, sf=2), Shard(0)): each rank's rows are one tp block's
     dp chunk; rowwise weights (Shard(0), Shard(1)) are 2-D boxes; a rowwise bias (Shard(0), Replicate()) is read once per dp shard."""

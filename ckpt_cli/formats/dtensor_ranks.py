@@ -171,6 +171,8 @@ def _read_kind(kind: str, files: list[RankFile]) -> _Kind:
     """Model or optimizer files: the same keys on every rank, each tensor assembled from all of them."""
     out = _Kind()
     role, prefix = ROLES[kind], KINDS[kind]
+    if all(rf.tree == {} for rf in files):  # SkyRL saves {} when it has no optimizer
+        return out
     per_rank = [flatten(rf.tree, is_tensor, str(rf.path)) for rf in files]
     paths = [p for p, _ in per_rank[0][0]]
     for rf, (tensors, _, _) in zip(files[1:], per_rank[1:]):
@@ -312,8 +314,10 @@ def _details(
     tensors: dict[str, TensorEntry], listed: dict[str, list[Path]], config: dict[str, Any], not_read: dict[str, str]
 ) -> dict[str, Any]:
     details: dict[str, Any] = {"rank_files": sum(len(v) for v in listed.values()), "kinds": ", ".join(listed)}
-    if isinstance(config.get("FSDP_version"), int):
+    if isinstance(config.get("FSDP_version"), int):  # verl
         details["fsdp_version"] = config["FSDP_version"]
+    if isinstance(config.get("fsdp_strategy"), str):  # SkyRL
+        details["fsdp_strategy"] = config["fsdp_strategy"]
     details["sharded_tensors"] = sum(1 for t in tensors.values() if len(t.pieces) > 1)
     if not_read:
         details["not_read"] = not_read

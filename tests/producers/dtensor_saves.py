@@ -10,6 +10,7 @@ Per-rank files, as verl's FSDPCheckpointManager.save_checkpoint writes them (tor
 optimizer.state_dict() and {lr_scheduler, rng} on every rank, and fsdp_config.json on rank 0):
   fsdp2      fully_shard on a 1-D mesh: Shard(0); the buffers (a 0-d and a 1-D one) and an ignored parameter
              stay plain tensors, the same on every rank
+  skyrl      fsdp2 saved as SkyRL's FSDPStrategy saves without an optimizer: {} in the optim files, its extra state keys
   fsdp1      FullyShardedDataParallel(device_mesh=...) under SHARDED_STATE_DICT, bfloat16: DTensor Shard(0)
              weights; the optimizer state is FSDP1's flat-parameter shards (plain tensors)
   hsdp       (W=4) fully_shard on a 2x2 (replicate, shard) mesh: (Replicate(), Shard(0))
@@ -103,18 +104,23 @@ def build_tp() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def save_rank_files(out: str, model: nn.Module, opt: torch.optim.Optimizer, version: int) -> None:
-    """What verl's FSDPCheckpointManager.save_checkpoint writes (verl/utils/checkpoint/fsdp_checkpoint_manager.py)."""
+def save_rank_files(out: str, model: nn.Module, opt: torch.optim.Optimizer, version: int, skyrl: bool = False) -> None:
+    """What verl's FSDPCheckpointManager.save_checkpoint writes (verl/utils/checkpoint/fsdp_checkpoint_manager.py); `skyrl`:
+    what SkyRL's FSDPStrategy.save_checkpoint writes without an optimizer (skyrl_train/distributed/fsdp_strategy.py)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     os.makedirs(out, exist_ok=True)
     torch.save(model.state_dict(), os.path.join(out, f"model_world_size_{world}_rank_{rank}.pt"))
-    torch.save(opt.state_dict(), os.path.join(out, f"optim_world_size_{world}_rank_{rank}.pt"))
+    torch.save({} if skyrl else opt.state_dict(), os.path.join(out, f"optim_world_size_{world}_rank_{rank}.pt"))
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     rng = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}  # verl's get_rng_state on the CPU
-    torch.save({"lr_scheduler": scheduler.state_dict(), "rng": rng}, os.path.join(out, f"extra_state_world_size_{world}_rank_{rank}.pt"))
+    extra = {"lr_scheduler": scheduler.state_dict(), "rng": rng}
+    if skyrl:
+        extra.update(client_state={"global_step": STEPS}, tag=None, fsdp_strategy="fsdp2", world_size=world, rank=rank)
+    torch.save(extra, os.path.join(out, f"extra_state_world_size_{world}_rank_{rank}.pt"))
     if rank == 0:
         with open(os.path.join(out, "fsdp_config.json"), "w") as f:
-            json.dump({"FSDP_version": version, "world_size": world}, f, indent=4)
+            config = {"fsdp_strategy": "fsdp2", "world_size": world} if skyrl else {"FSDP_version": version, "world_size": world}
+            json.dump(config, f, indent=4)
 
 
 def reference(model_sd: dict, optim_sd: dict | None) -> dict:
@@ -134,8 +140,8 @@ def save_fsdp2(root: str, config: str) -> None:
     world = dist.get_world_size()
     model, opt = build_fsdp2((2, world // 2), ("replicate", "shard")) if config == "hsdp" else build_fsdp2((world,), ("fsdp",))
     train(model, opt)
-    save_rank_files(os.path.join(root, config), model, opt, 2)
-    write_reference(root, config, reference(model.state_dict(), opt.state_dict()))
+    save_rank_files(os.path.join(root, config), model, opt, 2, skyrl=config == "skyrl")
+    write_reference(root, config, reference(model.state_dict(), None if config == "skyrl" else opt.state_dict()))
 
 
 def save_tp(root: str, config: str) -> None:
@@ -172,14 +178,19 @@ def save_dcp(root: str, config: str) -> None:
     saved = {k: full(v) for k, v in msd.items()}
     out = os.path.join(root, config)
     if config == "dcp-st":
-        dcp.save({"model": msd, "optim": osd, "step": STEPS}, storage_writer=FileSystemWriter(out, serialization_format=SerializationFormat.SAFETENSORS))
+        dcp.save(
+            {"model": msd, "optim": osd, "step": STEPS},
+            storage_writer=FileSystemWriter(out, serialization_format=SerializationFormat.SAFETENSORS),
+        )
         saved = {f"model.{k}": v for k, v in saved.items()}
         saved.update({f"optim.state.{fqn}.{k}": full(v) for fqn, st in osd["state"].items() for k, v in st.items()})
         target = {"model": {k: torch.zeros_like(v) for k, v in msd.items()}}
         reader = FileSystemReader(out)
     else:
         mapping = {name: 1 if name.startswith(("embed", "norm")) else 2 for name in msd}
-        writer = HuggingFaceStorageWriter(out, fqn_to_index_mapping=mapping, save_distributed=True, enable_consolidation=config == "dcp-hfc")
+        writer = HuggingFaceStorageWriter(
+            out, fqn_to_index_mapping=mapping, save_distributed=True, enable_consolidation=config == "dcp-hfc"
+        )
         dcp.save(msd, storage_writer=writer)
         target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in saved.items()}  # full tensors on every rank
         reader = HuggingFaceStorageReader(out)
@@ -195,7 +206,16 @@ def save_dcp(root: str, config: str) -> None:
     write_reference(root, config, ref)
 
 
-SAVERS = {"fsdp2": save_fsdp2, "hsdp": save_fsdp2, "tp": save_tp, "fsdp1": save_fsdp1, "dcp-st": save_dcp, "dcp-hf": save_dcp, "dcp-hfc": save_dcp}
+SAVERS = {
+    "fsdp2": save_fsdp2,
+    "skyrl": save_fsdp2,
+    "hsdp": save_fsdp2,
+    "tp": save_tp,
+    "fsdp1": save_fsdp1,
+    "dcp-st": save_dcp,
+    "dcp-hf": save_dcp,
+    "dcp-hfc": save_dcp,
+}
 
 
 def save(root: str, *configs: str) -> None:
