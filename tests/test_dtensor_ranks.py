@@ -236,6 +236,20 @@ def test_crafted_placements_fail_in_one_line(ckpt, saves, tmp_path, case):
         assert_fails(ckpt(*command), needle)
 
 
+def test_plain_tensors_that_differ_between_ranks(ckpt, saves, tmp_path):
+    """A buffer FSDP does not keep in sync is read from rank 0 (as dcp.save keeps one copy) and named in a note; a tensor that is
+    a DTensor on one rank and plain on another is an error."""
+    folder, ref = source(saves, "w2", "fsdp2")
+    folder = copy_of(folder, tmp_path)
+    rewrite(folder, 1, lambda state: state.__setitem__("inv_freq", state["inv_freq"] + 1))
+    res = ckpt("inspect", folder)
+    assert res.code == 0 and "differ between ranks, read from rank 0" in res.out + res.err and "inv_freq" in res.out + res.err
+    assert ckpt("merge", folder, tmp_path / "m.safetensors", "--quiet").code == 0
+    assert torch.equal(load_file(tmp_path / "m.safetensors")["inv_freq"], ref["model"]["inv_freq"])
+    rewrite(folder, 1, lambda state: state.__setitem__("norm.bias", state["norm.bias"].to_local()))
+    assert_fails(ckpt("inspect", folder), "'norm.bias' is a DTensor on some ranks and a plain tensor on others")
+
+
 def test_world_size_disagreements_fail_in_one_line(ckpt, saves, tmp_path):
     folder = copy_of(source(saves, "w2", "fsdp2")[0], tmp_path)
     for kind in ("model", "optim", "extra_state"):

@@ -165,6 +165,11 @@ class _Kind:
     objects: dict[str, ObjectEntry] = dataclasses.field(default_factory=dict)
     containers: dict[PathKey, str] = dataclasses.field(default_factory=dict)
     not_read: str | None = None
+    differing: list[str] = dataclasses.field(default_factory=list)  # plain model tensors whose ranks disagree: rank 0's read
+
+
+def leaves_of(flat: tuple[list[tuple[PathKey, Any]], Any, Any]) -> list[Any]:
+    return [v for _, v in flat[0]]
 
 
 def _read_kind(kind: str, files: list[RankFile]) -> _Kind:
@@ -186,15 +191,20 @@ def _read_kind(kind: str, files: list[RankFile]) -> _Kind:
         leaves = [(rf, part[0][i][1]) for rf, part in zip(files, per_rank)]
         if all(isinstance(v, DTensorRef) for _, v in leaves):
             out.tensors[names[i]] = _dtensor(names[i], key, role, leaves, len(files))
-        elif all(isinstance(v, TensorRef) for _, v in leaves) and _same_everywhere(leaves):
+        elif not all(isinstance(v, TensorRef) for _, v in leaves):
+            raise DataError(f"{files[0].path}: '{names[i]}' is a DTensor on some ranks and a plain tensor on others")
+        elif _same_everywhere(leaves):
             out.tensors[names[i]] = _plain(names[i], key, role, leaves)
         elif kind == "optim":
             why = f"'{names[i]}' is a plain tensor that differs between ranks (FSDP1's flat-parameter state: no file says how it splits)"
             return _Kind(not_read=why)
-        else:
-            raise DataError(
-                f"{files[0].path}: '{names[i]}' is a DTensor on some ranks and not on others, or a plain tensor that differs between ranks"
-            )
+        else:  # a buffer FSDP does not keep in sync (dcp.save too keeps one copy of a replicated plain tensor)
+            out.tensors[names[i]] = _plain(names[i], key, role, leaves)
+            out.differing.append(names[i])
+    if out.differing and not any(isinstance(v, DTensorRef) for v in leaves_of(per_rank[0])):
+        raise DataError(
+            f"{files[0].path}: no DTensor, and plain tensors that differ between ranks ('{out.differing[0]}'): not a sharded state dict"
+        )
     for (_, value), key, name in zip(per_rank[0][1], keys[len(paths) :], names[len(paths) :]):
         out.objects[name] = ObjectEntry(name, value, role, key)
     out.containers = {(*prefix, *p): k for p, k in per_rank[0][2].items()}
@@ -263,10 +273,16 @@ class DTensorRanksReader:
         for kind, paths in listed.items():
             loaded = [_load(p, options) for p in paths]
             part = _read_extra(loaded) if kind == "extra_state" else _read_kind(kind, loaded)
+            pattern = path / f"{kind}_world_size_{world}_rank_*.pt"
             if part.not_read:
                 not_read[kind] = part.not_read
-                notes.append(f"{path / f'{kind}_world_size_{world}_rank_*.pt'}: not read: {part.not_read}")
+                notes.append(f"{pattern}: not read: {part.not_read}")
                 continue
+            if part.differing:
+                shown_names = ", ".join(part.differing[:5]) + (" ..." if len(part.differing) > 5 else "")
+                notes.append(
+                    f"{pattern}: plain tensors that differ between ranks, read from rank 0 (dcp.save too keeps one copy): {shown_names}"
+                )
             clash = (part.tensors.keys() | part.objects.keys()) & (tensors.keys() | objects.keys())
             if clash:
                 raise DataError(f"{paths[0]}: '{sorted(clash)[0]}' is also a name in the model file")
