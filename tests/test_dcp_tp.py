@@ -260,4 +260,14 @@ def test_reshard_refusals_and_notes(dcp_tp, ckpt, tmp_path):
     assert res.code == 0 and "FSDP2 + tensor parallel on a 2x2 (dp, tp) mesh" in res.out and "--tp T" in res.out
     res = ckpt("reshard", dcp_tp / "fsdp", tmp_path / "f", "--world-size", 2, "--tp", 1, "--dry-run")
     assert res.code == 0 and "FSDP2 Shard(0) on 2 ranks" in res.out
-    assert not any((tmp_path / n).exists() for n in "abcdef")
+    assert ckpt("merge", dcp_tp / "tp", tmp_path / "all.pt", "--all", "--quiet").code == 0  # one file: nothing says how to split
+    res = ckpt("convert", tmp_path / "all.pt", tmp_path / "g", "--to", "dcp", "--world-size", 4, "--tp", 2)
+    assert res.code == 2 and "does not say" in res.err and "Traceback" not in res.err, res.err
+    assert not any((tmp_path / n).exists() for n in "abcdefg")
+
+
+def test_python_api(dcp_tp, tmp_path):
+    import ckpt_cli
+
+    report = ckpt_cli.reshard(dcp_tp / "tp", tmp_path / "api", world_size=8, tp=2, dry_run=True)
+    assert len(report.files) == 9 and any("on a 4x2 (dp, tp) mesh" in n for n in report.notes)

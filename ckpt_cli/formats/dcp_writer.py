@@ -145,7 +145,7 @@ def _source_mesh(ckpt: Checkpoint, sharded: list[TensorEntry]) -> SourceMesh | s
     for entry in sharded:
         boxes = saved_chunks(entry)
         if boxes is None:
-            return f"'{entry.name}' is stored as flat ranges ({ckpt.format}), not as boxes of the tensor"
+            return f"'{entry.name}' is stored as flat ranges, not as boxes of the tensor"
         tensors[entry.name] = (entry.shape, boxes)
     if world == 1 or not tensors:
         return "it is not sharded"
@@ -178,9 +178,10 @@ def layout_for(ckpt: Checkpoint, world: int, tp: int | None) -> Layout:
                 if found.tp == 1
                 else f"on its {found.dp}x{found.tp} mesh no tensor is split by tensor parallel"
             )
+        where = f"{ckpt.path}: " if ckpt.path else ""
         raise UsageError(
-            f"{ckpt.path}: --tp {tp} needs to know which tensors tensor parallel splits, and along which dim, and the source "
-            f"does not say ({found}); reshard it without --tp (FSDP2 alone), or from a checkpoint saved with tensor parallel"
+            f"{where}--tp {tp} needs to know which tensors tensor parallel splits, and along which dim, and the source does not "
+            f"say ({found}); leave out --tp (FSDP2 alone), or start from a checkpoint saved with tensor parallel"
         )
     assert isinstance(found, SourceMesh)
     kinds = {"strided": 0, "tp": 0, "fsdp": 0}
