@@ -75,6 +75,18 @@ def test_layout_matches_dtensor_sharding():
                 assert tuple(offset) == tuple(runs[d][0][0] for d in range(len(shape)))
 
 
+def test_stand_ins_cannot_be_changed_by_a_pickle():
+    """A BUILD on an allow-listed DTensor class or marker is refused; the classes keep no attribute a pickle tried to set."""
+    from ckpt_cli.core.safe_dtensor import DTENSOR_GLOBALS, ShardRec
+    from ckpt_cli.core.safe_pickle import safe_loads
+    from ckpt_cli.errors import DataError
+
+    for glob in (b"torch.distributed.tensor.placement_types\nShard", b"torch.distributed.tensor\nDTensor"):
+        with pytest.raises(DataError):
+            safe_loads(b"\x80\x02c" + glob + b"\n}X\x03\x00\x00\x00dimK\x05sb.", "crafted", DTENSOR_GLOBALS)
+    assert "dim" not in ShardRec.__dict__
+
+
 # ---- real saves ----------------------------------------------------------------------------------------------
 
 
