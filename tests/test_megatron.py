@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_fails, torchrun
@@ -89,6 +90,18 @@ def same(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
 
 
+def equal_trees(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal_trees(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(equal_trees(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def split_by_hand(ref: dict[str, torch.Tensor], stacked: bool) -> dict[str, torch.Tensor]:
     """Hugging Face Llama names from Megatron's full tensors, as NVIDIA's converters split them (split_qkv_llama)."""
 
@@ -134,7 +147,8 @@ def test_inspect_lists_every_tensor_by_logical_name_and_global_shape(ckpt, mcore
     want = {k: list(v.shape) for k, v in plain(reference, name).items()}
     assert {k: v for k, v in shapes.items() if k in want} == want
     if name == "stacked":  # common.pt: the optimizer's common step, iteration, args (through the allow list)
-        assert set(shapes) - set(want) == {"optimizer.state.common_step"} and info["step"] == 7
+        rng = {f"rng_state/shard_0.{r}_1.2.0.0.torch_rng_state" for r in range(2)}  # the RNG tensors inside the ShardedObjects
+        assert set(shapes) - set(want) == {"optimizer.state.common_step", *rng} and info["step"] == 7
         assert shapes[QKV] == [LAYERS, (HEADS + 2 * GROUPS) * HEAD_DIM, HIDDEN] and shapes[FC1] == [LAYERS, 2 * 96, HIDDEN]
         assert info["details"]["num_attention_heads"] == HEADS and info["details"]["num_query_groups"] == GROUPS
         assert info["training_state"]["optimizer"]["kind"] == "Adam/AdamW" and info["training_state"]["rng"]
@@ -159,6 +173,8 @@ def test_raw_export_equals_megatrons_own_full_load(ckpt, mcore, reference, tmp_p
         assert everything["iteration"] == full["iteration"] and everything["args"] == full["args"]
         assert str(everything["args"].attention_backend) == "AttnBackend.auto"  # the enum, written back as Megatron's
         assert torch.equal(everything["optimizer"]["state"]["common_step"], full["optimizer"]["state"]["common_step"])
+        for rank, loaded in enumerate(reference[name]["rng_state"]):  # a ShardedObject holding tensors, as Megatron's load returns it
+            assert equal_trees(everything[f"rng_state/shard_0.{rank}_1.2"], [loaded])
 
 
 @pytest.mark.parametrize("name", ["stacked", "per_layer"])
@@ -213,6 +229,11 @@ def test_verify_deep_ok_and_damage_exits_1(ckpt, mcore, tmp_path):
     assert_fails(ckpt("verify", broken["json"]), "metadata.json", "not valid JSON")
     (broken["no_json"] / "metadata.json").unlink()
     assert_fails(ckpt("verify", broken["no_json"]), "metadata.json", "missing")
+    res = ckpt("inspect", broken["no_json"])  # still read, with a note: the save may not have finished
+    assert res.code == 0 and "may not have finished" in res.out + res.err
+    (broken["no_json"] / "metadata.json").write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
+    res = ckpt("inspect", broken["no_json"])
+    assert res.code == 2 and "sharded_backend 'zarr'" in res.err and "torch_dist" in res.err, res.err
     chunk = open_checkpoint(broken["crc"]).tensors[QKV].pieces[-1].data  # a byte of a weight chunk flipped
     _flip(chunk.path, chunk.offset + 5)
     assert ckpt("verify", broken["crc"]).code == 0  # structure intact: only the CRCs see it
@@ -237,7 +258,7 @@ def test_read_never_imports_megatron(mcore):
     """Megatron's classes in .metadata (SavePlan plans, MCoreMetadata) and common.pt (args, enums) go through stand-ins."""
     code = (
         "import sys; from ckpt_cli.ops.source import open_checkpoint; "
-        f"c = open_checkpoint({str(mcore / 'stacked')!r}); assert c.format == 'megatron' and len(c.tensors) == 28; "
+        f"c = open_checkpoint({str(mcore / 'stacked')!r}); assert c.format == 'megatron' and len(c.tensors) == 30; "
         "assert not [m for m in sys.modules if m.startswith('megatron')], 'imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,7 +6,7 @@ stacked along a leading layer dimension), plus `common.pt` (rank 0's torch.save 
 iteration, args, optimizer param groups) and `metadata.json` ({"sharded_backend": "torch_dist", ...}, written
 last: without it Megatron does not load the folder). Megatron's `.metadata` also pickles the savers' plans
 (`all_local_plans`) and, before 0.14, `mcore_data`; both are read through inert stand-ins, never by importing
-Megatron. Facts: docs/formats.md §10.
+Megatron. Facts: docs/formats.md §9.
 """
 
 from __future__ import annotations
@@ -172,6 +172,7 @@ class MegatronReader(dcp.DCPReader):
         for obj in ckpt.objects.values():
             obj.role = _role(obj.name, obj.role)
         notes = _drop_reformulated(ckpt, getattr(meta, "mcore_data", None))
+        _expand_objects(ckpt, options)
         has_common = present(path / COMMON)
         if has_common:
             tensors, objects, containers = _common(path, options)
@@ -218,6 +219,24 @@ class MegatronReader(dcp.DCPReader):
         return problems
 
 
+def _expand_objects(ckpt: Checkpoint, options: ReadOptions) -> None:
+    """ShardedObjects that hold tensors (Megatron-LM's rng_state: torch's RNG state is a tensor) as their tensors and values, under
+    the object's key: DCP's reader keeps such a value unparsed, which a torch.save export could not write back."""
+    for name, obj in list(ckpt.objects.items()):
+        if not (isinstance(obj.value, Opaque) and obj.value.unsafe_global is None and obj.raw):
+            continue
+        path, offset, length = obj.raw
+        with open_regular(path) as f:
+            value, records = load_archive(f, f"{path} ('{name}' at {offset})", options, offset, length)
+        tensors, objects, containers = entries_from_tree({name: value}, records, path)
+        del ckpt.objects[name]
+        for entry in [*tensors.values(), *objects.values()]:
+            entry.role = _role(name, "other")
+        ckpt.tensors.update(tensors)
+        ckpt.objects.update(objects)
+        ckpt.containers.update(containers)
+
+
 def _drop_reformulated(ckpt: Checkpoint, mcore_data: Any) -> list[str]:
     """Tensors Megatron < 0.14 saved N-D reformulated (a distributed optimizer's fully_sharded_model_space state: the
     stored shape is not the logical one); they are left out, named in a note, rather than read under the wrong shape."""
@@ -242,7 +261,7 @@ def _details(ckpt: Checkpoint, config: dict[str, Any] | None) -> dict[str, Any]:
     details: dict[str, Any] = {
         "sharded_backend": f"{config['sharded_backend']} v{config.get('sharded_backend_version')}" if config else None,
         "layer_stacked_tensors": len(stacked),
-        "sharded_objects": sum(1 for o in ckpt.objects.values() if "/shard_" in o.name),
+        "sharded_objects": len({str(x.path[0]) for x in [*ckpt.objects.values(), *ckpt.tensors.values()] if "/shard_" in str(x.path[0])}),
     }
     args = next((o.value for o in ckpt.objects.values() if o.path == ("args",) and isinstance(o.value, Namespace)), None)
     if args is not None:
@@ -259,7 +278,8 @@ def _training_state(ckpt: Checkpoint) -> dict[str, Any]:
     if state["optimizer"] and kinds:
         adam = {"exp_avg", "exp_avg_sq"} <= set(kinds)
         state["optimizer"] |= {"kind": "Adam/AdamW" if adam else state["optimizer"]["kind"], "states": kinds}
-    tops = {o.name: o.name.split("/", 1)[0].split(".", 1)[0].lower() for o in ckpt.objects.values()}
+    keys = dict.fromkeys(str(x.path[0]) for x in [*ckpt.objects.values(), *ckpt.tensors.values()] if x.role != "model")
+    tops = {key: key.split("/", 1)[0].split(".", 1)[0].lower() for key in keys}
     rng = [name for name, top in tops.items() if top in roles.RNG_KEYS]
     if rng:
         state["rng"] = {"keys": rng}

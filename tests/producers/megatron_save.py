@@ -171,6 +171,12 @@ def main(out: Path) -> None:
         dist_checkpointing.save(state, str(folder))
         full = dist_checkpointing.load_plain_tensors(str(folder))
         reference[name] = {"plain": full, "logits": logits(model), "ids": IDS}
+        if name == "stacked":  # each rank's rng_state ShardedObject, as Megatron's load returns it
+            request = {"rng_state": rng_state(rank)}
+            request["rng_state"].data = None
+            loaded = [None] * TP
+            dist.all_gather_object(loaded, dist_checkpointing.load(request, str(folder))["rng_state"])
+            reference[name]["rng_state"] = loaded
     if rank == 0:
         torch.save(reference, out / "reference.pt")
     dist.barrier()
