@@ -1,7 +1,7 @@
 """ckpt: inspect, verify and convert training checkpoints (DCP, DeepSpeed, Hugging Face, safetensors, torch).
 
 The Python API (ckpt_cli/api.py): `ckpt_cli.open(path)` for metadata and streamed tensor reads, and
-`convert`, `reshard`, `merge`, `split`, `verify`, `inspect` as functions returning the reports the CLI prints.
+`convert`, `reshard`, `merge`, `split`, `verify`, `inspect`, `diff` as functions returning the reports the CLI prints.
 The library never imports typer, rich or tqdm; those belong to `ckpt_cli.cli`.
 """
 
@@ -12,6 +12,7 @@ from ckpt_cli.api import (
     Tree,
     WriteReport,
     convert,
+    diff,
     inspect,
     merge,
     open,
@@ -35,6 +36,7 @@ __all__ = [
     "WriteReport",
     "__version__",
     "convert",
+    "diff",
     "inspect",
     "merge",
     "open",

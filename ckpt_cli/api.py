@@ -36,6 +36,8 @@ from ckpt_cli.core.reading import SourceFiles
 from ckpt_cli.errors import UsageError
 from ckpt_cli.ops import inspect as inspect_op
 from ckpt_cli.ops import tensor_read, tree_view
+from ckpt_cli.ops.diff import DiffOptions, DiffReport
+from ckpt_cli.ops.diff import diff as diff_op
 from ckpt_cli.ops.request import Request
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.tree_view import Tree
@@ -62,6 +64,7 @@ __all__ = [
     "WriteReport",
     "convert",
     "convert_request",
+    "diff",
     "inspect",
     "merge",
     "merge_request",
@@ -267,6 +270,22 @@ def verify(
         policy=_path(policy),
     )
     return verify_op(path, options)
+
+
+def diff(
+    a: str | Path,
+    b: str | Path,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    filters: tuple[str, ...] = (),
+    depth: int | None = None,
+    trust_pickle: bool = False,
+) -> DiffReport:
+    """Compare two checkpoints as `ckpt diff` does (across formats and key layouts, streamed) and return its
+    DiffReport: `equal` within atol/rtol, the tensors only in A or B, renamed, reshaped or recast, per-group and
+    per-tensor max |a-b|, relative L2 and cosine, training-state differences, `to_json()`."""
+    return diff_op(a, b, DiffOptions(atol=atol, rtol=rtol, filters=tuple(filters), depth=depth, trust_pickle=trust_pickle))
 
 
 def _path(value: str | Path | None) -> Path | None:
