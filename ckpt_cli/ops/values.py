@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,15 +128,30 @@ def compare_values(a: TensorEntry, b: TensorEntry, atol: float, rtol: float, sou
             return diff
         begin = first - first % _STEP
     complex_pair = "complex" in a.dtype.name or "complex" in b.dtype.name
-    for start in range(0, begin, _STEP):  # identical so far: the norms still count
-        u = _wide(read_elements(a, start, min(_STEP, begin - start), sources_a), complex_pair)
-        _add_norms(diff, u, u)
-    for start in range(begin, a.numel, _STEP):
-        count = min(_STEP, a.numel - start)
-        u = _wide(read_elements(a, start, count, sources_a), complex_pair)
-        v = _wide(read_elements(b, start, count, sources_b), complex_pair)
-        _add_window(diff, u, v, atol, rtol)
+    with _one_thread():
+        for start in range(0, begin, _STEP):  # identical so far: the norms still count
+            u = _wide(read_elements(a, start, min(_STEP, begin - start), sources_a), complex_pair)
+            _add_norms(diff, u, u)
+        for start in range(begin, a.numel, _STEP):
+            count = min(_STEP, a.numel - start)
+            u = _wide(read_elements(a, start, count, sources_a), complex_pair)
+            v = _wide(read_elements(b, start, count, sources_b), complex_pair)
+            _add_window(diff, u, v, atol, rtol)
     return diff
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch's own threads for the window arithmetic: one. A window is a few MB, too small to gain from threads, and
+    on a busy machine OpenMP workers spin against each other (a 1 GB diff took 13 s on one thread, 58 s on two)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 _STEP = max(BLOCK_BYTES // WIDE, 1)  # elements of a float64 window
