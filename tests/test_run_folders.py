@@ -244,3 +244,15 @@ def test_hf_export_carries_the_tokenizer_and_names_the_rest(ckpt, run_folders, t
     written = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "merges.txt"} <= set(written)
     assert "not carried" in res.err and "trainer_state.json" in res.err and "optimizer.pt" not in written
+
+
+def test_verl_global_step_folders_are_one_run(ckpt, dtensor_saves_2, tmp_path):
+    """verl saves each step's rank files in ROOT/global_step_N/actor: the steps of one run, newest chosen."""
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        shutil.copytree(dtensor_saves_2 / "fsdp2", root / f"global_step_{step}" / "actor")
+    res = ckpt("inspect", root, "--json")
+    assert res.code == 0, res.err
+    assert json.loads(res.out)["path"] == str(root / "global_step_20" / "actor")
+    rows = json.loads(ckpt("ls", root, "--json").out)["checkpoints"]
+    assert [(r["path"], r["step"], r["newest"]) for r in rows] == [("global_step_10/actor", 10, False), ("global_step_20/actor", 20, True)]

@@ -37,9 +37,13 @@ class Found:
     @property
     def name_step(self) -> int | None:
         """The step a name states (checkpoint-500, epoch=0-step=4.ckpt, step-100, step_100.pt, global_step7,
-        accelerate's checkpoint_3 counts saves); None for names without one (last.ckpt, epoch=3-val_loss=0.12.ckpt)."""
-        named = NAME_STEP.findall(self.path.name)
-        return int(named[-1]) if named else None
+        accelerate's checkpoint_3 counts saves), or its folder's (global_step_N/actor); None for names without one
+        (last.ckpt, epoch=3-val_loss=0.12.ckpt)."""
+        for part in (self.path.name, self.path.parent.name):  # verl, SkyRL: global_step_N/actor, step_N/policy
+            named = NAME_STEP.findall(part)
+            if named:
+                return int(named[-1])
+        return None
 
     def order(self) -> tuple[int, int]:
         """Oldest first: by the step in the name, then by modification time; names without a step (Lightning's
@@ -100,6 +104,15 @@ def relative(found: Found, root: Path) -> str:
     return str(found.path.relative_to(root))
 
 
+def run_of(found: Found, root: Path) -> str:
+    """Which run a checkpoint belongs to: its folder under the root, with a folder named by a step (verl's
+    global_step_N/actor) standing for the step, not for a run of its own."""
+    folder = found.path.parent.relative_to(root)
+    if found.path.name == found.path.parent.name or not NAME_STEP.search(found.path.parent.name):
+        return str(folder)
+    return str(folder.parent) + "/*"
+
+
 def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) -> Checkpoint:
     """The checkpoint `--tag` names (a path under the root, or a folder name), else the newest complete one."""
     if tag is not None:
@@ -110,9 +123,10 @@ def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) 
         ckpt = open_exact(named[0].path, None, None, trust_pickle)
         ckpt.tag = ckpt.tag or tag
         return ckpt
-    parents = sorted({str(f.path.parent.relative_to(root)) for f in found})
+    parents = sorted({run_of(f, root) for f in found})
     if len(parents) > 1:  # several runs (or Lightning versions): which one is "newest" is the user's call
-        shown = ", ".join(f"{root / p}" for p in parents[:4]) + (f" and {len(parents) - 4} more" if len(parents) > 4 else "")
+        shown = ", ".join(f"{root / p.removesuffix('/*')}" for p in parents[:4])
+        shown += f" and {len(parents) - 4} more" if len(parents) > 4 else ""
         raise UsageError(f"{root}: holds the checkpoints of {len(parents)} runs ({shown}); point at one (ckpt ls {root} lists them all)")
     skipped: list[str] = []
     for candidate in reversed(found):
@@ -157,7 +171,7 @@ def part_note(path: Path) -> str | None:
 def listing(root: Path, trust_pickle: bool = False) -> list[dict[str, Any]]:
     """One row per checkpoint under `root`, in choose()'s order (oldest first): path, framework, format, step, world size, bytes,
     complete (a quick structural check), problem, newest (the newest complete one of its run)."""
-    rows: list[tuple[Path, dict[str, Any]]] = []
+    rows: list[tuple[str, dict[str, Any]]] = []
     for found in find(root):
         row: dict[str, Any] = {"path": relative(found, root), "framework": found.framework, "format": found.format}
         try:
@@ -169,7 +183,7 @@ def listing(root: Path, trust_pickle: bool = False) -> list[dict[str, Any]]:
             problems = [str(exc)]
             row |= {"step": None, "world_size": None, "bytes": _du(found.path)}
         row |= {"complete": not problems, "problem": problems[0] if problems else None, "newest": False}
-        rows.append((found.path.parent, row))
+        rows.append((run_of(found, root), row))
     for parent in {p for p, _ in rows}:  # what choose() takes: the last complete one of each run (one run, one folder)
         complete = [r for p, r in rows if p == parent and r["complete"]]
         if complete:
