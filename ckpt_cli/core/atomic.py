@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from ckpt_cli.core import interrupt
+from ckpt_cli.core import interrupt, storage
 from ckpt_cli.errors import UsageError
 
 PARTIAL = ".ckpt-partial-"
@@ -38,14 +38,15 @@ class Guard:
 def check_destination(dest: Path, overwrite: bool, output_is_dir: bool, guard: Guard = Guard()) -> None:
     """Refuse (exit 2) an existing `dest` without --overwrite; with it, refuse what replacing would lose: a source
     or a folder holding one, a non-empty folder that is not a checkpoint, a file that is not a checkpoint when
-    the output is a folder."""
-    if not os.path.lexists(dest):
+    the output is a folder. `dest` may be in object storage (s3://, a prefix or an object)."""
+    dest = storage.location(dest)
+    if not (dest.exists() if storage.is_remote(dest) else os.path.lexists(dest)):
         return
     if not overwrite:
         raise UsageError(f"{dest} already exists; pass --overwrite to replace it")
     target = _real(dest)
     for source in guard.sources:
-        real = _real(Path(source))
+        real = _real(storage.location(source))
         if real == target or target in real.parents:
             what = "is the source" if real == target else f"holds the source {source}"
             raise UsageError(f"{dest} {what}; --overwrite never replaces what is being read")

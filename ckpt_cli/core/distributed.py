@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 
+from ckpt_cli.core import storage
 from ckpt_cli.core.atomic import Guard, commit, partial_path, prepare_partial, remove
 from ckpt_cli.core.executor import Progress, default_guard, targets, worker_count, write_files
 from ckpt_cli.core.plan import WritePlan
-from ckpt_cli.errors import CkptError, DataError
+from ckpt_cli.errors import CkptError, DataError, UsageError
 
 
 def rank_and_world() -> tuple[int, int] | None:
@@ -41,6 +42,9 @@ def execute(
     torchrun, where rank_and_world() is not None; executor.execute is the one-process counterpart)."""
     import torch.distributed as dist
 
+    if storage.is_remote(plan.dest):
+        where = storage.location(plan.dest)
+        raise UsageError(f"{where}: under torchrun ckpt writes to a shared folder; write to object storage from one process")
     context = rank_and_world()
     assert context is not None
     rank, world = context

@@ -6,6 +6,8 @@ So does data read from a zip record (torch file, DeepSpeed rank file, DCP chunk)
 checked on the way (core/crc.py), so a damaged source fails the write instead of being copied.
 Writeback to disk starts every WRITEBACK_BYTES, so the final fsync finds little left to flush.
 Under torchrun the caller uses core/distributed.py instead, which shares the files out over ranks.
+A destination in object storage (s3://) has no rename: each file streams in order into one multipart
+upload (core/remote_write.py), data objects first and the commit markers last (execute_remote).
 """
 
 from __future__ import annotations
@@ -18,18 +20,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import interrupt
-from ckpt_cli.core.atomic import Guard, staged
+from ckpt_cli.core import interrupt, remote_write, storage
+from ckpt_cli.core.atomic import Guard, check_destination, staged
 from ckpt_cli.core.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.model import ZEROS
 from ckpt_cli.core.paths import inside
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.core.reading import BLOCK_BYTES, ByteRun, SourceFiles, as_bytes, byte_runs, element_windows, read_elements, read_runs
+from ckpt_cli.core.remote_write import ObjectWriter
 from ckpt_cli.errors import DataError
 
 COPY_BYTES = 64 << 20  # one copy_file_range call
 WRITEBACK_BYTES = 64 << 20
 Progress = Callable[[int], None]
+Sink = Any  # _Out (a local file, positional writes) or remote_write.ObjectWriter (an object, in order)
 
 
 def _sync_file_range() -> Callable[[int], None]:
@@ -87,15 +91,15 @@ class _Out:
             nbytes -= n
 
 
-def copy_runs(runs: list[ByteRun], out: _Out, sources: SourceFiles, with_crc: bool) -> int:
+def copy_runs(runs: list[ByteRun], out: Sink, sources: SourceFiles, with_crc: bool) -> int:
     """Copy byte runs to `out`: in the kernel when no CRC is wanted (by the output, or to check the source
-    record they come from), else through the reusable buffer. Returns the CRC32 of all runs (0 when not
+    record they come from) and both ends are local files, else through the reusable buffer. Returns the CRC32 of all runs (0 when not
     wanted); each run's own CRC32 goes to the source check."""
     crc = 0
     check = sources.check
     for path, offset, nbytes in runs:
         checked = check is not None and check.wants(path, offset, nbytes)
-        if not with_crc and not checked and path != ZEROS:
+        if not with_crc and not checked and path != ZEROS and isinstance(out, _Out) and not storage.is_remote(path):
             out.copy(sources.fd(path), offset, nbytes, path)
             continue
         run_crc = 0
@@ -108,7 +112,7 @@ def copy_runs(runs: list[ByteRun], out: _Out, sources: SourceFiles, with_crc: bo
     return crc
 
 
-def stream_tensor(seg: TensorData, out: _Out, sources: SourceFiles) -> int:
+def stream_tensor(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     """Write the tensor's elements in order; return their CRC32 (0 when not asked for).
 
     Stored bytes that are already what the output needs are copied as bytes; anything else (casts,
@@ -120,7 +124,7 @@ def stream_tensor(seg: TensorData, out: _Out, sources: SourceFiles) -> int:
     return copy_runs(runs, out, sources, seg.crc_key is not None)
 
 
-def _stream_converted(seg: TensorData, out: _Out, sources: SourceFiles) -> int:
+def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     entry, dst = seg.tensor, seg.dtype
     crc = 0
     for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
@@ -188,7 +192,7 @@ def write_file(
             elif isinstance(seg, Deferred):
                 deferred.append((pos, seg))
             pos += seg.size
-        crcs = _run_jobs(jobs, threads, cancel, check)
+        crcs = _run_jobs(jobs, threads, cancel, check, file_runs(out) if threads == 1 else [])
         for offset, seg in deferred:
             data = seg.build({out.segments[i].crc_key: crc for i, crc in crcs.items()})  # type: ignore[union-attr]
             assert len(data) == seg.size, "deferred segment size differs from its plan"
@@ -219,6 +223,7 @@ def _run_jobs(
     threads: int,
     cancel: threading.Event | None,
     check: RecordCheck | None = None,
+    expect: list[ByteRun] | None = None,
 ) -> dict[int, int]:
     """Run the jobs (each thread with its own source descriptors and buffer); the CRC of each segment.
     On an error or Ctrl-C, `cancel` stops the running jobs at their next block (their progress callback
@@ -229,6 +234,8 @@ def _run_jobs(
     def run(job: Callable[[SourceFiles], int]) -> int:
         if not hasattr(local, "sources"):
             local.sources = SourceFiles(check)
+            if expect:  # one thread runs the jobs in order: sources in object storage are fetched ahead
+                local.sources.expect(expect)
             opened.append(local.sources)
         return job(local.sources)
 
@@ -288,6 +295,23 @@ def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Pr
     """Write `files`, up to `workers` at once, and fsync them. With fewer files than workers, the spare
     workers share the large CRC-bearing tensors of a file (one big DeepSpeed optimizer file, say). Every
     source zip record read is checked against its CRC32 (DataError before anything is committed)."""
+
+    def write_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_file(target, out, tick, threads, cancel, check)
+
+    _write_all(files, workers, progress, write_one)
+    # Flush once all are written (the kernel writes back while we produce the next file), before
+    # the rename makes the destination visible.
+    for target, _ in files:
+        fsync_path(target)
+
+
+WriteOne = Callable[[Path, OutputFile, Progress, int, threading.Event, RecordCheck], None]
+
+
+def _write_all(files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None, write_one: WriteOne) -> None:
+    """Run `write_one` on every file, up to `workers` at once; the first failure cancels the rest."""
     check = source_records(files)
     cancel = threading.Event()
     lock = threading.Lock()
@@ -302,20 +326,16 @@ def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Pr
 
     threads = max(1, workers // max(1, len(files)))
 
-    def write_one(target: Path, out: OutputFile) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_file(target, out, tick, threads, cancel, check)
-
     if workers == 1 or len(files) <= 1:
         try:
             for target, out in files:
-                write_one(target, out)
+                write_one(target, out, tick, threads, cancel, check)
         except BaseException:
             cancel.set()
             raise
     else:
         with ThreadPoolExecutor(min(workers, len(files))) as pool:
-            futures = [pool.submit(write_one, target, out) for target, out in files]
+            futures = [pool.submit(write_one, target, out, tick, threads, cancel, check) for target, out in files]
             try:
                 for future in futures:
                     future.result()
@@ -323,10 +343,6 @@ def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Pr
                 cancel.set()
                 raise
     check.finish()  # records copied only in part: read the rest and compare
-    # Flush once all are written (the kernel writes back while we produce the next file), before
-    # the rename makes the destination visible.
-    for target, _ in files:
-        fsync_path(target)
 
 
 def targets(plan: WritePlan, tmp: Path) -> tuple[list[tuple[Path, OutputFile]], list[tuple[Path, OutputFile]]]:
@@ -355,7 +371,72 @@ def execute(
     One process only: under torchrun (WORLD_SIZE > 1) the caller uses ckpt_cli.core.distributed.execute.
     """
     targets(plan, plan.dest)  # refuse a file name that leaves the destination before anything is created
+    if storage.is_remote(plan.dest):
+        execute_remote(plan, overwrite, progress, workers, guard)
+        return
     with staged(plan.dest, plan.dest_is_dir, overwrite, default_guard(plan, guard)) as tmp:
         data, markers = targets(plan, tmp)
         write_files(data, worker_count(workers), progress)
         write_files(markers, 1, progress)  # last, so they are the newest files
+
+
+def execute_remote(
+    plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None, guard: Guard | None = None
+) -> None:
+    """Write the plan to object storage: every data object first (each one multipart upload, up to `workers`
+    at once), the commit markers after all of them completed. On an error or interrupt the uploads in flight
+    are aborted and the objects completed are deleted, so no marker ever names missing data. --overwrite
+    first deletes the old checkpoint under a prefix (a one-object output replaces the old object when its
+    upload completes)."""
+    dest = storage.location(plan.dest)
+    check_destination(dest, overwrite, plan.dest_is_dir, default_guard(plan, guard))
+    if overwrite:
+        remote_write.clear(dest, keep_object=not plan.dest_is_dir)
+    data, markers = targets(plan, dest)
+    cleanup = remote_write.Cleanup()
+
+    def upload_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
+        with ObjectWriter(target, out.size, tick) as sink:  # type: ignore[arg-type]
+            upload_segments(out, sink, check)
+            interrupt.check()  # a SIGTERM during the last blocks: complete nothing
+            sink.commit()
+        cleanup.add(target)  # type: ignore[arg-type]
+
+    with interrupt.writing():
+        try:
+            _write_all(data, worker_count(workers), progress, upload_one)
+            interrupt.check()
+            _write_all(markers, 1, progress, upload_one)
+        except BaseException:
+            cleanup.undo()
+            raise
+
+
+def file_runs(out: OutputFile) -> list[ByteRun]:
+    """The stored bytes the file's tensor data is copied from, in order, when some are in object storage (read
+    ahead: core/remote_read.py); [] otherwise, and for data that needs torch (casts, strided pieces)."""
+    segments = [s for s in out.segments if isinstance(s, TensorData)]
+    if not any(storage.is_remote(p.data.path) for s in segments for p in s.tensor.pieces):
+        return []
+    return [run for s in segments for run in byte_runs(s.tensor, s.dtype) or []]
+
+
+def upload_segments(out: OutputFile, sink: ObjectWriter, check: RecordCheck) -> None:
+    """The file's bytes in order: CRC-dependent trailers (Deferred) follow the data they cover."""
+    sources = SourceFiles(check)
+    sources.expect(file_runs(out))
+    crcs: dict[str, int] = {}
+    try:
+        for seg in out.segments:
+            if isinstance(seg, Literal):
+                sink.write(seg.data)
+            elif isinstance(seg, TensorData):
+                crc = stream_tensor(seg, sink, sources)
+                if seg.crc_key is not None:
+                    crcs[seg.crc_key] = crc
+            else:
+                data = seg.build(crcs)
+                assert len(data) == seg.size, "deferred segment size differs from its plan"
+                sink.write(data)
+    finally:
+        sources.close()

@@ -15,8 +15,9 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+from ckpt_cli.core import storage
 from ckpt_cli.errors import DataError
 
 SHOWN_CHARS = 60
@@ -28,6 +29,8 @@ _KINDS = (
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISDIR, "a folder"),
 )
+# An object in object storage (s3://...) is read through core/storage.py: it is always a plain object, never a
+# FIFO or device, so the checks below are for local files only.
 
 
 def shown(value: object) -> str:
@@ -74,13 +77,17 @@ def step_number(value: object, where: str) -> int | None:
 
 def present(path: Path) -> bool:
     """Something other than a folder is at `path`: a file, or a FIFO or device that reading will refuse by name
-    (`is_file()` would pass over it silently)."""
+    (`is_file()` would pass over it silently). Remote: an object (not a prefix) is there."""
+    if storage.is_remote(path):
+        return storage.location(path).is_file()
     return os.path.lexists(path) and not path.is_dir()
 
 
 def open_regular_fd(path: str | Path) -> int:
     """A read-only descriptor of `path`, which must be a regular file (symlinks followed); DataError otherwise.
-    OSError (missing, no permission) propagates for the caller to word."""
+    OSError (missing, no permission) propagates for the caller to word. Local files only."""
+    if storage.is_remote(path):
+        raise DataError(f"{path}: an object in object storage has no file descriptor (read it through core/storage.py)")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode
@@ -95,8 +102,18 @@ def open_regular_fd(path: str | Path) -> int:
 
 
 def open_regular(path: str | Path) -> BinaryIO:
-    """`open(path, "rb")` for a checkpoint file: refuses a FIFO, socket, device or folder without blocking."""
+    """`open(path, "rb")` for a checkpoint file: refuses a FIFO, socket, device or folder without blocking. An
+    object in object storage opens as a storage.RemoteFile (ranged reads, cached in small blocks)."""
+    if storage.is_remote(path):
+        return storage.location(path).open("rb")  # type: ignore[return-value]
     return os.fdopen(open_regular_fd(path), "rb")
+
+
+def file_size(f: Any) -> int:
+    """The size of a file opened by open_regular (a local file or an object)."""
+    if isinstance(f, storage.RemoteFile):
+        return f.size
+    return os.fstat(f.fileno()).st_size
 
 
 def read_regular_bytes(path: str | Path, max_bytes: int | None = None) -> bytes:

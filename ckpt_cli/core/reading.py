@@ -3,7 +3,8 @@
 Verify, the conversions and the write engine (core/executor.py) all read tensor data through these.
 Contiguous pieces in the wanted dtype are read as raw bytes (no torch); anything else (a cast, a
 strided piece) goes through torch one window of at most BLOCK_BYTES at a time. Only a stored piece
-that is not contiguous (a transposed chunk) is materialised, one piece at a time.
+that is not contiguous (a transposed chunk) is materialised, one piece at a time. A source in object
+storage (an `s3://` path) is read with ranged GETs (core/storage.py) instead of pread.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
+from ckpt_cli.core import remote_read, storage
 from ckpt_cli.core.crc import RecordCheck
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
@@ -34,6 +36,7 @@ class SourceFiles:
         self.fds: dict[str, int] = {}
         self._buffer: bytearray | None = None
         self._materialised: tuple[StoredArray, Any] | None = None
+        self._prefetch: remote_read.Prefetch | None = None
 
     def fd(self, path: str) -> int:
         if path not in self.fds:
@@ -47,12 +50,35 @@ class SourceFiles:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
+
+    def expect(self, runs: list[ByteRun]) -> None:
+        """The byte runs this reader will read next, in order: those in object storage are fetched ahead."""
+        remote = [r for r in runs if storage.is_remote(r[0])]
+        if self._prefetch is not None:
+            self._prefetch.close()
+        self._prefetch = remote_read.Prefetch(remote) if remote else None
+
+    def remote(self, path: str, offset: int, nbytes: int) -> Iterator[memoryview]:
+        """Bytes of an object: from the prefetched runs when this is the next one expected, else streamed."""
+        if self._prefetch is not None:
+            got = self._prefetch.take(path, offset, nbytes)
+            if got is not None:
+                return got
+            self._prefetch.close()  # read out of the announced order: stop fetching ahead
+            self._prefetch = None
+        return map(memoryview, remote_read.stream(path, offset, nbytes))
 
     def pread_into(self, path: str, offset: int, buf: bytearray) -> None:
         """Fill `buf` with the bytes of `path` from `offset`; DataError if the file ends first."""
         self._pread(path, offset, memoryview(buf))
 
     def _pread(self, path: str, offset: int, view: memoryview) -> None:
+        if storage.is_remote(path):
+            storage.read_into(path, offset, view)
+            return
         got = 0
         while got < len(view):
             n = os.preadv(self.fd(path), [view[got:]], offset + got)
@@ -87,6 +113,11 @@ def materialise(array: StoredArray) -> Any:
 
     start, end = array.extent()
     base = array.offset
+    if storage.is_remote(array.path):  # the stored extent, fetched (a memory map needs a local file)
+        raw = bytearray(end - base)
+        storage.read_into(array.path, base, memoryview(raw))
+        flat = torch.frombuffer(raw, dtype=array.dtype.torch(), count=len(raw) // array.dtype.itemsize)
+        return flat.as_strided(array.shape, array.stride, array.storage_offset).contiguous().reshape(-1)
     with open_regular(array.path) as f:
         size = os.fstat(f.fileno()).st_size
         if end > size:
@@ -186,8 +217,12 @@ def byte_runs(entry: TensorEntry, dst: DType) -> list[ByteRun] | None:
 
 
 def read_runs(runs: list[ByteRun], sources: SourceFiles) -> Iterator[memoryview]:
-    """The runs' bytes, a block at a time, in the reused buffer: consume each block before the next."""
+    """The runs' bytes, a block at a time, in the reused buffer: consume each block before the next. From object
+    storage, in the pieces of parallel ranged GETs fetched ahead (core/remote_read.py)."""
     for path, offset, nbytes in runs:
+        if storage.is_remote(path):
+            yield from sources.remote(path, offset, nbytes)
+            continue
         while nbytes:
             view = sources.read_block(path, offset, min(nbytes, BLOCK_BYTES))
             yield view

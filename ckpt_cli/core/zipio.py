@@ -73,6 +73,9 @@ def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = N
     if not infos:
         raise DataError(f"{where}: empty zip archive")
     top = _top_folder(infos[0].filename, where)
+    prefetch = getattr(f, "prefetch", None)
+    if prefetch is not None:  # an object in object storage (core/storage.py): every local header in one parallel round
+        prefetch([(start + info.header_offset, _LOCAL_HEADER.size + 4 * len(info.orig_filename)) for info in infos])
     records: dict[str, Record] = {}
     spans: list[tuple[int, int, str]] = []
     for info in infos:

@@ -10,17 +10,16 @@ document per file (formats/dcp_safetensors.py). Facts: docs/formats.md §1.
 from __future__ import annotations
 
 import functools
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, BinaryIO
 
-from ckpt_cli.core import roles, zipio
+from ckpt_cli.core import roles, storage, zipio
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Opaque, Piece, TensorEntry, unsafe_value_problem
-from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_bytes, shown
+from ckpt_cli.core.paths import file_size, open_regular, plain_component, present, read_regular_bytes, shown
 from ckpt_cli.core.pickle_guard import PickleRefused, charge
 from ckpt_cli.core.safe_pickle import Sealed, TensorRef, safe_loads
 from ckpt_cli.core.tree import holds_tensor
@@ -183,7 +182,7 @@ class _Files:
                 self.handles[relative] = open_regular(path)
             except FileNotFoundError:
                 raise DataError(f"{path}: missing (named by {METADATA})") from None
-            self.sizes[relative] = os.fstat(self.handles[relative].fileno()).st_size
+            self.sizes[relative] = file_size(self.handles[relative])
         return self.handles[relative]
 
     def close(self) -> None:
@@ -391,7 +390,8 @@ class DCPReader:
             if p.name not in referenced:
                 problems.append(f"{p}: not referenced by {METADATA} (a leftover of another save?)")
         meta_mtime = meta_path.stat().st_mtime_ns
-        for rel in sorted(referenced):
+        uploaded = storage.is_remote(folder)  # an object's LastModified is its upload, in whatever order a copy made them
+        for rel in sorted(referenced) if not uploaded else ():
             data = folder / rel
             if data.exists() and data.stat().st_mtime_ns > meta_mtime:
                 problems.append(f"{data}: newer than {METADATA}; an interrupted re-save may have mixed old metadata with new data")

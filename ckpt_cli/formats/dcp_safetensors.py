@@ -15,7 +15,6 @@ end per dim). That folder is the `dcp-hf` format here. safetensors has no checks
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 from dataclasses import dataclass, field
@@ -25,7 +24,8 @@ from typing import Any, BinaryIO
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, Piece, StoredArray, TensorEntry, contiguous_strides
-from ckpt_cli.core.paths import present, shown
+from ckpt_cli.core.paths import file_size, present, shown
+from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats import safetensors as st
 
@@ -50,7 +50,7 @@ class Blob:
 
 def parse_blob(f: BinaryIO, where: str, start: int) -> Blob:
     """The safetensors document at byte `start` of an open file, running to the end of the file."""
-    size = os.fstat(f.fileno()).st_size
+    size = file_size(f)
     f.seek(start)
     prefix = f.read(8)
     if len(prefix) < 8:
@@ -158,7 +158,7 @@ class DCPHFReader:
         )
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
-        return [p for info in ckpt.files for p in st.parse_header(Path(info.path)).problems]
+        return [p for info in ckpt.files for p in st.parse_header(location(info.path)).problems]
 
 
 def _check_names(folder: Path, files: list[tuple[int, int, int, Path]]) -> None:

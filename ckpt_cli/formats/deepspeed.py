@@ -25,6 +25,7 @@ from ckpt_cli.core.paths import open_regular, plain_component, present, read_reg
 from ckpt_cli.core.pickle_guard import charge
 from ckpt_cli.core.pickler import Global, Instance, Reduce
 from ckpt_cli.core.safe_pickle import Sealed, TensorRef
+from ckpt_cli.core.storage import location
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
@@ -398,7 +399,7 @@ class DeepSpeedReader:
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
         problems = []
-        root = Path(ckpt.path)
+        root = location(ckpt.path)
         if ckpt.details.get("tag_from") == "latest" and ckpt.tag:
             newer = [t for t in list_tags(root) if _tag_step(t) > _tag_step(ckpt.tag)]
             if newer:

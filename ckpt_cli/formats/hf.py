@@ -16,6 +16,7 @@ from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, TensorEntry
 from ckpt_cli.core.paths import plain_component, present, read_regular_text
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
+from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import safetensors as st
 from ckpt_cli.formats import torch_save
@@ -98,11 +99,11 @@ class HFReader:
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
         problems: list[str] = []
-        folder = Path(ckpt.path)
+        folder = location(ckpt.path)
         index = find_index(folder)
         weight_map, metadata = load_index(index) if index else ({}, {})
         for info in ckpt.files:
-            shard = Path(info.path)
+            shard = location(info.path)
             if shard == index:
                 continue
             if shard.suffix == ".safetensors":

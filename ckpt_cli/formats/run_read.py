@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import roles, zipio
+from ckpt_cli.core import roles, storage, zipio
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text
@@ -103,7 +103,7 @@ def _read_part(run: RunCheckpoint, part: Part, options: ReadOptions) -> Checkpoi
 
 def _size(path: os.PathLike[str]) -> int:
     try:
-        return os.path.getsize(path)
+        return storage.size(path)
     except OSError:
         return -1
 
@@ -111,17 +111,17 @@ def _size(path: os.PathLike[str]) -> int:
 def _parse_companion(comp: Companion, where: str, options: ReadOptions, problems: list[str]) -> Any:
     """The value of a companion that ckpt understands (None for the rest); a damaged one adds a problem."""
     try:
-        if not Path(where).is_file():
+        if not storage.location(where).is_file():
             raise DataError(f"{where}: not a regular file; a run checkpoint's files are copied as they are, so ckpt refuses it")
         if comp.kind == "other" and _is_pickle(where):  # an unknown pickle is checked like a known one before it is copied
-            return registry.get("torch").reader.read(Path(where), ReadOptions(trust_pickle=options.trust_pickle))
+            return registry.get("torch").reader.read(storage.location(where), ReadOptions(trust_pickle=options.trust_pickle))
         if comp.relpath.endswith(".json"):
             return json.loads(read_regular_text(where, JSON_LIMIT))
         if comp.kind in PARSED_KINDS:
-            return registry.get("torch").reader.read(Path(where), ReadOptions(trust_pickle=options.trust_pickle))
+            return registry.get("torch").reader.read(storage.location(where), ReadOptions(trust_pickle=options.trust_pickle))
         if comp.kind == WEIGHTS_COPY:
             fmt = "safetensors" if comp.relpath.endswith(".safetensors") else "torch"
-            copy = registry.get(fmt).reader.read(Path(where), ReadOptions(trust_pickle=options.trust_pickle))
+            copy = registry.get(fmt).reader.read(storage.location(where), ReadOptions(trust_pickle=options.trust_pickle))
             problems += [p for t in copy.tensors.values() for p in _beyond_end(t, where)]
             return copy
         if comp.kind == "args":  # a pickle of TrainingArguments: its archive is checked, never unpickled

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +17,9 @@ from ckpt_cli.core import dtypes
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, Piece, StoredArray, TensorEntry, contiguous_strides
-from ckpt_cli.core.paths import open_regular, shown
+from ckpt_cli.core.paths import file_size, open_regular, shown
 from ckpt_cli.core.plan import Literal, OutputFile, TensorData, WritePlan
+from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError
 
 MAX_HEADER = 100_000_000  # the safetensors library refuses larger headers
@@ -40,7 +40,7 @@ def parse_header(path: Path) -> Header:
     where = str(path)
     try:
         with open_regular(path) as f:
-            size = os.fstat(f.fileno()).st_size
+            size = file_size(f)
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise DataError(f"{where}: too short to be a safetensors file ({size} bytes)")
@@ -139,7 +139,7 @@ def looks_like_safetensors(path: Path) -> bool:
     try:
         with open_regular(path) as f:
             prefix = f.read(9)
-            size = os.fstat(f.fileno()).st_size
+            size = file_size(f)
         return len(prefix) == 9 and prefix[8:9] == b"{" and struct.unpack("<Q", prefix[:8])[0] + 8 <= size
     except (OSError, DataError):
         return False
@@ -162,7 +162,7 @@ class SafetensorsReader:
         )
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
-        return parse_header(Path(ckpt.path)).problems
+        return parse_header(location(ckpt.path)).problems
 
 
 def dedupe_tied(ckpt: Checkpoint, tensors: list[TensorEntry], notes: list[str]) -> list[TensorEntry]:

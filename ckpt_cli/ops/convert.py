@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import atomic, distributed, executor
+from ckpt_cli.core import atomic, distributed, executor, storage
 from ckpt_cli.core.executor import BLOCK_BYTES, Progress
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, unsafe_value_problem
@@ -20,7 +20,7 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry, run_read
 from ckpt_cli.ops import crossframework, name_map, runs, structure, transform
 from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
-from ckpt_cli.ops.source import open_checkpoint
+from ckpt_cli.ops.source import missing_marker, open_checkpoint
 
 __all__ = ["CrossOptions", "Job", "Request", "SourceOptions", "prepare", "run"]
 
@@ -171,9 +171,14 @@ def describe(job: Job) -> dict[str, Any]:
 
 
 def guard(job: Job) -> atomic.Guard:
-    """--overwrite replaces an existing checkpoint (any format the registry detects), an empty folder or, with a
-    single-file output, a file; never a source or a folder holding one."""
-    return atomic.Guard(job.sources + executor.plan_sources(job.plan), lambda path: registry.detect(path) is not None)
+    """--overwrite replaces an existing checkpoint (any format the registry detects, or one a write left without its
+    commit marker in object storage), an empty folder or, with a single-file output, a file; never a source or a
+    folder holding one."""
+    return atomic.Guard(job.sources + executor.plan_sources(job.plan), _replaceable)
+
+
+def _replaceable(path: Path) -> bool:
+    return registry.detect(path) is not None or storage.is_remote(path) and missing_marker(path) is not None
 
 
 def check_destination(job: Job, overwrite: bool) -> None:

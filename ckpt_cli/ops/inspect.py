@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import roles
+from ckpt_cli.core import roles, storage
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.formats import registry, runs
 from ckpt_cli.ops import runs as run_roots
@@ -50,6 +50,7 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
 def run_root(path: Path) -> list[dict[str, Any]] | None:
     """For a folder holding several checkpoints (a run root), one entry each (path under it, framework, format),
     oldest first; None when the folder is a checkpoint itself."""
+    path = storage.location(path)
     if registry.detect(path) is not None or runs.detect(path) is not None or not path.is_dir():
         return None
     found = run_roots.find(path)

@@ -3,17 +3,27 @@ metadata, note the choices made."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from ckpt_cli.core import storage
 from ckpt_cli.core.model import Checkpoint
-from ckpt_cli.errors import UsageError
-from ckpt_cli.formats import registry, runs
+from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.formats import deepspeed, registry, runs
+from ckpt_cli.formats.dcp import METADATA
 from ckpt_cli.ops import runs as run_roots
+
+HF_SHARD = re.compile(r"-\d+-of-\d+\.(safetensors|bin)$")
 
 
 def open_checkpoint(path: str | Path, format: str | None = None, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
     """Read a checkpoint's metadata (no tensor data) from any supported format or framework run folder."""
-    path = Path(path)
+    path = storage.location(path)  # s3://bucket/prefix: a storage.RemotePath
+    if storage.is_remote(path):
+        storage.fresh()  # listings and blocks cached by an earlier command in this process may be stale
+        problem = missing_marker(path)
+        if problem:
+            raise DataError(problem)
     if not path.exists():
         raise UsageError(f"{path}: no such file or folder")
     if format is not None or runs.detect(path) is not None or registry.detect(path) is not None:
@@ -26,3 +36,26 @@ def open_checkpoint(path: str | Path, format: str | None = None, tag: str | None
     if not found:
         raise UsageError(run_roots.not_found_message(path))
     return run_roots.choose(path, found, tag, trust_pickle)
+
+
+def missing_marker(path: Path) -> str | None:
+    """Why a prefix in object storage holds an unfinished write: data objects without the commit marker that a
+    write uploads last (DCP `.metadata`, the hf index, DeepSpeed `latest`). Object storage has no rename, so the
+    marker is all that tells a finished checkpoint from an interrupted one (locally a write is renamed into place)."""
+    if not path.is_dir():
+        return None
+    names = {p.name for p in path.iterdir()}
+    found = None
+    if METADATA not in names and any(n.endswith(".distcp") for n in names):
+        found = ("DCP checkpoint", "*.distcp objects", METADATA)
+    elif any(HF_SHARD.search(n) for n in names) and not any(n.endswith(".index.json") for n in names):
+        found = ("Hugging Face checkpoint", "shards", "an index")
+    elif deepspeed.LATEST not in names and deepspeed.list_tags(path):
+        found = ("DeepSpeed checkpoint", "tag folders", f"'{deepspeed.LATEST}'")
+    if found is None:
+        return None
+    what, has, marker = found
+    return (
+        f"{path}: incomplete {what}: {has} but no {marker}, the commit marker a write uploads last; "
+        "a write was interrupted or is still running (rerun it with --overwrite)"
+    )

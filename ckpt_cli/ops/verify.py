@@ -18,6 +18,7 @@ from ckpt_cli.core import atomic
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text
 from ckpt_cli.core.reading import SourceFiles, element_windows, read_elements, tensor_bytes
+from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.ops import crossframework
 from ckpt_cli.ops import policy as policy_mod
@@ -71,7 +72,7 @@ class Report:
 
 
 def _root(ckpt: Checkpoint) -> Path:
-    p = Path(ckpt.path)
+    p = location(ckpt.path)
     return p if p.is_dir() else p.parent
 
 
@@ -152,7 +153,7 @@ def leftover_problems(ckpt: Checkpoint) -> list[str]:
     """Temporary siblings of the checkpoint that an interrupted or killed ckpt write left behind."""
     return [
         f"{p}: temporary output of a ckpt write that did not finish (its process is gone, or a torchrun job); remove it"
-        for p in atomic.leftovers(Path(ckpt.path))
+        for p in atomic.leftovers(location(ckpt.path))
     ]
 
 

@@ -16,6 +16,7 @@ from ckpt_cli.core import dtypes
 from ckpt_cli.core.distributed import is_main_process
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.sizes import parse_size
+from ckpt_cli.core.storage import location
 from ckpt_cli.core.training import PER_RANK_RULES, NameMap
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.dcp_training import LAYOUTS
@@ -191,8 +192,8 @@ def convert_request(
 ) -> Request:
     """`convert`: any readable checkpoint to the format `to`."""
     return Request(
-        Path(src),
-        Path(dest),
+        location(src),
+        location(dest),
         to,
         SourceOptions(format, tag, trust_pickle),
         transform(dtype, weights_only, select, strip_prefix, add_prefix),
@@ -224,8 +225,8 @@ def reshard_request(
 ) -> Request:
     """`reshard`: the source's own format in a new layout (world size, a dp x tp mesh for dcp with `tp`, or shards)."""
     return Request(
-        Path(src),
-        Path(dest),
+        location(src),
+        location(dest),
         None,  # the source's own format
         SourceOptions(format, tag, trust_pickle),
         transform(dtype, weights_only, select, strip_prefix, add_prefix),
@@ -248,9 +249,9 @@ def merge_request(
     trust_pickle: bool = False,
 ) -> Request:
     """`merge`: every shard into one DEST.safetensors or DEST.pt (model weights, unless `keep_all`)."""
-    dest = Path(dest)
+    dest = location(dest)
     return Request(
-        Path(src),
+        location(src),
         dest,
         convert_op.merge_target(dest, keep_all),
         SourceOptions(format, tag, trust_pickle),
@@ -274,8 +275,8 @@ def split_request(
 ) -> Request:
     """`split`: the model weights into a Hugging Face sharded folder with an index."""
     return Request(
-        Path(src),
-        Path(dest),
+        location(src),
+        location(dest),
         "hf",
         SourceOptions(format, tag, trust_pickle),
         transform(dtype, True, select, strip_prefix, add_prefix),

@@ -1,0 +1,124 @@
+"""Tensor data from object storage: parallel ranged GETs, fetched ahead of the reader, memory bounded.
+
+`stream` reads one byte range in pieces of PIECE_BYTES with AHEAD of them in flight. `Prefetch` serves the
+byte runs a whole output file will read, in the order it reads them (core/executor.py knows them from the
+plan): runs of one object that follow each other with gaps under GAP_BYTES (zip headers between DCP chunks,
+a skipped tensor) are fetched as one span cut in pieces, so a checkpoint of many small tensors costs a few
+large GETs, not one round trip per tensor. Memory: AHEAD + 1 pieces per reader.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckpt_cli.core import storage
+from ckpt_cli.errors import DataError
+
+PIECE_BYTES = 8 << 20
+AHEAD = 3
+GAP_BYTES = 1 << 20
+ByteRun = tuple[str, int, int]  # (url, byte offset, byte count), as core/reading.py
+
+_pool: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def _fetch(url: str, start: int, end: int) -> Future[bytes]:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(32, thread_name_prefix="ckpt-read")
+    return _pool.submit(storage.fetch, storage.location(url), start, end)  # type: ignore[arg-type]
+
+
+def stream(url: str, offset: int, nbytes: int) -> Iterator[bytes]:
+    """Bytes [offset, offset + nbytes) of an object, piece by piece; DataError if the object ends first."""
+    if offset + nbytes > storage.size(url):
+        raise DataError(f"{url}: truncated: expected {nbytes} bytes at offset {offset}, file ends first")
+    pending: deque[Future[bytes]] = deque()
+    pos, end = offset, offset + nbytes
+    try:
+        while pos < end or pending:
+            while pos < end and len(pending) < AHEAD:
+                n = min(PIECE_BYTES, end - pos)
+                pending.append(_fetch(url, pos, pos + n))
+                pos += n
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+@dataclass
+class _Piece:
+    url: str
+    start: int
+    end: int
+    data: Future[bytes]
+
+
+def pieces(runs: list[ByteRun]) -> list[tuple[str, int, int]]:
+    """(url, start, end) pieces covering the runs in order: close runs of one object merged, spans cut at PIECE_BYTES."""
+    spans: list[list] = []
+    for url, offset, nbytes in runs:
+        last = spans[-1] if spans else None
+        if last is not None and last[0] == url and last[2] <= offset <= last[2] + GAP_BYTES:
+            last[2] = offset + nbytes
+        else:
+            spans.append([url, offset, offset + nbytes])
+    return [(url, pos, min(pos + PIECE_BYTES, end)) for url, start, end in spans for pos in range(start, end, PIECE_BYTES)]
+
+
+class Prefetch:
+    """The runs a reader will read, in order, fetched AHEAD pieces in advance. `take` serves the next run, or
+    None when asked for another one (the reader then reads it directly: nothing is assumed)."""
+
+    def __init__(self, runs: list[ByteRun]) -> None:
+        self.runs = deque(r for r in runs if r[2] > 0)
+        self.todo = deque(pieces(list(self.runs)))
+        self.inflight: deque[_Piece] = deque()
+        self.current: tuple[str, int, int, bytes] | None = None
+        for url in {r[0] for r in self.runs}:
+            if max(o + n for u, o, n in self.runs if u == url) > storage.size(url):
+                raise DataError(f"{url}: truncated: the object ends before the data it should hold")
+
+    def take(self, url: str, offset: int, nbytes: int) -> Iterator[memoryview] | None:
+        if not nbytes:
+            return iter(())
+        if not self.runs or self.runs[0] != (url, offset, nbytes):
+            return None
+        self.runs.popleft()
+        return self._serve(url, offset, offset + nbytes)
+
+    def _serve(self, url: str, pos: int, end: int) -> Iterator[memoryview]:
+        while pos < end:
+            cur = self.current
+            while cur is None or cur[0] != url or not cur[1] <= pos < cur[2]:
+                cur = self.current = self._next()
+            take = min(end, cur[2]) - pos
+            yield memoryview(cur[3])[pos - cur[1] : pos - cur[1] + take]
+            pos += take
+
+    def _fill(self) -> None:
+        while len(self.inflight) < AHEAD and self.todo:
+            url, start, end = self.todo.popleft()
+            self.inflight.append(_Piece(url, start, end, _fetch(url, start, end)))
+
+    def _next(self) -> tuple[str, int, int, bytes]:
+        self._fill()
+        if not self.inflight:
+            raise AssertionError("prefetch schedule ran out before the runs it planned")
+        piece = self.inflight.popleft()
+        self._fill()  # AHEAD pieces in flight while this one is consumed
+        return piece.url, piece.start, piece.end, piece.data.result()
+
+    def close(self) -> None:
+        for piece in self.inflight:
+            piece.data.cancel()
+        self.inflight.clear()
+        self.todo.clear()
+        self.current = None

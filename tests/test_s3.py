@@ -1,0 +1,385 @@
+"""Checkpoints on object storage (issue 14), against a real S3-protocol server: moto in server mode on a free port,
+spoken to over HTTP by s3fs (the CLI) and boto3 (the test), with credentials and endpoint from the environment.
+
+Every format's inspect on S3 equals inspect of the local copy (but for paths); verify --deep passes and fails after
+one flipped byte; writes S3 -> S3, S3 -> local and local -> S3 are byte-identical to the local run; a failed,
+interrupted or killed write leaves no commit marker; inspect of a >= 200 MB checkpoint transfers < 5 MB.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port, run_subprocess, torchrun
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+from ckpt_cli.core import remote_write, storage  # noqa: E402
+from ckpt_cli.ops.source import open_checkpoint  # noqa: E402
+
+BUCKET = "ckpt"
+ISOLATED = {"AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+class S3:
+    """The test's own view of the bucket (boto3), and uploads of local checkpoints."""
+
+    def __init__(self, endpoint: str, env: dict[str, str]) -> None:
+        self.endpoint, self.env = endpoint, env
+        self.client = boto3.client("s3", endpoint_url=endpoint)
+
+    def url(self, key: str) -> str:
+        return f"s3://{BUCKET}/{key}"
+
+    def upload(self, local: Path, key: str) -> str:
+        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+        for p in files:
+            name = key if p == local else f"{key}/{p.relative_to(local).as_posix()}"
+            self.client.upload_file(str(p), BUCKET, name)
+        return self.url(key)
+
+    def keys(self, prefix: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    def get(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=BUCKET, Key=key, Body=data)
+
+    def objects(self, key: str) -> dict[str, bytes]:
+        """The object `key` as {"": bytes}, or the objects under the prefix by relative name."""
+        found = self.keys(key + "/")
+        if not found:
+            return {"": self.get(key)}
+        return {k[len(key) + 1 :]: self.get(k) for k in found}
+
+    def uploads(self, prefix: str) -> list[str]:
+        return [u["Key"] for u in self.client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])]
+
+
+def local_files(path: Path) -> dict[str, bytes]:
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def s3():
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        **ISOLATED,
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        store = S3(env["AWS_ENDPOINT_URL"], env)
+        store.client.create_bucket(Bucket=BUCKET)
+        yield store
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """Real training saves, one torchrun each: FSDP2 + dcp.save at W=2, DeepSpeed ZeRO-2 fp32 and ZeRO-3 bf16 at W=2."""
+    root = tmp_path_factory.mktemp("s3_trained")
+    torchrun(2, "fsdp2.py", "save", root / "fsdp2")
+    torchrun(2, "deepspeed_train.py", "save", root / "ds", "stage2-fp32", "stage3-bf16")
+    return {"dcp": root / "fsdp2" / "ckpt", "deepspeed": root / "ds" / "stage2-fp32", "deepspeed3": root / "ds" / "stage3-bf16"}
+
+
+@pytest.fixture(scope="session")
+def sources(s3, mixed_files, tiny_llama, trained) -> dict[str, tuple[Path, str]]:
+    """Every format, local path and its copy in the bucket."""
+    _, llama = tiny_llama
+    local = {
+        "safetensors": mixed_files["safetensors"],
+        "torch": mixed_files["torch"],
+        "hf": mixed_files["hf"],
+        "llama": llama / "sharded",
+        **trained,
+    }
+    return {name: (path, s3.upload(path, f"src/{name}/{path.name}")) for name, path in local.items()}
+
+
+def _same_but_paths(s3_text: str, url: str, local_text: str, local: Path) -> None:
+    assert s3_text.replace(url, "<root>") == local_text.replace(str(local), "<root>")
+
+
+FORMATS = ["safetensors", "torch", "hf", "llama", "dcp", "deepspeed", "deepspeed3"]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_inspect_matches_the_local_copy(ckpt, sources, name):
+    local, url = sources[name]
+    for args in ([], ["--json"]):
+        on_s3, here = ckpt("inspect", url, *args), ckpt("inspect", local, *args)
+        assert on_s3.code == here.code == 0, on_s3.err
+        _same_but_paths(on_s3.out, url, here.out, local)
+    assert json.loads(ckpt("inspect", url, "--json").out)["path"] == url
+
+
+CHECKSUMMED = {"torch", "dcp", "deepspeed", "deepspeed3"}  # zip records with CRC32s; safetensors files carry none
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_verify_deep_passes_then_fails_after_one_flipped_byte(ckpt, s3, sources, name):
+    local, url = sources[name]
+    res = ckpt("verify", "--deep", url)
+    assert res.code == 0 and res.out.startswith(f"OK {url} "), res.out + res.err
+    copy = s3.upload(local, f"flipped/{name}/{local.name}")
+    big = max(open_checkpoint(copy).tensors.values(), key=lambda t: t.nbytes)
+    where = big.pieces[0].data.path  # the object holding it
+    # inside the tensor's bytes where a CRC32 covers them; in the JSON header where nothing does
+    offset = big.pieces[0].data.offset + 3 if name in CHECKSUMMED else 8
+    key = where.removeprefix(f"s3://{BUCKET}/")
+    data = bytearray(s3.get(key))
+    data[offset] ^= 0xFF
+    s3.put(key, bytes(data))
+    res = ckpt("verify", "--deep", copy)
+    assert res.code == 1, res.out + res.err
+    assert where in res.out + res.err
+
+
+def test_inspect_of_a_large_checkpoint_reads_metadata_only(ckpt, s3, large):
+    """A 208 MB DCP save (64 tensors in 8 files): inspect and structural verify transfer < 5 MB."""
+    local, url = large
+    assert sum(len(v) for v in local_files(local).values()) >= 200 << 20
+    for command in (["inspect", url], ["verify", url]):
+        storage.reset_stats()
+        res = ckpt(*command)
+        moved = storage.stats()
+        assert res.code == 0, res.out + res.err
+        assert 0 < moved.bytes_in < 5 << 20 and moved.requests < 200, (command, moved)
+    _same_but_paths(ckpt("inspect", url).out, url, ckpt("inspect", local).out, local)
+
+
+@pytest.fixture(scope="session")
+def large(s3, tmp_path_factory) -> tuple[Path, str]:
+    """208 MB saved by dcp.save in one process, its FileSystemWriter spreading the tensors over 8 files."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("s3_large") / "dcp"
+    g = torch.Generator().manual_seed(0)
+    state = {f"layers.{i}.weight": torch.empty(1024, 832).uniform_(generator=g) for i in range(64)}  # 64 x 3.25 MiB
+    dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(root, thread_count=8), no_dist=True)
+    return root, s3.upload(root, "large/dcp")
+
+
+# ---- writes ---------------------------------------------------------------------------------------------------
+
+WRITES = {  # command, source, destination name
+    "merge": (["merge"], "dcp", "merged.safetensors"),
+    "convert-hf": (["convert", "--to", "hf", "--num-shards", "3"], "dcp", "hf"),
+    "reshard-dcp": (["reshard", "--world-size", "3"], "dcp", "dcp3"),
+    "reshard-deepspeed": (["reshard", "--world-size", "3"], "deepspeed", "ds3"),
+    "convert-torch": (["convert", "--to", "torch"], "deepspeed3", "full.pt"),
+    "split": (["split", "--num-shards", "2"], "llama", "split"),
+}
+
+
+def same_output(got: dict[str, bytes], want: dict[str, bytes]) -> None:
+    """Byte for byte, but DCP's .metadata, which records where it was written (StorageMeta.checkpoint_id)."""
+    import pickle
+
+    assert sorted(got) == sorted(want)
+    for name in want:
+        if name.endswith(".metadata"):
+            a, b = pickle.loads(got[name]), pickle.loads(want[name])
+            assert a.storage_meta.save_id == b.storage_meta.save_id
+            a.storage_meta.checkpoint_id = b.storage_meta.checkpoint_id = None
+            assert a == b, name
+        else:
+            assert got[name] == want[name], name
+
+
+@pytest.mark.parametrize("mode", ["s3-to-s3", "s3-to-local", "local-to-s3"])
+@pytest.mark.parametrize("case", sorted(WRITES))
+def test_writes_are_byte_identical_to_the_local_run(ckpt, s3, sources, tmp_path, case, mode):
+    args, source, name = WRITES[case]
+    local, url = sources[source]
+    want = tmp_path / "local" / name
+    assert ckpt(*args, local, want, "--quiet").code == 0
+    src = local if mode == "local-to-s3" else url
+    if mode == "s3-to-local":
+        dest = tmp_path / "out" / name
+        res = ckpt(*args, src, dest)
+        got = local_files(dest)
+    else:
+        key = f"writes/{mode}/{case}/{name}"
+        res = ckpt(*args, src, s3.url(key))
+        got = s3.objects(key)
+        assert f"wrote {ckpt_format(args, source)} {s3.url(key)} " in res.err
+        assert not s3.uploads(key)
+    assert res.code == 0, res.err
+    same_output(got, local_files(want))
+
+
+def ckpt_format(args: list[str], source: str) -> str:
+    if args[0] == "merge":
+        return "safetensors"
+    if "--to" in args:
+        return args[args.index("--to") + 1]
+    return "hf" if args[0] == "split" else {"dcp": "dcp", "deepspeed": "deepspeed"}[source]
+
+
+# ---- what a write leaves when it does not finish ----------------------------------------------------------------
+
+
+def test_a_failed_write_leaves_nothing(ckpt, s3, large, monkeypatch):
+    """A part upload that fails midway: the multipart uploads are aborted, completed objects deleted, no marker."""
+    monkeypatch.setattr(remote_write, "PART_BYTES", 5 << 20)
+    real, calls = remote_write.ObjectWriter._part, []
+
+    def flaky(self, number, body):
+        calls.append(number)
+        if len(calls) == 12:
+            raise OSError("injected: connection reset")
+        return real(self, number, body)
+
+    monkeypatch.setattr(remote_write.ObjectWriter, "_part", flaky)
+    _, url = large
+    res = ckpt("convert", url, s3.url("failed/hf"), "--to", "hf", "--num-shards", "4", "--workers", "2", "--quiet")
+    assert res.code == 1 and "injected" in res.err, res.err
+    assert len(res.err.strip().splitlines()) == 1
+    assert s3.keys("failed/") == [] and s3.uploads("failed/") == []
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ckpt_cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_write_leaves_no_commit_marker(ckpt, s3, large, how):
+    """Killed outright, a write leaves data objects (and unfinished uploads) but never the index; verify calls the
+    prefix incomplete. SIGTERM is a stop request: uploads aborted, completed objects deleted, exit 143."""
+    _, url = large
+    key = f"killed/{how}"
+    proc = _cli("convert", url, s3.url(key), "--to", "hf", "--num-shards", "6", "--workers", "1", "--quiet")
+    try:
+        _wait_for(lambda: any(k.endswith(".safetensors") for k in s3.keys(key + "/")) or proc.poll() is not None)
+        assert proc.poll() is None, "the write finished before it could be killed"
+        proc.send_signal(getattr(signal, how))
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    names = [k.rsplit("/", 1)[-1] for k in s3.keys(key + "/")]
+    assert "model.safetensors.index.json" not in names
+    if how == "SIGTERM":
+        assert proc.returncode == 143, err
+        assert names == [] and s3.uploads(key) == []
+        return
+    assert names  # a killed process cannot clean up: its data objects stay, without a marker
+    res = ckpt("verify", s3.url(key))
+    assert res.code == 1 and "incomplete Hugging Face checkpoint" in res.out + res.err, res.out + res.err
+    res = ckpt("convert", url, s3.url(key), "--to", "hf", "--num-shards", "6", "--quiet")
+    assert res.code == 2 and "already exists" in res.err
+    assert ckpt("convert", url, s3.url(key), "--to", "hf", "--num-shards", "6", "--overwrite", "--quiet").code == 0
+    assert ckpt("verify", s3.url(key)).code == 0
+
+
+def test_incomplete_dcp_and_deepspeed_prefixes(ckpt, s3, sources):
+    for name, marker in (("dcp", ".metadata"), ("deepspeed", "latest")):
+        local, _ = sources[name]
+        url = s3.upload(local, f"incomplete/{name}")
+        s3.client.delete_object(Bucket=BUCKET, Key=f"incomplete/{name}/{marker}")  # as if the write had stopped before it
+        res = ckpt("verify", url)
+        assert res.code == 1 and "incomplete" in res.out + res.err and marker in res.out + res.err, res.out + res.err
+
+
+def test_overwrite_on_s3(ckpt, s3, sources, tmp_path):
+    local, url = sources["dcp"]
+    dest = s3.url("overwrite/hf")
+    assert ckpt("convert", url, dest, "--to", "hf", "--num-shards", "3", "--quiet").code == 0
+    res = ckpt("convert", url, dest, "--to", "hf", "--quiet")
+    assert res.code == 2 and "already exists; pass --overwrite" in res.err
+    assert ckpt("convert", url, dest, "--to", "hf", "--overwrite", "--quiet").code == 0  # one shard now: stale ones go
+    assert ckpt("convert", local, tmp_path / "hf", "--to", "hf", "--quiet").code == 0
+    assert s3.objects("overwrite/hf") == local_files(tmp_path / "hf")
+    res = ckpt("convert", url, s3.url("src"), "--to", "hf", "--overwrite")
+    assert res.code == 2 and "never replaces what is being read" in res.err
+    s3.put("overwrite/notes/readme.txt", b"not a checkpoint")
+    res = ckpt("convert", url, s3.url("overwrite/notes"), "--to", "hf", "--overwrite")
+    assert res.code == 2 and "neither empty nor a checkpoint" in res.err
+    assert s3.keys("overwrite/notes/") == ["overwrite/notes/readme.txt"]
+
+
+# ---- errors ---------------------------------------------------------------------------------------------------------
+
+
+def test_missing_bucket_and_key_are_one_line_usage_errors(ckpt, s3):
+    for url in ("s3://no-such-bucket/ckpt", s3.url("no/such/key.safetensors")):
+        for command in ("inspect", "verify"):
+            res = ckpt(command, url)
+            assert res.code == 2 and res.err == f"ckpt: error: {url}: no such file or folder\n", res.err
+
+
+def test_credentials_and_endpoint_errors(s3, sources, tmp_path):
+    _, url = sources["safetensors"]
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | ISOLATED
+    cases = {
+        "no usable credentials": {**plain, "AWS_ENDPOINT_URL": s3.endpoint},
+        "cannot reach the object store": {**s3.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "2"},
+    }
+    for needle, env in cases.items():
+        proc = subprocess.run([sys.executable, "-m", "ckpt_cli", "inspect", url], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_wrong_credentials(tmp_path):
+    """A server that checks signatures (moto with authentication on): a key it does not know is refused, exit 2."""
+    port = free_port()
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-p", str(port)], env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+    )
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        _wait_for(lambda: _listening(port), 60)
+        res = run_subprocess(
+            "inspect",
+            "s3://ckpt/model.safetensors",
+            env={"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "wrong", "AWS_SECRET_ACCESS_KEY": "wrong", **ISOLATED},
+        )
+        assert res.code == 2 and "access denied" in res.err, res.err
+        assert len(res.err.strip().splitlines()) == 1
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
