@@ -439,7 +439,9 @@ class RemoteFile:
 
     def prefetch(self, ranges: list[tuple[int, int]]) -> None:
         """Fetch (offset, length) ranges not cached yet, in parallel; ranges closer than MERGE_GAP as one."""
-        wanted = sorted((s, min(s + n, self.size)) for s, n in ranges if n > 0 and s < self.size and _cache.get(self.name, s, n) is None)
+        wanted = sorted(
+            (s, min(s + n, self.size)) for s, n in ranges if n > 0 and 0 <= s < self.size and _cache.get(self.name, s, n) is None
+        )
         merged: list[list[int]] = []
         for start, end in wanted:
             if merged and start - merged[-1][1] <= MERGE_GAP:

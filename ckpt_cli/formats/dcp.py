@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, BinaryIO
 
-from ckpt_cli.core import roles, storage, zipio
+from ckpt_cli.core import roles, zipio
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Opaque, Piece, TensorEntry, unsafe_value_problem
 from ckpt_cli.core.paths import file_size, open_regular, plain_component, present, read_regular_bytes, shown
 from ckpt_cli.core.pickle_guard import PickleRefused, charge
 from ckpt_cli.core.safe_pickle import Sealed, TensorRef, safe_loads
+from ckpt_cli.core.storage import is_remote
 from ckpt_cli.core.tree import holds_tensor
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats.dcp_safetensors import Blobs
@@ -190,6 +192,26 @@ class _Files:
             f.close()
 
 
+EDGE_BYTES = 4 << 10  # of a stored item: its head (first local header, data.pkl) and tail (the zip directory)
+
+
+def _prefetch_edges(files: _Files, infos: Iterable[StorageInfoRec]) -> None:
+    """In object storage, fetch the head and tail of every stored item in one parallel round (core/storage.py
+    RemoteFile.prefetch): parsing an item's archive reads only there, a few round trips each otherwise."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for info in infos:
+        n = min(info.length, EDGE_BYTES)
+        ranges.setdefault(info.relative_path, []).extend([(info.offset, n), (info.offset + info.length - n, n)])
+    for relative, wanted in ranges.items():
+        try:
+            f = files.open(relative)
+        except (DataError, OSError):
+            continue  # reported by name when the item is read
+        prefetch = getattr(f, "prefetch", None)
+        if prefetch is not None:
+            prefetch(wanted)
+
+
 def _range(files: _Files, info: StorageInfoRec, fqn: str) -> tuple[BinaryIO, str]:
     if getattr(info, "transform_descriptors", None):
         raise UsageError(
@@ -321,6 +343,8 @@ class DCPReader:
         objects: dict[str, ObjectEntry] = {}
         containers: dict[tuple[Any, ...], str] = {}
         try:
+            if is_remote(path):
+                _prefetch_edges(files, storage.values())
             for fqn, item in meta.state_dict_metadata.items():
                 key_path = tuple(planner.get(fqn, (fqn,)))
                 for i, part in enumerate(key_path):
@@ -390,7 +414,7 @@ class DCPReader:
             if p.name not in referenced:
                 problems.append(f"{p}: not referenced by {METADATA} (a leftover of another save?)")
         meta_mtime = meta_path.stat().st_mtime_ns
-        uploaded = storage.is_remote(folder)  # an object's LastModified is its upload, in whatever order a copy made them
+        uploaded = is_remote(folder)  # an object's LastModified is its upload, in whatever order a copy made them
         for rel in sorted(referenced) if not uploaded else ():
             data = folder / rel
             if data.exists() and data.stat().st_mtime_ns > meta_mtime:

@@ -1,0 +1,174 @@
+"""ckpt on object storage, against a plain parallel copy of the same objects, on a local S3-protocol server.
+
+    python benchmarks/s3.py --sizes 0.25,1 [--repeat 1] [--json out.json] [--workdir /tmp/ckpt-bench-s3] [--workers 4]
+
+Starts moto in server mode (its own process, HTTP on a free port) and, for each size (GB), builds a DCP
+checkpoint with dcp.save (fp32 tensors of 4 MiB, FileSystemWriter: one file per 8 tensors) and uploads it (untimed).
+Then, on the server:
+
+  convert   `ckpt convert s3://SRC s3://DST --to hf` (every tensor byte read with ranged GETs and written with
+            multipart uploads; the commit marker last)
+  copy      a plain parallel copy of the same objects with the same library (s3fs: stream each object from
+            fs.open(src) to fs.open(dst, "wb"), --workers objects at once): the floor for moving those bytes
+  inspect   `ckpt inspect s3://SRC`: requests made and bytes received (counted by ckpt_cli.core.storage), in
+            this process; and `verify` (structural) the same way
+
+Wall time is the median of --repeat runs, peak RSS the largest (benchmarks/common.py). The table gives the
+convert / copy ratio at each size, and the peak RSS of convert at the largest size over the smallest (flat
+memory: parts and pieces are bounded, see core/remote_write.py and core/remote_read.py). moto serves every GET,
+ranged or not, by copying the whole object in Python (objects here are 32 MiB), and runs on the same cores:
+absolute figures are the server's, and both sides pay it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import Measure, measure
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+BUCKET = "bench"
+TENSOR = 4 << 20
+
+COPY = """\
+import sys
+from concurrent.futures import ThreadPoolExecutor
+import s3fs
+src, dst, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+fs = s3fs.S3FileSystem()
+keys = fs.find(src)
+def copy(key):
+    with fs.open(key, "rb") as r, fs.open(dst + key[len(src):], "wb") as w:
+        while chunk := r.read(8 << 20):
+            w.write(chunk)
+with ThreadPoolExecutor(workers) as pool:
+    list(pool.map(copy, keys))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(env: dict[str, str]) -> subprocess.Popen:
+    port = int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    server = subprocess.Popen([PY, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return server
+        time.sleep(0.1)
+    raise SystemExit("moto server did not start")
+
+
+def build(work: Path, size: float) -> Path:
+    """A DCP checkpoint of about `size` GB saved by dcp.save (kept in `work` and reused)."""
+    out = work / f"dcp-{size:g}GB"
+    if (out / ".metadata").exists():
+        return out
+    script = (
+        "import sys, warnings, torch, torch.distributed.checkpoint as dcp\n"
+        "warnings.filterwarnings('ignore')\n"
+        "n = int(sys.argv[2])\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "state = {f'layers.{i}.weight': torch.empty(1024, 1024).uniform_(generator=g) for i in range(n)}\n"
+        "files = max(1, n // 8)\n"
+        "dcp.save({'model': state}, storage_writer=dcp.FileSystemWriter(sys.argv[1], thread_count=files), no_dist=True)\n"
+    )
+    subprocess.run([PY, "-c", script, str(out), str(max(1, int(size * 1e9) // TENSOR))], check=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="0.25,1", help="checkpoint sizes in GB, comma-separated (default: 0.25,1)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every command: median wall, largest peak RSS")
+    parser.add_argument("--workers", type=int, default=4, help="objects written at once, by ckpt and by the copy (default: 4)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckpt-bench-s3"), help="built checkpoints (kept, reused)")
+    parser.add_argument("--json", type=Path, help="also write every figure to this file")
+    args = parser.parse_args()
+    sizes = [float(s) for s in args.sizes.split(",")]
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    os.environ.update(env)
+    server = start_server(env)
+    try:
+        rows = run(args, sizes, env)
+    finally:
+        server.terminate()
+        server.wait(30)
+    report(rows, sizes)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def run(args: argparse.Namespace, sizes: list[float], env: dict[str, str]) -> list[dict]:
+    import s3fs
+
+    from ckpt_cli import api
+    from ckpt_cli.core import storage
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    rows = []
+    for size in sizes:
+        local = build(args.workdir, size)
+        src = f"{BUCKET}/src-{size:g}/dcp"
+        fs.put(str(local) + "/", src + "/", recursive=True)
+        nbytes = sum(p.stat().st_size for p in local.iterdir())
+
+        def clear(prefix: str) -> None:
+            if fs.exists(prefix):
+                fs.rm(prefix, recursive=True)
+            fs.invalidate_cache()
+
+        convert = [PY, "-m", "ckpt_cli", "convert", f"s3://{src}", f"s3://{BUCKET}/out/hf", "--to", "hf"]
+        convert += ["--max-shard-size", "200MB", "--workers", str(args.workers), "--quiet"]
+        ckpt_m = measure(convert, args.repeat, lambda: clear(f"{BUCKET}/out"), env)
+        copy = [PY, "-c", COPY, src, f"{BUCKET}/copy", str(args.workers)]
+        copy_m = measure(copy, args.repeat, lambda: clear(f"{BUCKET}/copy"), env)
+        reads = {}
+        for name, call in (("inspect", api.inspect), ("verify", api.verify)):
+            storage.reset_stats()
+            start = time.perf_counter()
+            call(f"s3://{src}")
+            stats = storage.stats()
+            reads[name] = {"requests": stats.requests, "bytes": stats.bytes_in, "wall": time.perf_counter() - start}
+        rows.append({"size_gb": size, "bytes": nbytes, "convert": vars(ckpt_m), "copy": vars(copy_m), **reads})
+        clear(f"{BUCKET}/src-{size:g}")
+    return rows
+
+
+def report(rows: list[dict], sizes: list[float]) -> None:
+    mb = 1e6
+    print(f"{'size':>8} {'convert':>9} {'copy':>9} {'ratio':>6} {'MB/s':>7} {'RSS conv':>9} {'RSS copy':>9} {'inspect':>22} {'verify':>22}")
+    for r in rows:
+        conv, copy = Measure(**r["convert"]), Measure(**r["copy"])
+        reads = [f"{r[k]['requests']} req {r[k]['bytes'] / mb:.2f} MB {r[k]['wall']:.1f}s" for k in ("inspect", "verify")]
+        print(
+            f"{r['bytes'] / 1e9:7.2f}G {conv.wall:8.1f}s {copy.wall:8.1f}s {conv.wall / copy.wall:6.2f} {r['bytes'] / mb / conv.wall:7.1f}"
+            f" {conv.peak_rss / mb:8.0f}M {copy.peak_rss / mb:8.0f}M {reads[0]:>22} {reads[1]:>22}"
+        )
+    if len(rows) > 1:
+        first, last = rows[0]["convert"]["peak_rss"], rows[-1]["convert"]["peak_rss"]
+        print(f"convert peak RSS at {sizes[-1]:g} GB over {sizes[0]:g} GB: {last / first:.2f}")
+
+
+if __name__ == "__main__":
+    main()
