@@ -139,7 +139,7 @@ def run(args: argparse.Namespace, sizes: list[float], env: dict[str, str]) -> li
             fs.invalidate_cache()
 
         convert = [PY, "-m", "ckpt_cli", "convert", f"s3://{src}", f"s3://{BUCKET}/out/hf", "--to", "hf"]
-        convert += ["--max-shard-size", "200MB", "--workers", str(args.workers), "--quiet"]
+        convert += ["--max-shard-size", "50MB", "--workers", str(args.workers), "--quiet"]  # >= 5 files at every size: all workers busy
         ckpt_m = measure(convert, args.repeat, lambda: clear(f"{BUCKET}/out"), env)
         copy = [PY, "-c", COPY, src, f"{BUCKET}/copy", str(args.workers)]
         copy_m = measure(copy, args.repeat, lambda: clear(f"{BUCKET}/copy"), env)

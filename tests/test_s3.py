@@ -305,6 +305,18 @@ def test_a_killed_write_leaves_no_commit_marker(ckpt, s3, large, how):
     assert res.code == 2 and "already exists" in res.err
     assert ckpt("convert", url, s3.url(key), "--to", "hf", "--num-shards", "6", "--overwrite", "--quiet").code == 0
     assert ckpt("verify", s3.url(key)).code == 0
+    assert s3.uploads(key) == []  # --overwrite aborted what the killed write had in flight
+
+
+def test_verify_names_an_upload_that_never_completed(ckpt, s3, sources):
+    local, _ = sources["hf"]
+    url = s3.upload(local, "stray/hf")
+    s3.client.create_multipart_upload(Bucket=BUCKET, Key="stray/hf/model-00009-of-00009.safetensors")
+    res = ckpt("verify", url)
+    assert res.code == 1 and f"{url}/model-00009-of-00009.safetensors: an upload that never completed" in res.out, res.out
+    assert ckpt("convert", url, url + "-copy", "--to", "hf", "--quiet").code == 0
+    assert ckpt("convert", url + "-copy", url, "--to", "hf", "--overwrite", "--quiet").code == 0
+    assert s3.uploads("stray/hf/") == [] and ckpt("verify", url).code == 0
 
 
 def test_incomplete_dcp_and_deepspeed_prefixes(ckpt, s3, sources):
@@ -383,3 +395,94 @@ def _listening(port: int) -> bool:
 
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# ---- the other commands, the Python API, transient errors ---------------------------------------------------------
+
+
+def test_ls_diff_and_the_python_api_on_s3(ckpt, s3, sources, tmp_path):
+    import ckpt_cli
+
+    local, url = sources["hf"]
+    root = tmp_path / "run"
+    for step in (1, 2):
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+        for p in local.iterdir():
+            (root / f"checkpoint-{step}" / p.name).write_bytes(p.read_bytes())
+    remote = s3.upload(root, "run")
+    on_s3, here = ckpt("ls", remote), ckpt("ls", root)
+    assert on_s3.code == here.code == 0 and on_s3.out == here.out, on_s3.err
+    res = ckpt("diff", url, local)
+    assert res.code == 0, res.out + res.err
+    with ckpt_cli.open(url) as remote_ckpt, ckpt_cli.open(local) as local_ckpt:
+        for name in local_ckpt.tensors:
+            a, b = remote_ckpt.tensor(name), local_ckpt.tensor(name)
+            assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name
+
+
+class _Flaky:
+    """An HTTP proxy in front of the S3 server that answers every third request with 503 SlowDown (throttling)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import http.client
+        import itertools
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        host, port = endpoint.removeprefix("http://").split(":")
+        counter, self.refused = itertools.count(), 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # answers `Expect: 100-continue`, which uploads send
+
+            def log_message(self, *args):
+                pass
+
+            def relay(self):
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                if next(counter) % 3 == 2:
+                    outer.refused += 1
+                    error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("content-length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(b"" if self.command == "HEAD" else error)
+                    return
+                conn = http.client.HTTPConnection(host, int(port))
+                conn.request(self.command, self.path, body or None, headers=dict(self.headers))
+                reply = conn.getresponse()
+                data = reply.read()
+                self.send_response(reply.status)
+                for name, value in reply.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(name, value)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = relay
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        import threading
+
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_throttling_is_retried_with_backoff(ckpt, s3, sources, large, tmp_path, monkeypatch):
+    """Every third request refused with 503 SlowDown: reads and a multipart write still succeed, byte-identical."""
+    _, url = sources["dcp"]
+    local_large, url_large = large
+    select = ["--select", "model.layers.[0-3].weight"]  # 13 MiB: three parts of 5 MiB
+    flaky = _Flaky(s3.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", flaky.url)
+    monkeypatch.setattr(remote_write, "PART_BYTES", 5 << 20)
+    try:
+        assert ckpt("verify", "--deep", url).code == 0
+        res = ckpt("merge", url_large, s3.url("throttled/merged.safetensors"), *select, "--quiet")
+        assert res.code == 0, res.err
+    finally:
+        flaky.server.shutdown()
+    assert flaky.refused > 5
+    assert ckpt("merge", local_large, tmp_path / "merged.safetensors", *select, "--quiet").code == 0
+    assert s3.objects("throttled/merged.safetensors") == local_files(tmp_path / "merged.safetensors")

@@ -9,6 +9,7 @@ import typer
 
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Json, TrustPickle
+from ckpt_cli.core import storage
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
 from ckpt_cli.ops import runs
@@ -21,6 +22,9 @@ def ls(root: Root, json_: Json = False, trust_pickle: TrustPickle = False) -> No
 
     Each row: path, framework, format, step, world size, size, and whether the structural check passes.
     Exit 1 when none is complete."""
+    root = storage.location(root)  # s3://bucket/prefix too
+    if storage.is_remote(root):
+        storage.fresh()
     if not root.is_dir():
         raise UsageError(f"{root}: not a folder" if root.exists() else f"{root}: no such file or folder")
     rows = runs.listing(root, trust_pickle)

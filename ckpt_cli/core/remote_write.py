@@ -139,17 +139,31 @@ def clear(dest: RemotePath, keep_object: bool) -> None:
             storage.call(dest, fs.rm, keys)
     if not keep_object and dest.is_file():
         storage.call(dest, fs.rm_file, dest.key)
+    abort_unfinished(dest)  # a killed write's parts
     storage.forget(dest)
 
 
-def unfinished_uploads(dest: RemotePath) -> list[str]:
-    """Keys under `dest` with a multipart upload started and neither completed nor aborted (a write killed
-    outright, or running now)."""
-    if dest.protocol not in ("s3", "s3a") or len(dest.parts) < 2:
+def _uploads(dest: RemotePath) -> list[tuple[str, str]]:
+    """(key, upload id) of the multipart uploads at `dest` or under the prefix `dest/`, neither completed nor aborted."""
+    if dest.protocol not in ("s3", "s3a") or len(dest.parts) < 3:
         return []
-    bucket, prefix = dest.parts[1], "/".join(dest.parts[2:])
-    reply = storage.call(dest, dest.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix)
-    return sorted({u["Key"] for u in reply.get("Uploads", [])})
+    bucket, key = dest.parts[1], "/".join(dest.parts[2:])
+    found: list[tuple[str, str]] = []
+    for prefix in (key, key + "/"):
+        reply = storage.call(dest, dest.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        found += [(u["Key"], u["UploadId"]) for u in reply.get("Uploads", []) if u["Key"] == key or u["Key"].startswith(key + "/")]
+    return sorted(set(found))
+
+
+def unfinished_uploads(dest: RemotePath) -> list[str]:
+    """Keys at or under `dest` with a multipart upload started and neither completed nor aborted (a write killed
+    outright, or one running now): invisible, but stored (and billed) until aborted."""
+    return sorted({key for key, _ in _uploads(dest)})
+
+
+def abort_unfinished(dest: RemotePath) -> None:
+    for key, upload in _uploads(dest):
+        storage.call(dest, dest.fs.call_s3, "abort_multipart_upload", Bucket=dest.parts[1], Key=key, UploadId=upload)
 
 
 class Cleanup:

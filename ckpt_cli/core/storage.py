@@ -35,7 +35,7 @@ BLOCK = 8 << 10  # a small read fetches this aligned block (zip directories, pic
 SPAN_LIMIT = 1 << 20  # exact reads up to this size are kept too (a header read, then parsed from a second handle)
 CACHE_BYTES = 64 << 20
 MERGE_GAP = 4 << 10  # prefetched ranges closer than this are fetched as one
-RETRIES = 5  # s3fs's own retries of transient errors, on top of botocore's (adaptive mode, MAX_ATTEMPTS)
+RETRIES = 5  # s3fs's own retries of transient errors, on top of botocore's (standard mode, MAX_ATTEMPTS)
 MAX_ATTEMPTS = 8
 INSTALL_HINT = "pip install 'ckpt-tools[s3]'"
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
@@ -303,10 +303,12 @@ def _make(protocol: str) -> Any:
 
 
 def retry_policy() -> dict[str, Any]:
-    """botocore's retries of throttling, 5xx and connection errors, with backoff: adaptive mode, MAX_ATTEMPTS
-    attempts, unless AWS_RETRY_MODE / AWS_MAX_ATTEMPTS say otherwise (an explicit Config would override them)."""
+    """botocore's retries of throttling, 5xx and connection errors, with exponential backoff and jitter: standard
+    mode, MAX_ATTEMPTS attempts, unless AWS_RETRY_MODE / AWS_MAX_ATTEMPTS say otherwise (an explicit Config would
+    override them). Adaptive mode also slows the client down under sustained throttling, to a crawl when a store
+    refuses a steady share of requests; it is there for those who want it (AWS_RETRY_MODE=adaptive)."""
     attempts = os.environ.get("AWS_MAX_ATTEMPTS", "")
-    return {"mode": os.environ.get("AWS_RETRY_MODE") or "adaptive", "max_attempts": int(attempts) if attempts.isdigit() else MAX_ATTEMPTS}
+    return {"mode": os.environ.get("AWS_RETRY_MODE") or "standard", "max_attempts": int(attempts) if attempts.isdigit() else MAX_ATTEMPTS}
 
 
 def fresh() -> None:

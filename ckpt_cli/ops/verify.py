@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import atomic
+from ckpt_cli.core import atomic, remote_write, storage
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text
 from ckpt_cli.core.reading import SourceFiles, element_windows, read_elements, tensor_bytes
@@ -150,7 +150,15 @@ def write_manifest_file(path: Path, manifest: dict[str, Any]) -> None:
 
 
 def leftover_problems(ckpt: Checkpoint) -> list[str]:
-    """Temporary siblings of the checkpoint that an interrupted or killed ckpt write left behind."""
+    """Temporary siblings of the checkpoint that an interrupted or killed ckpt write left behind; in object storage,
+    multipart uploads under it that were neither completed nor aborted."""
+    root = location(ckpt.path)
+    if storage.is_remote(root):
+        return [
+            f"{root.protocol}://{root.parts[1]}/{key}: an upload that never completed (a write killed outright, "
+            "or one running now); ckpt's next --overwrite of this prefix aborts it, as a lifecycle rule would"
+            for key in remote_write.unfinished_uploads(root)  # type: ignore[arg-type]
+        ]
     return [
         f"{p}: temporary output of a ckpt write that did not finish (its process is gone, or a torchrun job); remove it"
         for p in atomic.leftovers(location(ckpt.path))
