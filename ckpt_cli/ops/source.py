@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ckpt_cli.core import storage
+from ckpt_cli.core import remote_write, storage
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed, registry, runs
@@ -55,7 +55,9 @@ def missing_marker(path: Path) -> str | None:
     if found is None:
         return None
     what, has, marker = found
+    pending = len(remote_write.unfinished_uploads(path)) if storage.is_remote(path) else 0  # type: ignore[arg-type]
+    uploads = f", {pending} multipart upload(s) never completed" if pending else ""
     return (
-        f"{path}: incomplete {what}: {has} but no {marker}, the commit marker a write uploads last; "
+        f"{path}: incomplete {what}: {has} but no {marker}, the commit marker a write uploads last{uploads}; "
         "a write was interrupted or is still running (rerun it with --overwrite)"
     )
