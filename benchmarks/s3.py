@@ -9,7 +9,10 @@ Then, on the server:
   convert   `ckpt convert s3://SRC s3://DST --to hf` (every tensor byte read with ranged GETs and written with
             multipart uploads; the commit marker last)
   copy      a plain parallel copy of the same objects with the same library (s3fs: stream each object from
-            fs.open(src) to fs.open(dst, "wb"), --workers objects at once): the floor for moving those bytes
+            fs.open(src) to fs.open(dst, "wb"), --workers objects at once, s3fs's default 50 MiB blocks): the
+            floor for moving those bytes
+  copy8     the same copy in 8 MiB ranged GETs and 8 MiB multipart parts, the request shape ckpt uses: the
+            ratio to it is ckpt's own cost (parsing, planning, CRC checks) beside the server's per request
   inspect   `ckpt inspect s3://SRC`: requests made and bytes received (counted by ckpt_cli.core.storage), in
             this process; and `verify` (structural) the same way
 
@@ -42,11 +45,11 @@ COPY = """\
 import sys
 from concurrent.futures import ThreadPoolExecutor
 import s3fs
-src, dst, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+src, dst, workers, block = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) or None
 fs = s3fs.S3FileSystem()
 keys = fs.find(src)
 def copy(key):
-    with fs.open(key, "rb") as r, fs.open(dst + key[len(src):], "wb") as w:
+    with fs.open(key, "rb", block_size=block) as r, fs.open(dst + key[len(src):], "wb", block_size=block) as w:
         while chunk := r.read(8 << 20):
             w.write(chunk)
 with ThreadPoolExecutor(workers) as pool:
@@ -141,8 +144,10 @@ def run(args: argparse.Namespace, sizes: list[float], env: dict[str, str]) -> li
         convert = [PY, "-m", "ckpt_cli", "convert", f"s3://{src}", f"s3://{BUCKET}/out/hf", "--to", "hf"]
         convert += ["--max-shard-size", "50MB", "--workers", str(args.workers), "--quiet"]  # >= 5 files at every size: all workers busy
         ckpt_m = measure(convert, args.repeat, lambda: clear(f"{BUCKET}/out"), env)
-        copy = [PY, "-c", COPY, src, f"{BUCKET}/copy", str(args.workers)]
+        copy = [PY, "-c", COPY, src, f"{BUCKET}/copy", str(args.workers), "0"]
         copy_m = measure(copy, args.repeat, lambda: clear(f"{BUCKET}/copy"), env)
+        copy8 = [PY, "-c", COPY, src, f"{BUCKET}/copy", str(args.workers), str(8 << 20)]
+        copy8_m = measure(copy8, args.repeat, lambda: clear(f"{BUCKET}/copy"), env)
         reads = {}
         for name, call in (("inspect", api.inspect), ("verify", api.verify)):
             storage.reset_stats()
@@ -150,21 +155,21 @@ def run(args: argparse.Namespace, sizes: list[float], env: dict[str, str]) -> li
             call(f"s3://{src}")
             stats = storage.stats()
             reads[name] = {"requests": stats.requests, "bytes": stats.bytes_in, "wall": time.perf_counter() - start}
-        rows.append({"size_gb": size, "bytes": nbytes, "convert": vars(ckpt_m), "copy": vars(copy_m), **reads})
+        rows.append({"size_gb": size, "bytes": nbytes, "convert": vars(ckpt_m), "copy": vars(copy_m), "copy8": vars(copy8_m), **reads})
         clear(f"{BUCKET}/src-{size:g}")
     return rows
 
 
 def report(rows: list[dict], sizes: list[float]) -> None:
     mb = 1e6
-    print(f"{'size':>8} {'convert':>9} {'copy':>9} {'ratio':>6} {'MB/s':>7} {'RSS conv':>9} {'RSS copy':>9} {'inspect':>22} {'verify':>22}")
+    head = f"{'size':>8} {'convert':>9} {'copy':>7} {'ratio':>6} {'copy8':>7} {'ratio':>6} {'MB/s':>6}"
+    print(f"{head} {'RSS conv':>9} {'RSS copy':>9} {'RSS copy8':>9} {'inspect':>22} {'verify':>22}")
     for r in rows:
-        conv, copy = Measure(**r["convert"]), Measure(**r["copy"])
+        conv, copy, copy8 = Measure(**r["convert"]), Measure(**r["copy"]), Measure(**r["copy8"])
         reads = [f"{r[k]['requests']} req {r[k]['bytes'] / mb:.2f} MB {r[k]['wall']:.1f}s" for k in ("inspect", "verify")]
-        print(
-            f"{r['bytes'] / 1e9:7.2f}G {conv.wall:8.1f}s {copy.wall:8.1f}s {conv.wall / copy.wall:6.2f} {r['bytes'] / mb / conv.wall:7.1f}"
-            f" {conv.peak_rss / mb:8.0f}M {copy.peak_rss / mb:8.0f}M {reads[0]:>22} {reads[1]:>22}"
-        )
+        walls = f"{conv.wall:8.1f}s {copy.wall:6.1f}s {conv.wall / copy.wall:6.2f} {copy8.wall:6.1f}s {conv.wall / copy8.wall:6.2f}"
+        rss = f"{conv.peak_rss / mb:8.0f}M {copy.peak_rss / mb:8.0f}M {copy8.peak_rss / mb:8.0f}M"
+        print(f"{r['bytes'] / 1e9:7.2f}G {walls} {r['bytes'] / mb / conv.wall:6.1f} {rss} {reads[0]:>22} {reads[1]:>22}")
     if len(rows) > 1:
         first, last = rows[0]["convert"]["peak_rss"], rows[-1]["convert"]["peak_rss"]
         print(f"convert peak RSS at {sizes[-1]:g} GB over {sizes[0]:g} GB: {last / first:.2f}")
