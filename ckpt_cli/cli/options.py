@@ -9,8 +9,12 @@ import typer
 
 from ckpt_cli.formats.registry import FORMATS
 
-Source = Annotated[Path, typer.Argument(help="Checkpoint file or folder (or a run folder holding several).", show_default=False)]
-Dest = Annotated[Path, typer.Argument(help="Destination (refused if it exists, unless --overwrite).", show_default=False)]
+Source = Annotated[
+    Path, typer.Argument(help="Checkpoint file or folder (or a run folder holding several); s3://bucket/prefix too.", show_default=False)
+]
+Dest = Annotated[
+    Path, typer.Argument(help="Destination, a path or s3://bucket/prefix (refused if it exists, unless --overwrite).", show_default=False)
+]
 Format = Annotated[Optional[str], typer.Option("--format", help=f"Source format (default: detected): {', '.join(FORMATS)}.")]
 Tag = Annotated[Optional[str], typer.Option("--tag", help="Which checkpoint of a run folder (default: latest, else highest step).")]
 TrustPickle = Annotated[
