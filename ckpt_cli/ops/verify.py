@@ -17,7 +17,7 @@ from typing import Any
 from ckpt_cli.core import atomic, remote_write, storage
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text
-from ckpt_cli.core.reading import SourceFiles, element_windows, read_elements, tensor_bytes
+from ckpt_cli.core.reading import SourceFiles, byte_runs, element_windows, read_elements, tensor_bytes
 from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.ops import crossframework
@@ -250,6 +250,8 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     if want_hash or read_all or finite:
         sources = SourceFiles()
         try:
+            if want_hash or read_all:  # in object storage: fetched ahead in large ranges, not one round trip per tensor
+                sources.expect([run for t in ckpt.tensors.values() for run in byte_runs(t, t.dtype) or []])
             for t in ckpt.tensors.values():
                 if want_hash or read_all:
                     hashes[t.name] = tensor_sha256(t, sources)
