@@ -400,6 +400,23 @@ def read_into(url: str, offset: int, view: memoryview) -> None:
         view[:] = fetch(path, offset, offset + len(view))  # type: ignore[arg-type]
 
 
+def prefetch_heads(paths: list[Any], nbytes: int = BLOCK) -> None:
+    """The first `nbytes` of each object, in one parallel round (the headers of many files: hf shards); local
+    paths and objects not found are passed over (reading them reports it)."""
+    remote = [location(p) for p in paths if is_remote(p)]
+    by_fs: dict[int, list[RemotePath]] = {}
+    for path in remote:
+        by_fs.setdefault(id(path.fs), []).append(path)  # type: ignore[arg-type]
+    for group in by_fs.values():
+        if len(group) < 2:
+            continue
+        fs = group[0].fs
+        got = call(group[0], fs.cat_ranges, [p.key for p in group], [0] * len(group), [nbytes] * len(group), on_error="return")
+        for path, data in zip(group, got):
+            if isinstance(data, bytes):
+                _cache.put(str(path), 0, data)
+
+
 class RemoteFile:
     """A read-only, seekable file object over one object; reads go through the shared block cache."""
 

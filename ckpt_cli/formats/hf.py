@@ -16,7 +16,7 @@ from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, TensorEntry
 from ckpt_cli.core.paths import plain_component, present, read_regular_text
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
-from ckpt_cli.core.storage import location
+from ckpt_cli.core.storage import location, prefetch_heads
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import safetensors as st
 from ckpt_cli.formats import torch_save
@@ -67,6 +67,7 @@ class HFReader:
         tensors: dict[str, TensorEntry] = {}
         files = [FileInfo(str(index), index.stat().st_size)] if index else []
         objects = {}
+        prefetch_heads([path / file for file in shard_files])  # in object storage: every shard's header in one round
         for file in shard_files:
             shard_path = path / file
             if not present(shard_path):
