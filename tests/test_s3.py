@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port, run_subprocess, torchrun
+from s3_proxy import Flaky
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -421,56 +422,6 @@ def test_ls_diff_and_the_python_api_on_s3(ckpt, s3, sources, tmp_path):
             assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name
 
 
-class _Flaky:
-    """An HTTP proxy in front of the S3 server that answers every fourth request with 503 SlowDown (throttling)."""
-
-    def __init__(self, endpoint: str) -> None:
-        import http.client
-        import itertools
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        host, port = endpoint.removeprefix("http://").split(":")
-        counter, self.refused = itertools.count(), 0
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # answers `Expect: 100-continue`, which uploads send
-
-            def log_message(self, *args):
-                pass
-
-            def relay(self):
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                if next(counter) % 4 == 3:
-                    outer.refused += 1
-                    error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("content-length", str(len(error)))
-                    self.end_headers()
-                    self.wfile.write(b"" if self.command == "HEAD" else error)
-                    return
-                conn = http.client.HTTPConnection(host, int(port))
-                conn.request(self.command, self.path, body or None, headers=dict(self.headers))
-                reply = conn.getresponse()
-                data = reply.read()
-                self.send_response(reply.status)
-                for name, value in reply.getheaders():
-                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(name, value)
-                head = self.command == "HEAD"  # the object's length, without its body
-                self.send_header("content-length", reply.getheader("content-length", "0") if head else str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = relay
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        import threading
-
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 def test_throttling_is_retried_with_backoff(ckpt, s3, sources, tmp_path, monkeypatch):
     """Every fourth request refused with 503 SlowDown: reads and a multipart write still succeed, byte-identical."""
     from safetensors.torch import save_file
@@ -479,7 +430,7 @@ def test_throttling_is_retried_with_backoff(ckpt, s3, sources, tmp_path, monkeyp
     g = torch.Generator().manual_seed(1)
     save_file({"a": torch.randn(1 << 20, generator=g), "b": torch.randn(3, 1 << 20, generator=g)}, tmp_path / "w.safetensors")
     big = s3.upload(tmp_path / "w.safetensors", "throttled/w.safetensors")  # 16 MiB: four parts of 5 MiB (the last smaller)
-    flaky = _Flaky(s3.endpoint)
+    flaky = Flaky(s3.endpoint)
     monkeypatch.setenv("AWS_ENDPOINT_URL", flaky.url)
     monkeypatch.setattr(remote_write, "PART_BYTES", 5 << 20)
     try:

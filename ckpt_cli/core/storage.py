@@ -39,15 +39,9 @@ RETRIES = 5  # s3fs's own retries of transient errors, on top of botocore's (sta
 MAX_ATTEMPTS = 8
 INSTALL_HINT = "pip install 'ckpt-tools[s3]'"
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
-_ENV = (  # a change of any of these gets a new filesystem (tests and the Python API may change them in one process)
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_PROFILE",
-    "AWS_MAX_ATTEMPTS",
-)
+# a change of any of these gets a new filesystem (tests and the Python API may change them in one process)
+_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+_ENV += ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")
 _CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "ProfileNotFound"}
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionError", "InvalidEndpointError"}
 T = TypeVar("T")
