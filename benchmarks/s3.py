@@ -13,7 +13,7 @@ Then, on the server:
             floor for moving those bytes
   copy8     the same copy in 8 MiB ranged GETs and 8 MiB multipart parts, the request shape ckpt uses: the
             ratio to it is ckpt's own cost (parsing, planning, CRC checks) beside the server's per request
-  inspect   `ckpt inspect s3://SRC`: requests made and bytes received (counted by ckpt_cli.core.storage), in
+  inspect   `ckpt inspect s3://SRC`: requests made and bytes received (counted by ckpt_cli.core.filesystems), in
             this process; and `verify` (structural) the same way
 
 Wall time is the median of --repeat runs, peak RSS the largest (benchmarks/common.py). The table gives the
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, sizes: list[float], env: dict[str, str]) -> li
     import s3fs
 
     from ckpt_cli import api
-    from ckpt_cli.core import storage
+    from ckpt_cli.core import filesystems
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.mkdir(BUCKET)
@@ -150,10 +150,10 @@ def run(args: argparse.Namespace, sizes: list[float], env: dict[str, str]) -> li
         copy8_m = measure(copy8, args.repeat, lambda: clear(f"{BUCKET}/copy"), env)
         reads = {}
         for name, call in (("inspect", api.inspect), ("verify", api.verify)):
-            storage.reset_stats()
+            filesystems.reset_stats()
             start = time.perf_counter()
             call(f"s3://{src}")
-            stats = storage.stats()
+            stats = filesystems.stats()
             reads[name] = {"requests": stats.requests, "bytes": stats.bytes_in, "wall": time.perf_counter() - start}
         rows.append({"size_gb": size, "bytes": nbytes, "convert": vars(ckpt_m), "copy": vars(copy_m), "copy8": vars(copy8_m), **reads})
         clear(f"{BUCKET}/src-{size:g}")

@@ -372,3 +372,50 @@ def dcp_tp(tmp_path_factory) -> Path:
         tasks.append(f"{root / 'reshard' / mesh}:{mesh}:{root / 'loaded' / mesh}")
     torchrun(4, "dcp_tp.py", "load", *tasks)
     return root
+
+
+# ---- Megatron-Core torch_dist (tests/producers/megatron_save.py) --------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def mcore(tmp_path_factory) -> Path:
+    """Megatron's GPTModel at TP=2 saved by dist_checkpointing.save, one torchrun of 2 processes: ROOT/{stacked,per_layer}
+    and ROOT/reference.pt (what the model held)."""
+    root = tmp_path_factory.mktemp("megatron")
+    torchrun(2, "megatron_save.py", root)
+    return root
+
+
+# ---- object storage: a moto server in server mode (tests/s3_store.py) ---------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """An S3 bucket on a moto server started here (a real HTTP endpoint on a free port), with the AWS variables that
+    point ckpt at it set for the session; skipped without the s3 test dependencies."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("boto3")
+    server_module = pytest.importorskip("moto.server")
+    import logging
+
+    from s3_store import BUCKET, ISOLATED, S3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        **ISOLATED,
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        store = S3(env["AWS_ENDPOINT_URL"], env)
+        store.client.create_bucket(Bucket=BUCKET)
+        yield store
+    server.stop()

@@ -9,7 +9,6 @@ interrupted or killed write leaves no commit marker; inspect of a >= 200 MB chec
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -24,82 +23,12 @@ from s3_proxy import Flaky
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
-boto3 = pytest.importorskip("boto3")
+pytest.importorskip("boto3")
 
-from ckpt_cli.core import remote_write, storage  # noqa: E402
+from s3_store import BUCKET, ISOLATED, local_files, same_but_paths  # noqa: E402
+
+from ckpt_cli.core import filesystems, remote_write  # noqa: E402
 from ckpt_cli.ops.source import open_checkpoint  # noqa: E402
-
-BUCKET = "ckpt"
-ISOLATED = {"AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true"}
-
-
-class S3:
-    """The test's own view of the bucket (boto3), and uploads of local checkpoints."""
-
-    def __init__(self, endpoint: str, env: dict[str, str]) -> None:
-        self.endpoint, self.env = endpoint, env
-        self.client = boto3.client("s3", endpoint_url=endpoint)
-
-    def url(self, key: str) -> str:
-        return f"s3://{BUCKET}/{key}"
-
-    def upload(self, local: Path, key: str) -> str:
-        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
-        for p in files:
-            name = key if p == local else f"{key}/{p.relative_to(local).as_posix()}"
-            self.client.upload_file(str(p), BUCKET, name)
-        return self.url(key)
-
-    def keys(self, prefix: str) -> list[str]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
-        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
-
-    def get(self, key: str) -> bytes:
-        return self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
-
-    def put(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=BUCKET, Key=key, Body=data)
-
-    def objects(self, key: str) -> dict[str, bytes]:
-        """The object `key` as {"": bytes}, or the objects under the prefix by relative name."""
-        found = self.keys(key + "/")
-        if not found:
-            return {"": self.get(key)}
-        return {k[len(key) + 1 :]: self.get(k) for k in found}
-
-    def uploads(self, prefix: str) -> list[str]:
-        return [u["Key"] for u in self.client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])]
-
-
-def local_files(path: Path) -> dict[str, bytes]:
-    if path.is_file():
-        return {"": path.read_bytes()}
-    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture(scope="session")
-def s3():
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        **ISOLATED,
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in env.items():
-            mp.setenv(name, value)
-        mp.delenv("AWS_PROFILE", raising=False)
-        store = S3(env["AWS_ENDPOINT_URL"], env)
-        store.client.create_bucket(Bucket=BUCKET)
-        yield store
-    server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -125,10 +54,6 @@ def sources(s3, mixed_files, tiny_llama, trained) -> dict[str, tuple[Path, str]]
     return {name: (path, s3.upload(path, f"src/{name}/{path.name}")) for name, path in local.items()}
 
 
-def _same_but_paths(s3_text: str, url: str, local_text: str, local: Path) -> None:
-    assert s3_text.replace(url, "<root>") == local_text.replace(str(local), "<root>")
-
-
 FORMATS = ["safetensors", "torch", "hf", "llama", "dcp", "deepspeed", "deepspeed3"]
 
 
@@ -138,7 +63,7 @@ def test_inspect_matches_the_local_copy(ckpt, sources, name):
     for args in ([], ["--json"]):
         on_s3, here = ckpt("inspect", url, *args), ckpt("inspect", local, *args)
         assert on_s3.code == here.code == 0, on_s3.err
-        _same_but_paths(on_s3.out, url, here.out, local)
+        same_but_paths(on_s3.out, url, here.out, local)
     assert json.loads(ckpt("inspect", url, "--json").out)["path"] == url
 
 
@@ -169,12 +94,12 @@ def test_inspect_of_a_large_checkpoint_reads_metadata_only(ckpt, s3, large):
     local, url = large
     assert sum(len(v) for v in local_files(local).values()) >= 200 << 20
     for command in (["inspect", url], ["verify", url]):
-        storage.reset_stats()
+        filesystems.reset_stats()
         res = ckpt(*command)
-        moved = storage.stats()
+        moved = filesystems.stats()
         assert res.code == 0, res.out + res.err
         assert 0 < moved.bytes_in < 5 << 20 and moved.requests < 200, (command, moved)
-    _same_but_paths(ckpt("inspect", url).out, url, ckpt("inspect", local).out, local)
+    same_but_paths(ckpt("inspect", url).out, url, ckpt("inspect", local).out, local)
 
 
 @pytest.fixture(scope="session")
@@ -455,5 +380,5 @@ def test_other_fsspec_protocols_read(ckpt, sources):
         fs.put(str(local), url, recursive=local.is_dir())
         on_memory, here = ckpt("inspect", url), ckpt("inspect", local)
         assert on_memory.code == 0, on_memory.err
-        _same_but_paths(on_memory.out, url, here.out, local)
+        same_but_paths(on_memory.out, url, here.out, local)
         assert ckpt("verify", "--deep", url).code == 0

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ckpt_cli.core import storage
+from ckpt_cli.core.filesystems import call, count_sent
 from ckpt_cli.core.storage import RemotePath
 from ckpt_cli.errors import UsageError
 
@@ -57,7 +58,7 @@ class ObjectWriter:
         self.done = False
 
     def _s3(self, method: str, **kwargs: Any) -> Any:
-        return storage.call(self.path, self.path.fs.call_s3, method, Bucket=self.bucket, Key=self.key, **kwargs)
+        return call(self.path, self.path.fs.call_s3, method, Bucket=self.bucket, Key=self.key, **kwargs)
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
@@ -82,7 +83,7 @@ class ObjectWriter:
 
     def _part(self, number: int, body: bytes) -> dict[str, Any]:
         reply = self._s3("upload_part", UploadId=self.upload_id, PartNumber=number, Body=body)
-        storage.count_sent(len(body))
+        count_sent(len(body))
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
     def commit(self) -> None:
@@ -90,7 +91,7 @@ class ObjectWriter:
         if self.upload_id is None:
             body, self.buffer = bytes(self.buffer), bytearray()
             self._s3("put_object", Body=body)
-            storage.count_sent(len(body))
+            count_sent(len(body))
         else:
             if self.buffer:
                 self._send()
@@ -123,7 +124,7 @@ def remove(paths: list[RemotePath]) -> None:
     """Delete objects (best effort: used to clean up after a failed write)."""
     for path in paths:
         try:
-            storage.call(path, path.fs.rm_file, path.key)
+            call(path, path.fs.rm_file, path.key)
         except Exception:
             pass
         storage.forget(path)
@@ -134,11 +135,11 @@ def clear(dest: RemotePath, keep_object: bool) -> None:
     named `dest` itself unless `keep_object` (a one-object output replaces it when its upload completes)."""
     fs = dest.fs
     if dest.is_dir():
-        keys = [k for k in storage.call(dest, fs.find, dest.key) if k.startswith(dest.key + "/")]
+        keys = [k for k in call(dest, fs.find, dest.key) if k.startswith(dest.key + "/")]
         if keys:
-            storage.call(dest, fs.rm, keys)
+            call(dest, fs.rm, keys)
     if not keep_object and dest.is_file():
-        storage.call(dest, fs.rm_file, dest.key)
+        call(dest, fs.rm_file, dest.key)
     abort_unfinished(dest)  # a killed write's parts
     storage.forget(dest)
 
@@ -150,7 +151,7 @@ def _uploads(dest: RemotePath) -> list[tuple[str, str]]:
     bucket, key = dest.parts[1], "/".join(dest.parts[2:])
     found: list[tuple[str, str]] = []
     for prefix in (key, key + "/"):
-        reply = storage.call(dest, dest.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        reply = call(dest, dest.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix)
         found += [(u["Key"], u["UploadId"]) for u in reply.get("Uploads", []) if u["Key"] == key or u["Key"].startswith(key + "/")]
     return sorted(set(found))
 
@@ -163,7 +164,7 @@ def unfinished_uploads(dest: RemotePath) -> list[str]:
 
 def abort_unfinished(dest: RemotePath) -> None:
     for key, upload in _uploads(dest):
-        storage.call(dest, dest.fs.call_s3, "abort_multipart_upload", Bucket=dest.parts[1], Key=key, UploadId=upload)
+        call(dest, dest.fs.call_s3, "abort_multipart_upload", Bucket=dest.parts[1], Key=key, UploadId=upload)
 
 
 class Cleanup:
