@@ -10,9 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Flaky:
-    """An HTTP proxy in front of the S3 server that answers every fourth request with 503 SlowDown (throttling)."""
+    """An HTTP proxy in front of the S3 server that answers every `every`-th request with 503 SlowDown (throttling;
+    every=1: a store that never stops throttling)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, every: int = 4) -> None:
         host, port = endpoint.removeprefix("http://").split(":")
         counter, self.refused = itertools.count(), 0
         outer = self
@@ -25,7 +26,7 @@ class Flaky:
 
             def relay(self):
                 body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                if next(counter) % 4 == 3:
+                if next(counter) % every == every - 1:
                     outer.refused += 1
                     error = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
                     self.send_response(503)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_fails, torchrun
+from conftest import assert_fails
 from safetensors.torch import load_file
 
 from ckpt_cli.core import zipio
@@ -68,13 +68,6 @@ rename:
   - {from: '^output_layer\.weight$', to: 'lm_head.weight'}
 """
 MAPS = {"stacked": STACKED_MAP, "per_layer": PER_LAYER_MAP}
-
-
-@pytest.fixture(scope="module")
-def mcore(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron")
-    torchrun(2, "megatron_save.py", root)
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -369,6 +369,26 @@ def test_throttling_is_retried_with_backoff(ckpt, s3, sources, tmp_path, monkeyp
     assert s3.objects("throttled/copy.pt") == local_files(tmp_path / "copy.pt")
 
 
+def test_throttling_that_outlasts_the_retries_is_one_line(ckpt, s3, sources, tmp_path, monkeypatch):
+    """A store that answers every request with 503 SlowDown: after the retries, one line naming the object, exit 1,
+    and a write leaves nothing behind."""
+    _, url = sources["safetensors"]
+    flaky = Flaky(s3.endpoint, every=1)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", flaky.url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    monkeypatch.setattr(filesystems, "RETRIES", 1)
+    try:
+        res = ckpt("inspect", url)
+        assert res.code == 1 and res.err.startswith(f"ckpt: error: {url}") and "throttling requests (503 SlowDown)" in res.err, res.err
+        assert len(res.err.strip().splitlines()) == 1, res.err
+        res = ckpt("convert", sources["safetensors"][0], s3.url("throttled-out/copy.pt"), "--to", "torch", "--quiet")
+        assert res.code == 1 and len(res.err.strip().splitlines()) == 1, res.err
+    finally:
+        flaky.server.shutdown()
+    assert flaky.refused > 2
+    assert not s3.keys("throttled-out/") and not s3.uploads("throttled-out/")
+
+
 def test_other_fsspec_protocols_read(ckpt, sources):
     """Reads go through fsspec: the same checkpoints in its in-memory filesystem (memory://) read as the local copies."""
     import fsspec

@@ -26,6 +26,7 @@ _ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SEC
 _ENV += ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")
 _CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "ProfileNotFound"}
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionError", "InvalidEndpointError"}
+THROTTLING = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
 T = TypeVar("T")
 
 
@@ -53,9 +54,23 @@ def translate(exc: BaseException, where: object) -> Exception:
         return UsageError(f"{where}: no usable credentials ({_reason(exc)}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
     if names & _UNREACHABLE:
         return UsageError(f"{where}: cannot reach the object store ({_reason(exc)}); check AWS_ENDPOINT_URL and the network")
+    if _throttled(exc):
+        return DataError(
+            f"{where}: the object store kept throttling requests (503 SlowDown) through every retry; "
+            "try again later, with fewer --workers, or with a larger AWS_MAX_ATTEMPTS"
+        )
     if isinstance(exc, ImportError):
         return UsageError(f"{where}: object storage needs the s3 extra: {INSTALL_HINT} ({exc})")
     return DataError(f"{where}: object store request failed after retries ({type(exc).__name__}: {_reason(exc)})")
+
+
+def _throttled(exc: BaseException) -> bool:
+    """A throttling answer: s3fs raises OSError(EBUSY) with botocore's ClientError, which names the code, as cause."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") in THROTTLING:
+            return True
+    return False
 
 
 def _reason(exc: BaseException) -> str:

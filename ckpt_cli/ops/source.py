@@ -11,6 +11,7 @@ from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed, registry, runs
 from ckpt_cli.formats.dcp import METADATA
+from ckpt_cli.formats.dcp_safetensors import SHARD_FILE as DCP_HF_SHARD
 from ckpt_cli.ops import runs as run_roots
 
 HF_SHARD = re.compile(r"-\d+-of-\d+\.(safetensors|bin)$")
@@ -48,8 +49,8 @@ def missing_marker(path: Path) -> str | None:
     found = None
     if METADATA not in names and any(n.endswith(".distcp") for n in names):
         found = ("DCP checkpoint", "*.distcp objects", METADATA)
-    elif any(HF_SHARD.search(n) for n in names) and not any(n.endswith(".index.json") for n in names):
-        found = ("Hugging Face checkpoint", "shards", "an index")
+    elif any(HF_SHARD.search(n) and not DCP_HF_SHARD.match(n) for n in names) and not any(n.endswith(".index.json") for n in names):
+        found = ("Hugging Face checkpoint", "shards", "*.index.json")  # DCP's per-rank hf shards have no index
     elif deepspeed.LATEST not in names and deepspeed.list_tags(path):
         found = ("DeepSpeed checkpoint", "tag folders", f"'{deepspeed.LATEST}'")
     if found is None:
