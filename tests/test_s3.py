@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, run_subprocess, torchrun
+from conftest import free_port, run_folder_checkpoint, run_subprocess, torchrun
 from s3_proxy import Flaky
 
 pytest.importorskip("s3fs")
@@ -345,6 +345,23 @@ def test_ls_diff_and_the_python_api_on_s3(ckpt, s3, sources, tmp_path):
         for name in local_ckpt.tensors:
             a, b = remote_ckpt.tensor(name), local_ckpt.tensor(name)
             assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name
+
+
+def test_hostile_keys_never_become_paths_outside_the_destination(ckpt, s3, run_folders, tmp_path):
+    """A Trainer checkpoint on S3 beside keys a listing turns into `..`, `.` and empty names: a convert to a local folder
+    writes what it writes from the clean checkpoint, and nothing outside the destination."""
+    local = run_folder_checkpoint(run_folders["trainer-plain"])
+    url = s3.upload(local, "hostile/checkpoint-4")
+    for name in ("../../evil.json", "sub/../../../evil.json", "./dot.json", "/empty.json", "../checkpoint-4/x.json"):
+        s3.put(f"hostile/checkpoint-4/{name}", b'{"evil": 1}')
+    want, got = tmp_path / "clean" / "hf", tmp_path / "a" / "b" / "hf"
+    assert ckpt("convert", local, want, "--to", "hf", "--quiet").code == 0
+    res = ckpt("convert", url, got, "--to", "hf", "--quiet")
+    assert res.code == 0, res.err
+    assert local_files(got) == local_files(want)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == sorted(
+        [f"clean/hf/{n}" for n in local_files(want)] + [f"a/b/hf/{n}" for n in local_files(want)]
+    )
 
 
 def test_throttling_is_retried_with_backoff(ckpt, s3, sources, tmp_path, monkeypatch):
