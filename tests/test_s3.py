@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, run_folder_checkpoint, run_subprocess, torchrun
+from conftest import free_port, run_folder_checkpoint, run_subprocess, torchrun, torchrun_command
 from s3_proxy import Flaky
 
 pytest.importorskip("s3fs")
@@ -162,6 +162,38 @@ def test_writes_are_byte_identical_to_the_local_run(ckpt, s3, sources, tmp_path,
         assert not s3.uploads(key)
     assert res.code == 0, res.err
     same_output(got, local_files(want))
+
+
+def _torchrun_ckpt(*args: str) -> subprocess.CompletedProcess:
+    cmd = [*torchrun_command(2), "-m", "ckpt_cli", *args, "--quiet"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("case", ["reshard-dcp", "convert-hf", "reshard-deepspeed"])
+def test_torchrun_writes_s3_to_s3_without_a_shared_folder(ckpt, s3, sources, tmp_path, case):
+    """Two ranks share the uploads, rank 0 uploads the markers last: byte-identical to one local process."""
+    args, source, name = WRITES[case]
+    local, url = sources[source]
+    assert ckpt(*args, local, tmp_path / name, "--quiet").code == 0
+    key = f"torchrun/{case}/{name}"
+    proc = _torchrun_ckpt(*args, url, s3.url(key))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    same_output(s3.objects(key), local_files(tmp_path / name))
+    assert not s3.uploads(key)
+
+
+def test_torchrun_failure_on_one_rank_leaves_nothing(ckpt, s3, sources):
+    """A flipped byte in one chunk fails the rank that copies it (CRC32): every rank deletes what it completed."""
+    local, _ = sources["dcp"]
+    url = s3.upload(local, "torchrun-damaged/dcp")
+    big = max(open_checkpoint(url).tensors.values(), key=lambda t: t.nbytes)
+    key = big.pieces[0].data.path.removeprefix(f"s3://{BUCKET}/")
+    data = bytearray(s3.get(key))
+    data[big.pieces[0].data.offset + 3] ^= 0xFF
+    s3.put(key, bytes(data))
+    proc = _torchrun_ckpt("reshard", url, s3.url("torchrun-out/dcp3"), "--world-size", "3")
+    assert proc.returncode != 0 and "CRC" in proc.stderr, proc.stderr[-3000:]
+    assert not s3.keys("torchrun-out/") and not s3.uploads("torchrun-out/")
 
 
 def ckpt_format(args: list[str], source: str) -> str:

@@ -6,17 +6,22 @@ a shared filesystem); after all ranks report success, rank 0 writes the commit m
 .metadata, hf index, DeepSpeed latest) and renames the folder into place. A failure on any rank
 removes the temporary folder on every rank's behalf and fails them all. The result is
 byte-identical to a single-process run.
+
+A destination in object storage needs no shared filesystem: each rank uploads its data objects,
+and rank 0 uploads the commit markers once every rank's uploads have completed. A failure on any
+rank makes every rank delete the objects it completed (in-flight uploads are aborted), so no
+marker is written and nothing is left.
 """
 
 from __future__ import annotations
 
 import os
 
-from ckpt_cli.core import storage
+from ckpt_cli.core import interrupt, remote_write, storage
 from ckpt_cli.core.atomic import Guard, commit, partial_path, prepare_partial, remove
-from ckpt_cli.core.executor import Progress, default_guard, targets, worker_count, write_files
+from ckpt_cli.core.executor import Progress, default_guard, prepare_remote, targets, upload_files, worker_count, write_files
 from ckpt_cli.core.plan import WritePlan
-from ckpt_cli.errors import CkptError, DataError, UsageError
+from ckpt_cli.errors import CkptError, DataError
 
 
 def rank_and_world() -> tuple[int, int] | None:
@@ -42,9 +47,6 @@ def execute(
     torchrun, where rank_and_world() is not None; executor.execute is the one-process counterpart)."""
     import torch.distributed as dist
 
-    if storage.is_remote(plan.dest):
-        where = storage.location(plan.dest)
-        raise UsageError(f"{where}: under torchrun ckpt writes to a shared folder; write to object storage from one process")
     context = rank_and_world()
     assert context is not None
     rank, world = context
@@ -52,7 +54,8 @@ def execute(
     if owned:
         dist.init_process_group("gloo")
     try:
-        _execute(plan, overwrite, progress, worker_count(workers), rank, world, default_guard(plan, guard))
+        write = _execute_remote if storage.is_remote(plan.dest) else _execute
+        write(plan, overwrite, progress, worker_count(workers), rank, world, default_guard(plan, guard))
     finally:
         if owned:
             dist.destroy_process_group()
@@ -82,6 +85,34 @@ def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, worker
         write_files(markers, 1, progress)
         commit(tmp, plan.dest)
     _all_ok(True)  # no rank returns before the destination exists
+
+
+def _execute_remote(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int, rank: int, world: int, guard: Guard) -> None:
+    targets(plan, plan.dest)
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            prepare_remote(plan, overwrite, guard)
+        except CkptError as exc:
+            error = exc
+    if not _all_ok(error is None):
+        raise error or DataError(f"{storage.location(plan.dest)}: rank 0 could not prepare the destination")
+    data, markers = targets(plan, storage.location(plan.dest))
+    cleanup = remote_write.Cleanup()
+    with interrupt.writing():
+        try:
+            upload_files(data[rank::world], workers, progress, cleanup)
+            interrupt.check()
+        except BaseException as exc:  # report to the other ranks before failing
+            error = exc
+        if _all_ok(error is None) and rank == 0:
+            try:
+                upload_files(markers, 1, progress, cleanup)
+            except BaseException as exc:
+                error = exc
+        if not _all_ok(error is None):  # every rank deletes what it completed: no marker names missing data
+            cleanup.undo()
+            raise error or DataError(f"{storage.location(plan.dest)}: another rank failed while writing; nothing was written")
 
 
 def is_main_process() -> bool:

@@ -28,6 +28,7 @@ from ckpt_cli.core.paths import inside
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.core.reading import BLOCK_BYTES, ByteRun, SourceFiles, as_bytes, byte_runs, element_windows, read_elements, read_runs
 from ckpt_cli.core.remote_write import ObjectWriter
+from ckpt_cli.core.storage import RemotePath
 from ckpt_cli.errors import DataError
 
 COPY_BYTES = 64 << 20  # one copy_file_range call
@@ -388,12 +389,32 @@ def execute_remote(
     are aborted and the objects completed are deleted, so no marker ever names missing data. --overwrite
     first deletes the old checkpoint under a prefix (a one-object output replaces the old object when its
     upload completes)."""
+    dest = prepare_remote(plan, overwrite, guard)
+    data, markers = targets(plan, dest)
+    cleanup = remote_write.Cleanup()
+    with interrupt.writing():
+        try:
+            upload_files(data, worker_count(workers), progress, cleanup)
+            interrupt.check()
+            upload_files(markers, 1, progress, cleanup)
+        except BaseException:
+            cleanup.undo()
+            raise
+
+
+def prepare_remote(plan: WritePlan, overwrite: bool, guard: Guard | None) -> RemotePath:
+    """Refuse an existing destination unless --overwrite, and with it delete what is there (and abort what a killed
+    write left unfinished)."""
     dest = storage.location(plan.dest)
     check_destination(dest, overwrite, plan.dest_is_dir, default_guard(plan, guard))
     if overwrite:
-        remote_write.clear(dest, keep_object=not plan.dest_is_dir)
-    data, markers = targets(plan, dest)
-    cleanup = remote_write.Cleanup()
+        remote_write.clear(dest, keep_object=not plan.dest_is_dir)  # type: ignore[arg-type]
+    return dest  # type: ignore[return-value]
+
+
+def upload_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None, cleanup: remote_write.Cleanup) -> None:
+    """Upload `files`, up to `workers` at once, each as one multipart upload completed only once all its bytes are
+    sent; `cleanup` learns every object completed (call inside interrupt.writing())."""
 
     def upload_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
         with ObjectWriter(target, out.size, tick) as sink:  # type: ignore[arg-type]
@@ -402,14 +423,7 @@ def execute_remote(
             sink.commit()
         cleanup.add(target)  # type: ignore[arg-type]
 
-    with interrupt.writing():
-        try:
-            _write_all(data, worker_count(workers), progress, upload_one)
-            interrupt.check()
-            _write_all(markers, 1, progress, upload_one)
-        except BaseException:
-            cleanup.undo()
-            raise
+    _write_all(files, workers, progress, upload_one)
 
 
 def file_runs(out: OutputFile) -> list[ByteRun]:
