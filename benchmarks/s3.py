@@ -14,7 +14,11 @@ Then, on the server:
   copy8     the same copy in 8 MiB ranged GETs and 8 MiB multipart parts, the request shape ckpt uses: the
             ratio to it is ckpt's own cost (parsing, planning, CRC checks) beside the server's per request
   inspect   `ckpt inspect s3://SRC`: requests made and bytes received (counted by ckpt_cli.core.filesystems), in
-            this process; and `verify` (structural) the same way
+            this process; and `verify` (structural) the same way. Also for the same tensors as one safetensors
+            file, an hf folder (50 MB shards) and a torch file (written by ckpt from the DCP checkpoint), and for
+            a ZeRO-2 checkpoint of the same size from real DeepSpeed on 2 ranks (benchmarks/run.py's builder), at
+            the smallest size only: moto copies the whole object for every ranged GET, so the 256 record headers of
+            a 1 GB torch file cost it minutes (requests and bytes do not depend on the server)
 
 Wall time is the median of --repeat runs, peak RSS the largest (benchmarks/common.py). The table gives the
 convert / copy ratio at each size, and the peak RSS of convert at the largest size over the smallest (flat
@@ -124,9 +128,6 @@ def main() -> None:
 def run(args: argparse.Namespace, sizes: list[float], env: dict[str, str]) -> list[dict]:
     import s3fs
 
-    from ckpt_cli import api
-    from ckpt_cli.core import filesystems
-
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.mkdir(BUCKET)
     rows = []
@@ -148,16 +149,53 @@ def run(args: argparse.Namespace, sizes: list[float], env: dict[str, str]) -> li
         copy_m = measure(copy, args.repeat, lambda: clear(f"{BUCKET}/copy"), env)
         copy8 = [PY, "-c", COPY, src, f"{BUCKET}/copy", str(args.workers), str(8 << 20)]
         copy8_m = measure(copy8, args.repeat, lambda: clear(f"{BUCKET}/copy"), env)
-        reads = {}
-        for name, call in (("inspect", api.inspect), ("verify", api.verify)):
-            filesystems.reset_stats()
-            start = time.perf_counter()
-            call(f"s3://{src}")
-            stats = filesystems.stats()
-            reads[name] = {"requests": stats.requests, "bytes": stats.bytes_in, "wall": time.perf_counter() - start}
-        rows.append({"size_gb": size, "bytes": nbytes, "convert": vars(ckpt_m), "copy": vars(copy_m), "copy8": vars(copy8_m), **reads})
+        reads = metadata_reads(f"s3://{src}")
+        formats = {"dcp": reads}
+        for name, path in other_formats(args.workdir, local, size).items() if size == sizes[0] else ():  # smallest size only
+            prefix = f"{BUCKET}/src-{size:g}/{name}/{path.name}"
+            fs.put(str(path) + ("/" if path.is_dir() else ""), prefix + ("/" if path.is_dir() else ""), recursive=path.is_dir())
+            fs.invalidate_cache()
+            formats[name] = {"bytes": sum(p.stat().st_size for p in path.rglob("*")) if path.is_dir() else path.stat().st_size}
+            formats[name] |= metadata_reads(f"s3://{prefix}")
+        measured = {"convert": vars(ckpt_m), "copy": vars(copy_m), "copy8": vars(copy8_m)}
+        rows.append({"size_gb": size, "bytes": nbytes, **measured, **reads, "formats": formats})
         clear(f"{BUCKET}/src-{size:g}")
     return rows
+
+
+def metadata_reads(url: str) -> dict[str, dict[str, float]]:
+    """Requests, bytes received and wall time of inspect and structural verify of `url`, in this process."""
+    from ckpt_cli import api
+    from ckpt_cli.core import filesystems
+
+    reads = {}
+    for name, call in (("inspect", api.inspect), ("verify", api.verify)):
+        filesystems.reset_stats()
+        start = time.perf_counter()
+        call(url)
+        stats = filesystems.stats()
+        reads[name] = {"requests": stats.requests, "bytes": stats.bytes_in, "wall": time.perf_counter() - start}
+    return reads
+
+
+def other_formats(work: Path, dcp: Path, size: float) -> dict[str, Path]:
+    """The DCP checkpoint's tensors as safetensors, hf and torch (written by ckpt), and a ZeRO-2 checkpoint of `size` GB
+    from real DeepSpeed (built once by benchmarks/run.py's builder, reused); all kept in `work`."""
+    from run import build as build_reference
+
+    found = {}
+    for name, command, file in (
+        ("safetensors", ["merge"], "model.safetensors"),
+        ("hf", ["convert", "--to", "hf", "--max-shard-size", "50MB"], "hf"),
+        ("torch", ["convert", "--to", "torch"], "model.pt"),
+    ):
+        out = work / f"{name}-{size:g}GB" / file
+        if not out.exists():
+            subprocess.run([PY, "-m", "ckpt_cli", command[0], str(dcp), str(out), *command[1:], "--quiet"], check=True)
+        found[name] = out
+    build_reference(work, "zero2", size)
+    found["deepspeed"] = work / f"zero2-{size:g}GB"
+    return found
 
 
 def report(rows: list[dict], sizes: list[float]) -> None:
@@ -173,6 +211,11 @@ def report(rows: list[dict], sizes: list[float]) -> None:
     if len(rows) > 1:
         first, last = rows[0]["convert"]["peak_rss"], rows[-1]["convert"]["peak_rss"]
         print(f"convert peak RSS at {sizes[-1]:g} GB over {sizes[0]:g} GB: {last / first:.2f}")
+    print(f"\n{'metadata reads':<16} {'size':>7} {'inspect':>22} {'verify':>22}")
+    for r in rows:
+        for name, f in r["formats"].items():
+            reads = [f"{f[k]['requests']} req {f[k]['bytes'] / mb:.2f} MB {f[k]['wall']:.1f}s" for k in ("inspect", "verify")]
+            print(f"{name:<16} {f.get('bytes', r['bytes']) / 1e9:6.2f}G {reads[0]:>22} {reads[1]:>22}")
 
 
 if __name__ == "__main__":

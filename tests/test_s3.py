@@ -102,6 +102,15 @@ def test_inspect_of_a_large_checkpoint_reads_metadata_only(ckpt, s3, large):
     same_but_paths(ckpt("inspect", url).out, url, ckpt("inspect", local).out, local)
 
 
+def test_detection_asks_about_each_path_once(ckpt, sources):
+    """Format detection probes a path many times (is it a folder? a file?); each answer is a round trip (HEAD, LIST),
+    asked once per command."""
+    for name, most in (("safetensors", 16), ("hf", 16), ("deepspeed", 22)):  # 36 / 14 / 19 before, 14 / 14 / 19 now
+        filesystems.reset_stats()
+        assert ckpt("inspect", sources[name][1]).code == 0
+        assert filesystems.stats().requests <= most, (name, filesystems.stats())
+
+
 @pytest.fixture(scope="session")
 def large(s3, tmp_path_factory) -> tuple[Path, str]:
     """208 MB saved by dcp.save in one process, its FileSystemWriter spreading the tensors over 8 files."""

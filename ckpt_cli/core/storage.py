@@ -38,6 +38,7 @@ SPAN_LIMIT = 1 << 20  # exact reads up to this size are kept too (a header read,
 CACHE_BYTES = 64 << 20
 MERGE_GAP = 4 << 10  # prefetched ranges closer than this are fetched as one
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
+_probes: dict[tuple[str, str], Any] = {}  # (fs method, key) -> its answer, for one command (RemotePath._probe)
 
 
 def protocol_of(path: object) -> str | None:
@@ -112,8 +113,16 @@ class RemotePath(PurePosixPath):
     def fs(self) -> Any:
         return filesystem(self.protocol)
 
+    def _probe(self, method: str) -> Any:
+        """fs.<method>(key), asked once per command: format detection probes one path many times, and each probe is a
+        round trip (a HEAD or a LIST). Dropped by fresh() and forget()."""
+        found = _probes.get((method, self.key), _probes)
+        if found is _probes:
+            found = _probes[(method, self.key)] = call(self, getattr(self.fs, method), self.key)
+        return found
+
     def stat(self, *, follow_symlinks: bool = True) -> RemoteStat:
-        info = call(self, self.fs.info, self.key)
+        info = self._probe("info")
         when = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
         ns = int(when.timestamp() * 1e9) if hasattr(when, "timestamp") else int(float(when or 0) * 1e9)
         kind = stat.S_IFDIR if info.get("type") == "directory" else stat.S_IFREG
@@ -122,13 +131,13 @@ class RemotePath(PurePosixPath):
     lstat = stat
 
     def exists(self, *, follow_symlinks: bool = True) -> bool:
-        return len(self.parts) > 1 and call(self, self.fs.exists, self.key)
+        return len(self.parts) > 1 and bool(self._probe("exists"))
 
     def is_dir(self) -> bool:
-        return len(self.parts) > 1 and call(self, self.fs.isdir, self.key)
+        return len(self.parts) > 1 and bool(self._probe("isdir"))
 
     def is_file(self) -> bool:
-        return len(self.parts) > 2 and call(self, self.fs.isfile, self.key)
+        return len(self.parts) > 2 and bool(self._probe("isfile"))
 
     def is_symlink(self) -> bool:
         return False
@@ -181,6 +190,7 @@ class RemotePath(PurePosixPath):
 def fresh() -> None:
     """Forget cached listings and blocks: a new command sees the store as it is now."""
     _cache.clear()
+    _probes.clear()
     for fs in filesystems.made():
         fs.invalidate_cache()
 
@@ -189,6 +199,7 @@ def forget(path: RemotePath) -> None:
     """Forget what is cached about `path` (it was just written or deleted)."""
     path.fs.invalidate_cache(path.key)
     _cache.drop(str(path))
+    _probes.clear()  # the path's parents and the prefixes under it changed too
 
 
 # ---- reads --------------------------------------------------------------------------------------------------
@@ -286,7 +297,7 @@ class RemoteFile:
     """A read-only, seekable file object over one object; reads go through the shared block cache."""
 
     def __init__(self, path: RemotePath) -> None:
-        info = call(path, path.fs.info, path.key)
+        info = path._probe("info")
         if info.get("type") == "directory":
             raise IsADirectoryError(errno.EISDIR, "Is a prefix, not an object", str(path))
         self.path, self.name, self.size = path, str(path), int(info["size"])
