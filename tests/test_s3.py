@@ -102,13 +102,18 @@ def test_inspect_of_a_large_checkpoint_reads_metadata_only(ckpt, s3, large):
     same_but_paths(ckpt("inspect", url).out, url, ckpt("inspect", local).out, local)
 
 
-def test_detection_asks_about_each_path_once(ckpt, sources):
+def test_detection_asks_about_each_path_once(ckpt, sources, monkeypatch):
     """Format detection probes a path many times (is it a folder? a file?); each answer is a round trip (HEAD, LIST),
-    asked once per command."""
-    for name, most in (("safetensors", 16), ("hf", 16), ("deepspeed", 22)):  # 36 / 14 / 19 before, 14 / 14 / 19 now
+    asked once per command. The bucket itself, whose listing may hold any number of keys, is never listed."""
+    from ckpt_cli.core import storage
+
+    listed, real = [], storage.RemotePath.iterdir
+    monkeypatch.setattr(storage.RemotePath, "iterdir", lambda self: (listed.append(str(self)), real(self))[1])
+    for name, most in (("safetensors", 16), ("hf", 16), ("deepspeed", 22)):  # 36 / 14 / 19 before, 13 / 13 / 18 now
         filesystems.reset_stats()
         assert ckpt("inspect", sources[name][1]).code == 0
         assert filesystems.stats().requests <= most, (name, filesystems.stats())
+    assert listed and f"s3://{BUCKET}" not in listed, listed
 
 
 @pytest.fixture(scope="session")
