@@ -109,7 +109,7 @@ def test_detection_asks_about_each_path_once(ckpt, sources, monkeypatch):
 
     listed, real = [], storage.RemotePath.iterdir
     monkeypatch.setattr(storage.RemotePath, "iterdir", lambda self: (listed.append(str(self)), real(self))[1])
-    for name, most in (("safetensors", 16), ("hf", 16), ("deepspeed", 22)):  # 36 / 14 / 19 before, 13 / 13 / 18 now
+    for name, most in (("safetensors", 16), ("hf", 16), ("deepspeed", 22)):  # 36 / 14 / 19 when each probe was asked again
         filesystems.reset_stats()
         assert ckpt("inspect", sources[name][1]).code == 0
         assert filesystems.stats().requests <= most, (name, filesystems.stats())
