@@ -410,6 +410,29 @@ def test_hostile_keys_never_become_paths_outside_the_destination(ckpt, s3, run_f
     )
 
 
+def test_manifests_and_policies_in_object_storage(ckpt, s3, sources, tmp_path, monkeypatch):
+    """--write-manifest s3://... writes one object (never a local folder named 's3:'), --manifest and --policy read
+    objects, and --overwrite replaces only a previous manifest, as locally."""
+    monkeypatch.chdir(tmp_path)
+    _, url = sources["safetensors"]
+    manifest = s3.url("manifests/mixed.json")
+    res = ckpt("verify", url, "--write-manifest", manifest)
+    assert res.code == 0 and f"wrote manifest {manifest};" in res.out, res.out + res.err
+    assert json.loads(s3.get("manifests/mixed.json"))["ckpt_manifest"] == 1 and not list(tmp_path.iterdir())
+    again = ckpt("verify", url, "--write-manifest", manifest)
+    assert again.err == f"ckpt: error: {manifest} already exists; pass --overwrite to replace it\n"
+    assert "is not a ckpt manifest" in ckpt("verify", url, "--write-manifest", url, "--overwrite").err
+    assert ckpt("verify", url, "--write-manifest", manifest, "--overwrite").code == 0
+    res = ckpt("verify", url, "--manifest", manifest)
+    assert res.code == 0 and "manifest;" in res.out, res.out + res.err
+    missing = s3.url("manifests/none.json")
+    assert ckpt("verify", url, "--manifest", missing).err == f"ckpt: error: {missing}: manifest not found\n"
+    s3.put("manifests/policy.yaml", b"min_params: 1000000000\n")
+    res = ckpt("verify", url, "--policy", s3.url("manifests/policy.yaml"))
+    assert res.code == 1 and "min_params" in res.out + res.err, res.out + res.err
+    assert not list(tmp_path.iterdir())
+
+
 def test_throttling_is_retried_with_backoff(ckpt, s3, sources, tmp_path, monkeypatch):
     """Every fourth request refused with 503 SlowDown: reads and a multipart write still succeed, byte-identical."""
     from safetensors.torch import save_file

@@ -22,7 +22,8 @@ from typing import Any
 
 from ckpt_cli.core import dtypes, roles
 from ckpt_cli.core.model import Checkpoint
-from ckpt_cli.errors import CkptError, UsageError
+from ckpt_cli.core.paths import read_regular_text
+from ckpt_cli.errors import CkptError, DataError, UsageError
 
 _TOP_KEYS = {"tensors", "min_params", "max_params", "finite", "training_state", "tolerance"}
 _STATE_KEYS = {"optimizer", "lr_scheduler", "rng", "dataloader", "client_state"}
@@ -52,10 +53,10 @@ def load(path: Path) -> Policy:
     import yaml
 
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.safe_load(read_regular_text(path, max_bytes=64 << 20))  # a local file or an object (s3://)
     except FileNotFoundError:
         raise UsageError(f"{path}: policy file not found") from None
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, DataError, yaml.YAMLError) as exc:
         raise UsageError(f"{path}: not readable YAML ({str(exc).splitlines()[0]})") from exc
     doc = doc or {}
     if not isinstance(doc, dict) or not set(doc) <= _TOP_KEYS:

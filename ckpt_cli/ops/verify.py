@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,10 +118,10 @@ def build_manifest(ckpt: Checkpoint, tensor_hashes: dict[str, str]) -> dict[str,
 
 def load_manifest(path: Path) -> dict[str, Any]:
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_regular_text(path, max_bytes=1 << 30))  # a local file or an object (s3://)
     except FileNotFoundError:
         raise UsageError(f"{path}: manifest not found") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, DataError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: not a readable manifest ({exc})") from exc
     if not isinstance(doc, dict) or doc.get("ckpt_manifest") != MANIFEST_VERSION:
         raise UsageError(f"{path}: not a ckpt manifest (written by verify --write-manifest)")
@@ -131,7 +131,13 @@ def load_manifest(path: Path) -> dict[str, Any]:
 def check_manifest_destination(path: Path, overwrite: bool) -> None:
     """--write-manifest FILE writes a new file; with --overwrite it replaces a previous ckpt manifest, never another
     file (a checkpoint file named by mistake). Checked before the checkpoint is read (exit 2)."""
-    if not os.path.lexists(path):
+    if storage.is_remote(path):
+        where = storage.location(path)
+        if where.protocol not in ("s3", "s3a"):  # type: ignore[attr-defined]
+            raise UsageError(f"{where}: writes to object storage go to s3:// only")
+        if not where.exists():
+            return
+    elif not os.path.lexists(path):
         return
     if not overwrite:
         raise UsageError(f"{path} already exists; pass --overwrite to replace it")
@@ -144,7 +150,14 @@ def check_manifest_destination(path: Path, overwrite: bool) -> None:
 
 
 def write_manifest_file(path: Path, manifest: dict[str, Any]) -> None:
-    """Write the manifest atomically: a temporary sibling, then one os.replace."""
+    """Write the manifest atomically: a temporary sibling, then one os.replace; in object storage one PUT (an object
+    appears whole or not at all)."""
+    if storage.is_remote(path):
+        data = (json.dumps(manifest, indent=2) + "\n").encode()
+        with remote_write.ObjectWriter(storage.location(path), len(data)) as out:  # type: ignore[arg-type]
+            out.write(data)
+            out.commit()
+        return
     with atomic.staged(path, is_dir=False, overwrite=True) as tmp:
         tmp.write_text(json.dumps(manifest, indent=2) + "\n")
 
@@ -219,6 +232,10 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
 
 def verify(path: str | Path, options: VerifyOptions) -> Report:
     report = Report(str(path))
+    for name in ("write_manifest", "manifest", "policy"):  # an s3:// URL, which Path spells s3:/, names an object
+        value = getattr(options, name)
+        if value is not None and storage.is_remote(value):
+            options = replace(options, **{name: location(value)})
     if options.write_manifest:
         check_manifest_destination(options.write_manifest, options.overwrite)
     try:
