@@ -433,6 +433,26 @@ def test_manifests_and_policies_in_object_storage(ckpt, s3, sources, tmp_path, m
     assert not list(tmp_path.iterdir())
 
 
+def test_name_maps_and_deepspeed_configs_in_object_storage(ckpt, s3, sources, tmp_path):
+    """--name-map and --ds-config name objects as well as local files."""
+    from ckpt_cli.formats.deepspeed_template import read_config
+
+    local, url = sources["safetensors"]
+    rules = b"rename:\n  - {from: '^(.*)$', to: 'model.\\1'}\n"
+    (tmp_path / "map.yaml").write_bytes(rules)
+    s3.put("maps/map.yaml", rules)
+    args = ["convert", "--to", "hf", "--quiet"]
+    assert ckpt(*args, local, tmp_path / "want", "--name-map", tmp_path / "map.yaml").code == 0
+    res = ckpt(*args, url, tmp_path / "got", "--name-map", s3.url("maps/map.yaml"))
+    assert res.code == 0, res.err
+    assert local_files(tmp_path / "got") == local_files(tmp_path / "want")
+    assert any(b"model." in data for data in local_files(tmp_path / "got").values())
+    s3.put("maps/ds.json", b'{"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}}')
+    assert read_config(Path(s3.url("maps/ds.json")))["zero_optimization"] == {"stage": 2}
+    res = ckpt(*args, url, tmp_path / "none", "--name-map", s3.url("maps/none.yaml"))
+    assert res.code == 2 and res.err.startswith(f"ckpt: error: {s3.url('maps/none.yaml')}: cannot read the name map"), res.err
+
+
 def test_throttling_is_retried_with_backoff(ckpt, s3, sources, tmp_path, monkeypatch):
     """Every fourth request refused with 503 SlowDown: reads and a multipart write still succeed, byte-identical."""
     from safetensors.torch import save_file

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from ckpt_cli.core import storage
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.row_split import RowSplit
 from ckpt_cli.core.tree import path_name
@@ -48,6 +49,7 @@ class NameMap:
         `split: [{from: REGEX, to: NAMES, groups: N, layers: BOOL}, ...]`."""
         import yaml
 
+        path = storage.location(path)  # a local file or an object (s3://)
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except OSError as exc:
