@@ -88,7 +88,8 @@ def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, worker
 
 
 def _execute_remote(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int, rank: int, world: int, guard: Guard) -> None:
-    targets(plan, plan.dest)
+    dest = storage.location(plan.dest)
+    data, markers = targets(plan, dest)  # every rank refuses a file name that leaves the destination, before anything is written
     error: BaseException | None = None
     if rank == 0:
         try:
@@ -96,8 +97,7 @@ def _execute_remote(plan: WritePlan, overwrite: bool, progress: Progress | None,
         except CkptError as exc:
             error = exc
     if not _all_ok(error is None):
-        raise error or DataError(f"{storage.location(plan.dest)}: rank 0 could not prepare the destination")
-    data, markers = targets(plan, storage.location(plan.dest))
+        raise error or DataError(f"{dest}: rank 0 could not prepare the destination")
     cleanup = remote_write.Cleanup()
     with interrupt.writing():
         try:
@@ -112,7 +112,7 @@ def _execute_remote(plan: WritePlan, overwrite: bool, progress: Progress | None,
                 error = exc
         if not _all_ok(error is None):  # every rank deletes what it completed: no marker names missing data
             cleanup.undo()
-            raise error or DataError(f"{storage.location(plan.dest)}: another rank failed while writing; nothing was written")
+            raise error or DataError(f"{dest}: another rank failed while writing; nothing was written")
 
 
 def is_main_process() -> bool:

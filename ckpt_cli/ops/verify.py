@@ -133,8 +133,7 @@ def check_manifest_destination(path: Path, overwrite: bool) -> None:
     file (a checkpoint file named by mistake). Checked before the checkpoint is read (exit 2)."""
     if storage.is_remote(path):
         where = storage.location(path)
-        if where.protocol not in ("s3", "s3a"):  # type: ignore[attr-defined]
-            raise UsageError(f"{where}: writes to object storage go to s3:// only")
+        remote_write.bucket_and_key(where)  # type: ignore[arg-type]  # refuses what ckpt cannot write to (not s3://, no key)
         if not where.exists():
             return
     elif not os.path.lexists(path):
