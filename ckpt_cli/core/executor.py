@@ -55,13 +55,29 @@ start_writeback = _sync_file_range()
 
 
 class _Out:
-    """Positional writes into one output file from `offset` on (threads may fill other ranges of it)."""
+    """Positional writes into one output file from `offset` on (threads may fill other ranges of it). `buffered`:
+    small writes are gathered into blocks of BLOCK_BYTES (a DCP rank file is thousands of small archives)."""
 
-    def __init__(self, fd: int, offset: int, progress: Progress | None) -> None:
+    def __init__(self, fd: int, offset: int, progress: Progress | None, buffered: bool = False) -> None:
         self.fd, self.offset, self.progress = fd, offset, progress
+        self.buffer = bytearray() if buffered else None
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
+        if self.buffer is not None and len(view) < BLOCK_BYTES:
+            self.buffer += view
+            if len(self.buffer) >= BLOCK_BYTES:
+                self.flush()
+            return
+        self.flush()
+        self._pwrite(view)
+
+    def flush(self) -> None:
+        if self.buffer:
+            data, self.buffer = self.buffer, bytearray()
+            self._pwrite(memoryview(data))
+
+    def _pwrite(self, view: memoryview) -> None:
         while view:
             n = os.pwrite(self.fd, view, self.offset)
             view = view[n:]
@@ -71,6 +87,7 @@ class _Out:
 
     def copy(self, src_fd: int, offset: int, nbytes: int, path: str) -> None:
         """`nbytes` of a source from `offset`, in the kernel (copy_file_range) where it can."""
+        self.flush()
         while nbytes:
             try:
                 n = os.copy_file_range(src_fd, self.fd, min(nbytes, COPY_BYTES), offset, self.offset)
@@ -181,6 +198,19 @@ def write_file(
         if progress:
             progress(nbytes)
 
+    if threads == 1:  # in order, through one buffered sink: each trailer right after the data it covers
+
+        def in_order(sources: SourceFiles) -> int:
+            sink = _Out(fd, 0, advance, buffered=True)
+            write_segments(out, sink, sources)
+            sink.flush()
+            return 0
+
+        try:
+            _run_jobs([(0, out.size, in_order)], 1, cancel, check, file_runs(out))
+        finally:
+            os.close(fd)
+        return
     jobs: list[tuple[int, int, Callable[[SourceFiles], int]]] = []  # (segment, byte count, job -> CRC)
     deferred: list[tuple[int, Deferred]] = []
     pos = 0
@@ -193,9 +223,10 @@ def write_file(
             elif isinstance(seg, Deferred):
                 deferred.append((pos, seg))
             pos += seg.size
-        crcs = _run_jobs(jobs, threads, cancel, check, file_runs(out) if threads == 1 else [])
+        crcs = _run_jobs(jobs, threads, cancel, check)
+        by_key = {out.segments[i].crc_key: crc for i, crc in crcs.items()}  # type: ignore[union-attr]
         for offset, seg in deferred:
-            data = seg.build({out.segments[i].crc_key: crc for i, crc in crcs.items()})  # type: ignore[union-attr]
+            data = seg.build(by_key)
             assert len(data) == seg.size, "deferred segment size differs from its plan"
             _Out(fd, offset, None).write(data)
     finally:
@@ -436,21 +467,26 @@ def file_runs(out: OutputFile) -> list[ByteRun]:
 
 
 def upload_segments(out: OutputFile, sink: ObjectWriter, check: RecordCheck) -> None:
-    """The file's bytes in order: CRC-dependent trailers (Deferred) follow the data they cover."""
+    """The file's bytes in order into an object (see write_segments)."""
     sources = SourceFiles(check)
     sources.expect(file_runs(out))
-    crcs: dict[str, int] = {}
     try:
-        for seg in out.segments:
-            if isinstance(seg, Literal):
-                sink.write(seg.data)
-            elif isinstance(seg, TensorData):
-                crc = stream_tensor(seg, sink, sources)
-                if seg.crc_key is not None:
-                    crcs[seg.crc_key] = crc
-            else:
-                data = seg.build(crcs)
-                assert len(data) == seg.size, "deferred segment size differs from its plan"
-                sink.write(data)
+        write_segments(out, sink, sources)
     finally:
         sources.close()
+
+
+def write_segments(out: OutputFile, sink: Sink, sources: SourceFiles) -> None:
+    """The file's bytes in order: CRC-dependent trailers (Deferred) follow the data they cover."""
+    crcs: dict[str, int] = {}
+    for seg in out.segments:
+        if isinstance(seg, Literal):
+            sink.write(seg.data)
+        elif isinstance(seg, TensorData):
+            crc = stream_tensor(seg, sink, sources)
+            if seg.crc_key is not None:
+                crcs[seg.crc_key] = crc
+        else:
+            data = seg.build(crcs)
+            assert len(data) == seg.size, "deferred segment size differs from its plan"
+            sink.write(data)

@@ -22,6 +22,11 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
+try:  # built by `pip install` where a C compiler is at hand (pyproject.toml: an optional extension)
+    from ckpt_cli.core import _pickle_scan
+except ImportError:
+    _pickle_scan = None
+
 MAX_DEPTH = 100  # nesting of containers; every later traversal (flatten, repr, the pickler) recurses
 HASH_BASE = 10_000  # tuple nodes the C unpickler may hash for keys, beyond 4 per byte of pickle
 COPY_BASE = 1 << 16  # items or bytes the allow-listed callables may copy, beyond 4 per byte of pickle
@@ -135,6 +140,22 @@ def _opcode_table() -> list[tuple[int, int] | None]:
 
 
 _OPS = _opcode_table()
+# The same table for the C walk: kind and argument size of each byte (255: not an opcode).
+_KIND_BYTES = bytes(255 if op is None else op[0] for op in _OPS)
+_N_BYTES = bytes(0 if op is None else op[1] for op in _OPS)
+# The C walk's refusals (core/_pickle_scan.c R_*): the Python walk's words.
+SCAN_REFUSALS = {
+    -1: "malformed opcodes",
+    -2: f"the pickle nests containers more than {MAX_DEPTH} deep",
+    -3: "memo of nothing",
+    -4: "stack underflow",
+    -5: "negative length",
+    -6: "memo index out of range",
+    -7: "dict keys or set items that take too long to hash (nested shared tuples)",
+    -8: "too many nested references (a shared value expands far beyond the pickle)",
+    -9: "truncated",
+    -10: "no STOP opcode",
+}
 
 
 def _container(items: list[int]) -> int:
@@ -158,11 +179,21 @@ def scan(data: bytes) -> bool:
     if len(data) <= _CACHED_SIZE:
         cached = _SCANNED.get(data)
         if cached is None:
-            cached = _SCANNED[data] = _Scan(data).run()
+            cached = _SCANNED[data] = _walk(data)
             if len(_SCANNED) > _CACHE_ENTRIES:
                 _SCANNED.pop(next(iter(_SCANNED)))
         return cached
-    return _Scan(data).run()
+    return _walk(data)
+
+
+def _walk(data: bytes) -> bool:
+    """The scan in C (core/_pickle_scan.c: the same walk, a few ns an opcode) where it was built, else in Python."""
+    if _pickle_scan is None:
+        return _Scan(data).run()
+    verdict = _pickle_scan.scan(data, _KIND_BYTES, _N_BYTES, MAX_DEPTH, HASH_BASE, TREE_BASE, EXPANSION)
+    if verdict < 0:
+        raise PickleRefused(SCAN_REFUSALS[verdict])
+    return bool(verdict)
 
 
 _CACHED_SIZE = 4096  # DCP writes one small, often identical, pickle per tensor chunk

@@ -8,10 +8,12 @@ that share data stay shared, and a view writes only the bytes it sees.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_cli.core import pickler, roles, zipio
 from ckpt_cli.core.dtypes import DType
@@ -186,31 +188,63 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
 
     `scope` keeps the CRC keys of several archives in one file apart (DCP files concatenate them).
     """
+    shape = tuple((name, payload if isinstance(payload, bytes) else payload.size) for name, payload in records)
+    small = sum(len(p) for _, p in shape if isinstance(p, bytes)) <= TEMPLATE_CACHE_BYTES
+    template, layouts, crcs = (_archive_template if small else _archive_template.__wrapped__)(shape, prefix)
+    tensors = [payload for _, payload in records if not isinstance(payload, bytes)]
     segments: list[Any] = []
-    layouts: list[zipio.ZipEntryLayout] = []
-    crcs: dict[str, int] = {}
-    pos = 0
-    for name, payload in records:
-        full = f"{prefix}/{name}"
-        size = len(payload) if isinstance(payload, bytes) else payload.size
-        entry = zipio.layout_entry(full, pos, size)
-        layouts.append(entry)
-        segments.append(Literal(entry.header))
-        if isinstance(payload, bytes):
-            segments.append(Literal(payload))
-            crcs[full] = zlib.crc32(payload)
-            segments.append(Literal(zipio.data_descriptor(entry, crcs[full])))
+    for part in template:
+        if isinstance(part, Literal):
+            segments.append(part)
+        elif isinstance(part, _Slot):
+            data = tensors[part.index]
+            segments.append(TensorData(data.tensor, data.dtype, crc_key=f"{scope}/{part.name}"))
         else:
-            key = f"{scope}/{full}"
-            segments.append(TensorData(payload.tensor, payload.dtype, crc_key=key))
-            segments.append(Deferred(entry.descriptor_size, lambda got, e=entry, k=key: zipio.data_descriptor(e, got[k])))
-        pos = entry.end
+            key = f"{scope}/{part.name}"
+            segments.append(Deferred(part.descriptor_size, lambda got, e=part, k=key: zipio.data_descriptor(e, got[k])))
 
     def directory(got: dict[str, int]) -> bytes:
         return zipio.central_directory(layouts, {**crcs, **{e.name: got[f"{scope}/{e.name}"] for e in layouts if e.name not in crcs}})
 
     segments.append(Deferred(zipio.central_directory_size(layouts), directory))
     return segments
+
+
+TEMPLATE_CACHE_BYTES = 1 << 16  # archives with more literal bytes (a whole state dict's data.pkl) are laid out uncached
+
+
+class _Slot(NamedTuple):
+    """Where an archive template takes the data of its `index`-th tensor (record `name`)."""
+
+    index: int
+    name: str
+
+
+Template = tuple[list[Any], list[zipio.ZipEntryLayout], dict[str, int]]
+
+
+@functools.lru_cache(maxsize=1024)
+def _archive_template(records: tuple[tuple[str, bytes | int], ...], prefix: str) -> Template:
+    """The layout of an archive whose records are bytes or tensor data of a size: its literal segments (shared by
+    every archive of that shape: a DCP file holds thousands of chunk archives of a few shapes), each tensor's data as a
+    _Slot and its data descriptor as its ZipEntryLayout; the entries and the literal records' CRCs."""
+    template: list[Any] = []
+    layouts: list[zipio.ZipEntryLayout] = []
+    crcs: dict[str, int] = {}
+    pos, tensors = 0, 0
+    for name, payload in records:
+        full = f"{prefix}/{name}"
+        entry = zipio.layout_entry(full, pos, len(payload) if isinstance(payload, bytes) else payload)
+        layouts.append(entry)
+        template.append(Literal(entry.header))
+        if isinstance(payload, bytes):
+            crcs[full] = zlib.crc32(payload)
+            template += [Literal(payload), Literal(zipio.data_descriptor(entry, crcs[full]))]
+        else:
+            template += [_Slot(tensors, full), entry]
+            tensors += 1
+        pos = entry.end
+    return template, layouts, crcs
 
 
 def _archive(data_pkl: bytes, storages: list[tuple[str, TensorEntry]], scope: str) -> list[Any]:
@@ -234,8 +268,13 @@ def torch_file_segments(ckpt: Checkpoint) -> list[Any]:
 
 def tensor_archive(entry: TensorEntry, scope: str) -> list[Any]:
     """The archive `torch.save(tensor)` writes for one contiguous tensor (a DCP chunk)."""
-    data_pkl = pickler.dumps(_tensor(_Storage("0", entry.dtype, entry.numel), entry.shape), _storage_id)
-    return _archive(data_pkl, [("0", entry)], scope)
+    return _archive(_tensor_pickle(entry.dtype, entry.shape), [("0", entry)], scope)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
+    """`data.pkl` of torch.save(tensor): the same for every chunk of one dtype and shape."""
+    return pickler.dumps(_tensor(_Storage("0", dtype, math.prod(shape)), shape), _storage_id)
 
 
 def object_archive(value: Any) -> bytes:
