@@ -1,31 +1,55 @@
 """Writing pickles that name torch's classes without importing torch.
 
-torch.save's `data.pkl` and DCP's `.metadata` are plain pickles of a few torch globals. The pure
-Python pickler below writes them from inert descriptions (`Global`, `Reduce`, `Instance`), so a
-conversion that only moves bytes never pays for `import torch` (about 1.5 s and 250 MB).
+torch.save's `data.pkl` and DCP's `.metadata` are plain pickles of a few torch globals, written here from
+inert descriptions (`Global`, `Reduce`, `Instance`), so a conversion that only moves bytes never pays for
+`import torch` (about 1.5 s and 250 MB). The C pickler does the work (a wide DCP `.metadata` holds millions of
+objects): the globals it cannot import are written first, each GLOBAL memoized (and left under the value, which
+STOP takes from the top), and the pickler starts with that memo, so it refers to them with BINGET; a global
+found on the way is added and the dump restarted (a pickle names a few). Instances are written as their
+class's NEWOBJ + BUILD, as dataclasses pickle.
 """
 
 from __future__ import annotations
 
+import copyreg
 import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.safe_pickle import TorchSize
 
 
-@dataclass(frozen=True, eq=False)
 class Global:
-    """`module.name`, written as a GLOBAL opcode."""
+    """`module.name`, written as a GLOBAL opcode. One object per name (the pickler's memo goes by identity)."""
 
+    __slots__ = ("module", "name")
+    _interned: ClassVar[dict[tuple[str, str], Global]] = {}
     module: str
     name: str
 
+    def __new__(cls, module: str, name: str) -> Global:
+        found = cls._interned.get((module, name))
+        if found is None:
+            found = object.__new__(cls)
+            object.__setattr__(found, "module", module)
+            object.__setattr__(found, "name", name)
+            cls._interned[(module, name)] = found
+        return found
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a Global is immutable")
+
+    def __repr__(self) -> str:
+        return f"Global({self.module!r}, {self.name!r})"
+
     def __call__(self, *args: Any) -> Any:  # the pickler requires reduce functions to be callable
         raise TypeError(f"{self.module}.{self.name} is a pickle reference, not a function")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # never pickled as an object of ckpt's: only through the memo
+        raise pickle.PicklingError(f"{self!r} reached the pickler outside its memo")
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +67,21 @@ class Instance:
     cls: Global
     state: Any = None
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # what the C pickler's NEWOBJ checks the object against: the class it names
+        return _placeholder(self.cls)
+
+
+def _placeholder(glob: Global) -> type:
+    """A class standing for `glob` (NEWOBJ takes a class); written as `glob` through the memo."""
+    made = _PLACEHOLDERS.get(glob)
+    if made is None:
+        made = _PLACEHOLDERS[glob] = type(glob.name, (), {"__module__": "ckpt_cli.core.pickler.placeholder"})
+    return made
+
+
+_PLACEHOLDERS: dict[Global, type] = {}
+
 
 def torch_dtype(dtype: DType) -> Global:
     return Global("torch", dtype.name)
@@ -53,55 +92,78 @@ def size(dims: tuple[int, ...]) -> Reduce:
     return Reduce(Global("torch", "Size"), (tuple(dims),))
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+_REGISTERED: dict[type, Callable[[Any], Any]] = {}
 
-    def __init__(self, file: io.BytesIO, persistent: Callable[[Any], Any] | None) -> None:
+
+class _Unknown(Exception):  # noqa: N818 - a signal to dumps(), not an error
+    """An object the pickler must write as a global that is not in its memo yet."""
+
+    def __init__(self, obj: Any, glob: Global) -> None:
+        self.obj, self.glob = obj, glob
+
+
+class _Pickler(pickle.Pickler):
+    """The C pickler, told how to write ckpt's descriptions; `known`: ids of the objects its memo starts with."""
+
+    def __init__(self, file: io.BytesIO, known: dict[int, Any], persistent: Callable[[Any], Any] | None) -> None:
         super().__init__(file, protocol=2)
-        self._persistent = persistent
+        self.known = known
+        if persistent is not None:
+            self.persistent_id = persistent  # only then: the pickler calls it for every object
 
-    def persistent_id(self, obj: Any) -> Any:
-        return self._persistent(obj) if self._persistent else None
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is Reduce:
+            return obj.func, obj.args
+        if kind is TorchSize:
+            return Global("torch", "Size"), (tuple(obj),)
+        if kind is Global:
+            raise _Unknown(obj, obj)
+        if kind is DType:
+            raise _Unknown(obj, torch_dtype(obj))
+        if kind is Instance:
+            return self._newobj(_placeholder(obj.cls), obj.cls, obj.state)
+        describe = _REGISTERED.get(kind)
+        if describe is None:
+            return NotImplemented
+        described = describe(obj)
+        if type(described) is Instance:  # NEWOBJ of the stand-in's own class, which the memo writes as the global it names
+            return self._newobj(kind, described.cls, described.state)
+        return self.reducer_override(described)
 
-    def _save_global(self, obj: Global) -> None:
-        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-        self.memoize(obj)
-
-    def _save_reduce(self, obj: Reduce) -> None:
-        self.save(obj.func)
-        self.save(obj.args)
-        self.write(pickle.REDUCE)
-        self.memoize(obj)
-
-    def _save_instance(self, obj: Instance) -> None:
-        self.save(obj.cls)
-        self.save(())
-        self.write(pickle.NEWOBJ)
-        self.memoize(obj)
-        if obj.state is not None:
-            self.save(obj.state)
-            self.write(pickle.BUILD)
-
-    def _save_dtype(self, obj: DType) -> None:
-        self._save_global(torch_dtype(obj))
-
-    def _save_size(self, obj: tuple[int, ...]) -> None:
-        self._save_reduce(size(tuple(obj)))
-
-    dispatch[Global] = _save_global
-    dispatch[Reduce] = _save_reduce
-    dispatch[Instance] = _save_instance
-    dispatch[DType] = _save_dtype
-    dispatch[TorchSize] = _save_size
+    def _newobj(self, cls: type, glob: Global, state: Any) -> Any:
+        if id(cls) not in self.known:
+            raise _Unknown(cls, glob)
+        return copyreg.__newobj__, (cls,), state  # type: ignore[attr-defined]
 
 
 def register(cls: type, describe: Callable[[Any], Any]) -> None:
     """Pickle instances of `cls` (a reader's stand-in for a foreign class) as `describe(obj)` says."""
-    _Pickler.dispatch[cls] = lambda self, obj: self.save(describe(obj))
+    _REGISTERED[cls] = describe
+
+
+def _preamble(globals_: list[Global]) -> bytes:
+    """PROTO 2, then each global: GLOBAL, memoized at its position. They stay on the stack under the value, where
+    STOP leaves them (torch's weights_only unpickler has no POP)."""
+    out = [pickle.PROTO + b"\x02"]
+    for i, glob in enumerate(globals_):
+        put = pickle.BINPUT + bytes([i]) if i < 256 else pickle.LONG_BINPUT + i.to_bytes(4, "little")
+        out.append(pickle.GLOBAL + f"{glob.module}\n{glob.name}\n".encode() + put)
+    return b"".join(out)
 
 
 def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
     """Protocol-2 pickle of `obj`, where Global/Reduce/Instance/DType stand for torch objects."""
-    buf = io.BytesIO()
-    _Pickler(buf, persistent_id).dump(obj)
-    return buf.getvalue()
+    known: dict[int, tuple[Any, Global]] = {}  # id(object) -> (object, the global it is written as)
+    while True:
+        order = list(dict.fromkeys(glob for _, glob in known.values()))
+        index = {glob: i for i, glob in enumerate(order)}
+        buf = io.BytesIO()
+        pickler = _Pickler(buf, known, persistent_id)
+        pickler.memo = {key: (index[glob], o) for key, (o, glob) in known.items()}
+        try:
+            pickler.dump(obj)
+        except _Unknown as missing:
+            known[id(missing.obj)] = (missing.obj, missing.glob)
+            continue
+        return _preamble(order) + buf.getvalue()[2:]  # the pickler's own PROTO 2 dropped: the preamble has it

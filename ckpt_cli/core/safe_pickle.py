@@ -384,15 +384,27 @@ def _reason(exc: Exception) -> str:
     return type(exc).__name__
 
 
+_TENSOR_PICKLES: dict[tuple[bytes, int], TensorRef] = {}  # data.pkl of a DCP chunk -> its tensor (immutable: shared)
+_TENSOR_PICKLE_BYTES, _TENSOR_PICKLE_ENTRIES = 4096, 4096
+
+
 def safe_loads(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None = None, trust: bool = False) -> Any:
     """Unpickle `data` with the allow list, within the bounds of core/pickle_guard.py; every failure becomes a
-    one-line DataError naming `where`."""
+    one-line DataError naming `where`. A small pickle of one plain tensor (a DCP chunk's data.pkl: thousands per
+    file, a few distinct) is unpickled once and its TensorRef shared."""
+    key = (data, id(_table(extra))) if not trust and len(data) <= _TENSOR_PICKLE_BYTES else None
+    if key is not None and key in _TENSOR_PICKLES:
+        return _TENSOR_PICKLES[key]
     try:
         shared = pickle_guard.scan(data)
         with pickle_guard.budget(len(data)):
             value = SafeUnpickler(io.BytesIO(data), where, extra, trust).load()
         if shared or trust:
             pickle_guard.bound_tree(value)
+        if key is not None and type(value) is TensorRef and not value.attrs:
+            if len(_TENSOR_PICKLES) >= _TENSOR_PICKLE_ENTRIES:
+                _TENSOR_PICKLES.pop(next(iter(_TENSOR_PICKLES)))
+            _TENSOR_PICKLES[key] = value
         return value
     except UnsafePickleError:
         raise

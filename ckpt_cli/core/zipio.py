@@ -6,6 +6,8 @@ Layout facts: docs/formats.md §1.4 and §4.2 (torch/serialization.py, miniz).
 
 from __future__ import annotations
 
+import io
+import re
 import struct
 import zipfile
 import zlib
@@ -15,6 +17,8 @@ from typing import BinaryIO
 from ckpt_cli.errors import DataError
 
 ALIGNMENT = 64
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+WHOLE_BYTES = 1 << 16  # an archive this small is read whole (one system call) before it is parsed
 ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _U32_MAX = 0xFFFFFFFF
@@ -65,7 +69,10 @@ def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = N
     """
     if length is None:
         length = f.seek(0, 2) - start
-    window = _Window(f, start, length)
+    window: _Window | io.BytesIO = _Window(f, start, length)
+    if length <= WHOLE_BYTES and getattr(f, "prefetch", None) is None:  # a small archive (a DCP chunk): one read, parsed in memory
+        f.seek(start)
+        window = io.BytesIO(f.read(length))
     try:
         infos = zipfile.ZipFile(window).infolist()  # type: ignore[arg-type]
     except (zipfile.BadZipFile, OSError, ValueError, struct.error) as exc:
@@ -121,10 +128,10 @@ def _member_name(full: str, top: str, where: str) -> str:
 
 
 def _plain_part(part: str) -> bool:
-    return part not in ("", ".", "..") and "\\" not in part and not any(ord(c) < 32 or ord(c) == 127 for c in part)
+    return part not in ("", ".", "..") and "\\" not in part and _CONTROL.search(part) is None
 
 
-def _local_data_offset(window: _Window, info: zipfile.ZipInfo, where: str) -> int:
+def _local_data_offset(window: _Window | io.BytesIO, info: zipfile.ZipInfo, where: str) -> int:
     """Where the record's payload starts: after its local header, whose name must be the central directory's
     and whose own extra length (zip64 and torch's 'FB' padding) counts, not the central one (§1.4)."""
     window.seek(info.header_offset)
