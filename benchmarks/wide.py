@@ -131,7 +131,7 @@ def tasks(name: str, src: Path, out: Path, peers: bool) -> list[tuple[str, str, 
             (
                 "peer_export",
                 "peer: zero_to_fp32 --safe_serialization",
-                [PY, "-m", "deepspeed.utils.zero_to_fp32", str(src), str(out / "z2f"), "--safe_serialization", "--max_shard_size", "100"],
+                [PY, "-m", "deepspeed.utils.zero_to_fp32", str(src), str(out / "z2f"), "--safe_serialization"],
                 out / "z2f",
             ),
             (

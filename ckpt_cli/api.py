@@ -230,7 +230,7 @@ def inspect(
 ) -> dict[str, Any]:
     """The `ckpt inspect --json` document; for a run root, `tags` lists every checkpoint under it."""
     runs = inspect_op.run_root(Path(path)) if tag is None and format is None else None
-    doc = inspect_op.summary(open_checkpoint(path, format, tag, trust_pickle), tuple(filters))
+    doc = inspect_op.summary(open_checkpoint(path, format, tag, trust_pickle, layout_only=True), tuple(filters))
     if runs:
         doc["tags"] = runs
     return doc

@@ -129,7 +129,9 @@ def test_filesystem_writer_safetensors_damage(ckpt, dtensor_saves_2, tmp_path):
 def test_filesystem_writer_safetensors_crafted_headers(ckpt, dtensor_saves_2, tmp_path, case, change, needle):
     folder = copy_of(dtensor_saves_2 / "dcp-st", tmp_path)
     rewrite_header(folder / "__1_0.distcp", blob_start(folder, 1), change)
-    assert_fails(ckpt("inspect", folder), needle)
+    assert_fails(ckpt("verify", folder), needle)
+    assert_fails(ckpt("convert", folder, tmp_path / "out", "--to", "hf"), needle)
+    assert ckpt("inspect", folder).code == 0  # inspect reads .metadata alone (issue 20): the documents are verify's to parse
 
 
 # ---- HuggingFaceStorageWriter(save_distributed=True) ----------------------------------------------------------

@@ -14,6 +14,7 @@ from ckpt_cli.core.plan import WritePlan
 class ReadOptions:
     tag: str | None = None
     trust_pickle: bool = False
+    layout_only: bool = False  # what inspect reports: names, shapes, dtypes, files; where each chunk's bytes lie may stay unread
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from ckpt_cli.errors import DataError
 # 4 MiB stays in cache between the read, the CRC and the write; 32 MiB made the kernel's copy into
 # the page cache 3-10x slower on a 2-core VM (benchmarks/run.py, perf: copy_folio_from_iter_atomic).
 BLOCK_BYTES = 4 << 20
+SMALL_READ_BYTES = 64 << 10  # reads up to this size go through a read-ahead window of their file
+WINDOW_BYTES, WINDOW_BUDGET = 1 << 20, 64 << 20  # one file's window, all windows together
 
 
 class SourceFiles:
@@ -37,6 +39,7 @@ class SourceFiles:
         self._buffer: bytearray | None = None
         self._materialised: tuple[StoredArray, Any] | None = None
         self._prefetch: remote_read.Prefetch | None = None
+        self._windows: dict[str, tuple[int, bytes]] = {}  # path -> (offset, bytes read ahead there)
 
     def fd(self, path: str) -> int:
         if path not in self.fds:
@@ -50,6 +53,7 @@ class SourceFiles:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        self._windows.clear()
         if self._prefetch is not None:
             self._prefetch.close()
             self._prefetch = None
@@ -79,12 +83,28 @@ class SourceFiles:
         if storage.is_remote(path):
             storage.read_into(path, offset, view)
             return
+        if len(view) <= SMALL_READ_BYTES and self._from_window(path, offset, view):
+            return
         got = 0
         while got < len(view):
             n = os.preadv(self.fd(path), [view[got:]], offset + got)
             if n == 0:
                 raise DataError(f"{path}: truncated: expected {len(view)} bytes at offset {offset}, file ends first")
             got += n
+
+    def _from_window(self, path: str, offset: int, view: memoryview) -> bool:
+        """A small read served from a window read ahead in `path` (one window a file: a wide checkpoint's tensor
+        gathers a few elements from each of hundreds of rank files, and the next tensor's lie right after them).
+        The windows share WINDOW_BUDGET, so more files get smaller windows. False at the end of the file."""
+        start, data = self._windows.get(path, (0, b""))
+        if not start <= offset or offset + len(view) > start + len(data):
+            size = max(SMALL_READ_BYTES, min(WINDOW_BYTES, WINDOW_BUDGET // max(1, len(self.fds))))
+            start, data = offset, os.pread(self.fd(path), size, offset)
+            self._windows[path] = (start, data)
+            if offset + len(view) > start + len(data):
+                return False
+        view[:] = data[offset - start : offset - start + len(view)]
+        return True
 
     def read_block(self, path: str, offset: int, nbytes: int) -> memoryview:
         """Bytes of `path` in a buffer reused from call to call (nbytes <= BLOCK_BYTES)."""

@@ -145,8 +145,11 @@ def view_problem(ref: TensorRef) -> str | None:
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS or not all(type(v) is int for v in value):
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS:
         raise PickleRefused(f"a tensor's {what} is not a list of integers")
+    for v in value:  # a loop, not all(...): called for every torch.Size of a wide .metadata
+        if type(v) is not int:
+            raise PickleRefused(f"a tensor's {what} is not a list of integers")
     return tuple(value)
 
 

@@ -1,7 +1,7 @@
 """PyTorch Distributed Checkpoint: `.metadata` + `__{rank}_{i}.distcp` files (reader and checks).
 
-`.metadata` is unpickled through inert stand-ins of DCP's dataclasses, never with torch's raw
-`pickle.load`. Each `storage_data` byte range is one complete `torch.save` archive; a tensor
+`.metadata` is unpickled through inert stand-ins of DCP's dataclasses (formats/dcp_metadata.py), never with
+torch's raw `pickle.load`. Each `storage_data` byte range is one complete `torch.save` archive; a tensor
 chunk is located by the zip local header of its `data/0` record, so chunks are read (or copied)
 as byte ranges. Saved with SerializationFormat.SAFETENSORS, tensor chunks are entries of one safetensors
 document per file (formats/dcp_safetensors.py). Facts: docs/formats.md §1.
@@ -13,148 +13,44 @@ import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from ckpt_cli.core import roles, zipio
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions
-from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Opaque, Piece, TensorEntry, unsafe_value_problem
-from ckpt_cli.core.paths import file_size, open_regular, plain_component, present, read_regular_bytes, shown
-from ckpt_cli.core.pickle_guard import PickleRefused, charge
-from ckpt_cli.core.safe_pickle import Sealed, TensorRef, safe_loads
+from ckpt_cli.core.model import (
+    Box,
+    Checkpoint,
+    FileInfo,
+    ObjectEntry,
+    Opaque,
+    Piece,
+    StoredArray,
+    TensorEntry,
+    contiguous_strides,
+    unsafe_value_problem,
+)
+from ckpt_cli.core.paths import file_size, open_regular, plain_component, present, shown
+from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.storage import is_remote
 from ckpt_cli.core.tree import holds_tensor
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
+from ckpt_cli.formats.dcp_metadata import (
+    METADATA_GLOBALS,
+    BytesStorageRec,
+    IndexRec,
+    MetadataRec,
+    StorageInfoRec,
+    TensorStorageRec,
+    load_metadata,
+)
 from ckpt_cli.formats.dcp_safetensors import Blobs
 from ckpt_cli.formats.torch_save import load_archive, stored_array
 
 METADATA = ".metadata"
 DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 RANK_METADATA = re.compile(r"__(\d+)\.metadata$")
-
-
-# Inert stand-ins for the pickled classes of dcp/metadata.py and dcp/filesystem.py (Sealed: a pickle cannot
-# change the classes themselves; each instance is the pickle's own).
-class _Record(metaclass=Sealed):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.__dict__.update(kwargs)
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
-            state = {**(state[0] or {}), **state[1]}
-        if isinstance(state, dict):
-            charge(len(state))
-            self.__dict__.update(state)
-        else:
-            self._state = state
-
-
-class MetadataRec(_Record):
-    state_dict_metadata: dict[str, Any]
-    planner_data: Any = None
-    storage_data: Any = None
-    storage_meta: Any = None
-    version: str | None = None
-
-
-class TensorStorageRec(_Record):
-    properties: Any
-    size: tuple[int, ...]
-    chunks: list[Any]
-
-
-class BytesStorageRec(_Record):
-    pass
-
-
-class ChunkRec(_Record):
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-
-class TensorPropertiesRec(_Record):
-    dtype: DType
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and state and isinstance(state[0], DType):  # the 5-tuple __getstate__
-            self.dtype = state[0]
-        else:
-            super().__setstate__(state)
-
-
-class IndexRec(_Record):
-    fqn: str
-    offset: tuple[int, ...] | None = None
-    index: int | None = None
-
-    def key(self) -> tuple[str, tuple[int, ...] | None]:
-        return self.fqn, None if self.offset is None else tuple(self.offset)
-
-
-class StorageInfoRec(_Record):
-    relative_path: str
-    offset: int
-    length: int
-    transform_descriptors: Any = None
-
-
-class StorageMetaRec(_Record):
-    checkpoint_id: Any = None
-    save_id: str | None = None
-    load_id: str | None = None
-    modules: list[str] = []  # noqa: RUF012 - absent before torch 2.7
-
-
-def _metadata_globals() -> dict[tuple[str, str], Any]:
-    classes = {
-        "Metadata": MetadataRec,
-        "TensorStorageMetadata": TensorStorageRec,
-        "BytesStorageMetadata": BytesStorageRec,
-        "ChunkStorageMetadata": ChunkRec,
-        "TensorProperties": TensorPropertiesRec,
-        "MetadataIndex": IndexRec,
-        "StorageMeta": StorageMetaRec,
-        "_MEM_FORMAT_ENCODING": lambda v: v,
-        "MEM_FORMAT_ENCODING": lambda v: v,
-    }
-    table: dict[tuple[str, str], Any] = {}
-    for module in (
-        "torch.distributed.checkpoint.metadata",
-        "torch.distributed._shard.checkpoint.metadata",
-        "torch.distributed._shard.sharded_tensor.metadata",
-    ):
-        table.update({(module, name): cls for name, cls in classes.items()})
-    for module in ("torch.distributed.checkpoint.filesystem", "torch.distributed._shard.checkpoint.filesystem"):
-        table[(module, "_StorageInfo")] = StorageInfoRec
-    for module in ("pathlib", "pathlib._local"):  # StorageMeta.checkpoint_id, as text: a path object can be changed
-        for name in ("PosixPath", "PurePosixPath"):
-            table[(module, name)] = functools.partial(_path_text, PurePosixPath)
-        for name in ("WindowsPath", "PureWindowsPath"):
-            table[(module, name)] = functools.partial(_path_text, PureWindowsPath)
-    return table
-
-
-def _path_text(kind: type, *parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise PickleRefused("a path made of something other than text")
-    return str(kind(*parts))
-
-
-METADATA_GLOBALS = _metadata_globals()
-
-
-def load_metadata(path: Path, trust: bool, globals_table: dict[tuple[str, str], Any] = METADATA_GLOBALS) -> MetadataRec:
-    try:
-        data = read_regular_bytes(path)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
-    meta = safe_loads(data, str(path), globals_table, trust)
-    if not isinstance(meta, MetadataRec) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
-        raise DataError(f"{path}: not a DCP Metadata pickle")
-    if not isinstance(getattr(meta, "storage_data", None), dict):
-        raise DataError(f"{path}: no storage_data; written by a storage writer ckpt does not know")
-    return meta
 
 
 @dataclass(frozen=True)
@@ -260,6 +156,43 @@ def _tensor_pieces(
     return pieces
 
 
+def _layout_pieces(folder: Path, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec]) -> list[Piece]:
+    """The chunks as boxes of the tensor, each over its stored item's byte range, unread (ReadOptions.layout_only:
+    inspect reports names, shapes, dtypes and files; where the bytes lie inside each item is left to the commands
+    that read them)."""
+    dtype, pieces = meta.properties.dtype, []
+    for chunk in meta.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        info = storage.get((fqn, offsets))
+        if info is None:
+            raise DataError(f"{folder / METADATA}: chunk {list(offsets)} of '{fqn}' has no storage entry")
+        array = StoredArray(_file_path(folder, info.relative_path), info.offset, dtype, sizes, contiguous_strides(sizes))
+        pieces.append(Piece(Box(offsets, sizes), array))
+    return pieces
+
+
+def _stat_size(path: Path) -> int:
+    """A data file's size when nothing was read from it (layout_only); 0 when it is missing (check() reports it)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_path(folder: Path, relative: str) -> str:
+    return str(folder / relative)
+
+
+def _serialization(files: _Files, storage: dict[Any, StorageInfoRec]) -> str:
+    """How the chunks are stored, from the first tensor item's magic (all items of a save share it)."""
+    for (_, offsets), info in storage.items():
+        if offsets is not None:
+            f, _ = _range(files, info, "")
+            return "torch_save" if f.read(4) == zipio.ZIP_MAGIC else "safetensors"
+    return "torch_save"
+
+
 def _object(files: _Files, fqn: str, info: StorageInfoRec, options: ReadOptions) -> tuple[Any, tuple[str, int, int]]:
     f, where = _archive(files, info, fqn)
     raw = (str(files.folder / info.relative_path), info.offset, info.length)
@@ -343,7 +276,7 @@ class DCPReader:
         objects: dict[str, ObjectEntry] = {}
         containers: dict[tuple[Any, ...], str] = {}
         try:
-            if is_remote(path):
+            if is_remote(path) and not options.layout_only:
                 _prefetch_edges(files, storage.values())
             for fqn, item in meta.state_dict_metadata.items():
                 key_path = tuple(planner.get(fqn, (fqn,)))
@@ -353,7 +286,10 @@ class DCPReader:
                 if isinstance(item, TensorStorageRec):
                     _check_tensor_metadata(path / METADATA, fqn, item)
                     size = tuple(item.size)
-                    pieces = _tensor_pieces(files, fqn, item, storage, options)
+                    if options.layout_only:
+                        pieces = _layout_pieces(path, fqn, item, storage)
+                    else:
+                        pieces = _tensor_pieces(files, fqn, item, storage, options)
                     tensors[fqn] = TensorEntry(fqn, item.properties.dtype, size, roles.tensor_role(key_path), pieces, key_path)
                 elif isinstance(item, BytesStorageRec):
                     info = storage.get((fqn, None))
@@ -363,6 +299,8 @@ class DCPReader:
                     objects[fqn] = ObjectEntry(fqn, value, roles.object_role(key_path), key_path, raw)
                 else:
                     raise DataError(f"{path / METADATA}: '{fqn}' has an unknown storage type")
+            parsed = "safetensors" if files.blobs.parsed else "torch_save"
+            serialization = _serialization(files, storage) if options.layout_only else parsed
         finally:
             files.close()
         data_files = sorted({info.relative_path for info in storage.values()})
@@ -372,10 +310,10 @@ class DCPReader:
             tensors=tensors,
             objects=objects,
             files=[FileInfo(str(path / METADATA), (path / METADATA).stat().st_size)]
-            + [FileInfo(str(path / f), files.sizes.get(f, 0)) for f in data_files],
+            + [FileInfo(str(path / f), files.sizes[f] if f in files.sizes else _stat_size(path / f)) for f in data_files],
             world_size=world_size_of(storage),
             containers=containers,
-            details=self._details(meta, tensors, data_files, planner, files.blobs),
+            details=self._details(meta, tensors, data_files, planner, serialization),
             source=DCPSource(path, meta, frozenset((Path(w).name, o) for w, o in files.blobs.parsed), tuple(files.blobs.problems())),
         )
         ckpt.step = roles.find_step(ckpt)
@@ -384,19 +322,19 @@ class DCPReader:
             ckpt.details["refused_pickles"] = refused
         return ckpt
 
-    def _details(self, meta: MetadataRec, tensors: dict[str, TensorEntry], data_files: list[str], planner: dict, blobs: Blobs) -> dict:
+    def _details(self, meta: MetadataRec, tensors: dict[str, TensorEntry], files: list[str], planner: dict, serialization: str) -> dict:
         storage_meta = getattr(meta, "storage_meta", None)
         chunk_counts = [len(t.pieces) for t in tensors.values()]
         return {
             "dcp_version": getattr(meta, "version", None),
             "key_layout": roles.key_layout(list(planner.values()) or [(k,) for k in meta.state_dict_metadata]),
             "planner_data": bool(planner),
-            "data_files": len(data_files),
+            "data_files": len(files),
             "chunks": sum(chunk_counts),
             "max_chunks_per_tensor": max(chunk_counts, default=0),
             "sharded_tensors": sum(1 for n in chunk_counts if n > 1),
             "save_id": getattr(storage_meta, "save_id", None),
-            "serialization": "safetensors" if blobs.parsed else "torch_save",
+            "serialization": serialization,
         }
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -185,7 +185,7 @@ class Source:
     stage: int | None
     world: int
     model: RankFile
-    models: dict[int, RankFile]
+    models: Mapping[int, RankFile]
     optims: dict[int, RankFile]
     layout: Stage12Partitions | Stage3Partitions
     optim_prefix: str
@@ -205,6 +205,26 @@ class RankFile:
     def whole(self, ref: TensorRef) -> list[Piece]:
         """The stored tensor as the one piece of a logical tensor of its shape."""
         return [Piece(Box((0,) * len(ref.shape), ref.shape), self.array(ref))]
+
+
+class LazyRanks(Mapping[int, RankFile]):
+    """Rank files by rank, each parsed when first asked for. At stage 3 every rank's model states repeat the whole
+    module description: inspect and the exports need rank 0's (and the others' only for frozen parameters), verify
+    and the writers ask for each."""
+
+    def __init__(self, paths: Mapping[int, Path], load: Callable[[Path], RankFile], loaded: dict[int, RankFile]) -> None:
+        self.paths, self._load, self._loaded = dict(paths), load, loaded
+
+    def __getitem__(self, rank: int) -> RankFile:
+        if rank not in self._loaded:
+            self._loaded[rank] = self._load(self.paths[rank])
+        return self._loaded[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self.paths))
+
+    def __len__(self) -> int:
+        return len(self.paths)
 
 
 def _load(path: Path, options: ReadOptions) -> RankFile:
@@ -267,7 +287,8 @@ class DeepSpeedReader:
             )
         if isinstance(osd0.get("base_optimizer_state"), list):
             raise UsageError(f"{folder}: elastic_checkpoint format (per-group optimizer state lists) is not supported by ckpt")
-        models = {r: _load(p, options) for r, p in model_paths.items()} if stage == 3 else {}
+        loaded = {r: first_model for r, p in model_paths.items() if p == first_model.path}
+        models = LazyRanks(model_paths if stage == 3 else {}, lambda p: _load(p, options), loaded)
         if stage == 3 and sorted(models) != list(range(world)):
             raise DataError(
                 f"{folder}: stage 3 needs the model-states files of ranks 0..{world - 1} (partition_count {world}), "
@@ -289,7 +310,7 @@ class DeepSpeedReader:
         tensors.update(moe.tensors(tensors) if moe else {})
         client_tensors, objects = self._client_state(first_model, layout.param_groups())
         tensors.update(client_tensors)
-        files = [first_model.path] + [m.path for r, m in sorted(models.items()) if m.path != first_model.path]
+        files = [first_model.path] + [p for _, p in sorted(models.paths.items()) if p != first_model.path]
         files += [o.path for _, o in sorted(optims.items())] + (moe.paths if moe else [])
         wrapper = "BF16_Optimizer" if stage is None else f"DeepSpeedZeroOptimizer{'_Stage3' if stage == 3 else ''}"
         precision = self._precision(model, optim_paths)
@@ -323,7 +344,7 @@ class DeepSpeedReader:
         ckpt.source = Source(folder, stage, world, first_model, models, optims, layout, prefix, dtypes_read, moe.copies if moe else {})
         return ckpt
 
-    def _frozen_and_buffers(self, first: RankFile, models: dict[int, RankFile], world: int, stage: int | None) -> dict[str, TensorEntry]:
+    def _frozen_and_buffers(self, first: RankFile, models: Mapping[int, RankFile], world: int, stage: int | None) -> dict[str, TensorEntry]:
         """Buffers (as zero_to_fp32: floating ones in fp32) and frozen params (training dtype)."""
         model = first.tree
         module = model.get("module") or {}

@@ -143,31 +143,42 @@ class Stage3Partitions:
         """Sub-group s's params in every rank's flat partition."""
         return zl.stage3_slots(list(self.shapes[s].items()), self.world)
 
-    def _pieces(self, s: int, key: str | None, slot: Slot) -> list[Piece]:
-        parts = []
+    def _arrays(self, s: int, key: str | None) -> list[StoredArray]:
+        """Each rank's flat partition of sub-group s: fp32 weights (key None) or a moment."""
+        arrays = []
         for r in range(self.world):
             osd = self.osd[r]
             ref = osd["fp32_flat_groups"][s] if key is None else osd["optimizer_state_dict"]["state"][s][key]
+            arrays.append(self.optims[r].array(ref))
+        return arrays
+
+    def _pieces(self, arrays: list[StoredArray], slot: Slot) -> list[Piece]:
+        pieces = []
+        for r, array in enumerate(arrays):
             start, end = zl.stage3_rank_range(slot.numel, self.world, r)
-            parts.append((start, end - start, self.optims[r].array(ref), slot.offset))
-        return flat_pieces(0, slot.numel, parts)
+            if start < end:
+                pieces.append(Piece(FlatRange(start, end - start), array, slot.offset))
+        return pieces
 
     def model_tensors(self) -> dict[str, TensorEntry]:
-        return {
-            slot.name: TensorEntry(slot.name, dtypes.FLOAT32, slot.shape, "model", self._pieces(s, None, slot))
-            for s in range(len(self.shapes))
-            for slot in self.offsets(s)
-        }
+        out = {}
+        for s in range(len(self.shapes)):
+            arrays = self._arrays(s, None)
+            for slot in self.offsets(s):
+                out[slot.name] = TensorEntry(slot.name, dtypes.FLOAT32, slot.shape, "model", self._pieces(arrays, slot))
+        return out
 
     def optimizer_tensors(self) -> dict[str, TensorEntry]:
         out = {}
         for s in range(len(self.shapes)):
+            slots = self.offsets(s)
             for key, ref in self.state.get(s, {}).items():
                 if not isinstance(ref, TensorRef):
                     continue
-                for slot in self.offsets(s):
-                    pieces = self._pieces(s, key, slot) if ref.shape else [Piece(Box((), ()), self.optims[0].array(ref))]
-                    out.update(moment(slot, key, ref, pieces))
+                arrays = self._arrays(s, key) if ref.shape else []
+                step = [Piece(Box((), ()), self.optims[0].array(ref))]
+                for slot in slots:
+                    out.update(moment(slot, key, ref, self._pieces(arrays, slot) if ref.shape else step))
         return out
 
     def param_groups(self) -> list[dict[str, Any]]:

@@ -98,7 +98,7 @@ def _nesting(part: Part, ckpt: Checkpoint) -> Part:
 
 def _read_part(run: RunCheckpoint, part: Part, options: ReadOptions) -> Checkpoint:
     tag = options.tag if part.format == "deepspeed" else None  # --tag picks a DeepSpeed tag inside the save folder
-    return registry.get(part.format).reader.read(run.part_path(part), ReadOptions(tag=tag, trust_pickle=options.trust_pickle))
+    return registry.get(part.format).reader.read(run.part_path(part), dataclasses.replace(options, tag=tag))
 
 
 def _size(path: os.PathLike[str]) -> int:

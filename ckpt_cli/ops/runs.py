@@ -85,13 +85,13 @@ def find(root: Path, depth: int = SEARCH_DEPTH) -> list[Found]:
     return sorted(found, key=Found.order)
 
 
-def open_exact(path: Path, format_name: str | None, tag: str | None, trust_pickle: bool) -> Checkpoint:
+def open_exact(path: Path, format_name: str | None, tag: str | None, trust_pickle: bool, layout_only: bool = False) -> Checkpoint:
     """The checkpoint at `path` itself: a run checkpoint (unless --format names a core format), or a core one."""
     run = runs.detect(path) if format_name is None else None
     if run is not None:
-        return run_read.read(run, ReadOptions(tag=tag, trust_pickle=trust_pickle))
+        return run_read.read(run, ReadOptions(tag=tag, trust_pickle=trust_pickle, layout_only=layout_only))
     resolved = registry.resolve(path, format_name, tag)
-    ckpt = resolved.format.reader.read(resolved.path, ReadOptions(tag=resolved.tag, trust_pickle=trust_pickle))
+    ckpt = resolved.format.reader.read(resolved.path, ReadOptions(tag=resolved.tag, trust_pickle=trust_pickle, layout_only=layout_only))
     if resolved.tag and not ckpt.tag:
         ckpt.tag = resolved.tag
     if resolved.note:
@@ -130,7 +130,7 @@ def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) 
     skipped: list[str] = []
     for candidate in reversed(found):
         try:
-            ckpt = open_exact(candidate.path, None, None, trust_pickle)
+            ckpt = open_exact(candidate.path, None, None, trust_pickle)  # a full read: its structure decides
             problems = structure_problems(ckpt)
         except DataError as exc:
             problems = [str(exc)]

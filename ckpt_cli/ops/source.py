@@ -17,8 +17,11 @@ from ckpt_cli.ops import runs as run_roots
 HF_SHARD = re.compile(r"-\d+-of-\d+\.(safetensors|bin)$")
 
 
-def open_checkpoint(path: str | Path, format: str | None = None, tag: str | None = None, trust_pickle: bool = False) -> Checkpoint:
-    """Read a checkpoint's metadata (no tensor data) from any supported format or framework run folder."""
+def open_checkpoint(
+    path: str | Path, format: str | None = None, tag: str | None = None, trust_pickle: bool = False, layout_only: bool = False
+) -> Checkpoint:
+    """Read a checkpoint's metadata (no tensor data) from any supported format or framework run folder; `layout_only`:
+    what inspect reports, no more (ReadOptions), for a checkpoint named directly."""
     path = storage.location(path)  # s3://bucket/prefix: a storage.RemotePath
     if storage.is_remote(path):
         storage.fresh()  # listings and blocks cached by an earlier command in this process may be stale
@@ -28,7 +31,7 @@ def open_checkpoint(path: str | Path, format: str | None = None, tag: str | None
     if not path.exists():
         raise UsageError(f"{path}: no such file or folder")
     if format is not None or runs.detect(path) is not None or registry.detect(path) is not None:
-        ckpt = run_roots.open_exact(path, format, tag, trust_pickle)
+        ckpt = run_roots.open_exact(path, format, tag, trust_pickle, layout_only)
         note = run_roots.part_note(path) if format is None and not runs.detect(path) else None
         if note:
             ckpt.notes.append(note)
@@ -36,7 +39,7 @@ def open_checkpoint(path: str | Path, format: str | None = None, tag: str | None
     found = run_roots.find(path) if path.is_dir() else []
     if not found:
         raise UsageError(run_roots.not_found_message(path))
-    return run_roots.choose(path, found, tag, trust_pickle)
+    return run_roots.choose(path, found, tag, trust_pickle)  # read whole: the newest *complete* one is chosen
 
 
 def missing_marker(path: Path) -> str | None:
