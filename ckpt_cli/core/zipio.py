@@ -6,6 +6,7 @@ Layout facts: docs/formats.md §1.4 and §4.2 (torch/serialization.py, miniz).
 
 from __future__ import annotations
 
+import functools
 import io
 import re
 import struct
@@ -182,10 +183,17 @@ def _top_folder(first: str, where: str) -> str:
 
 def _member_name(full: str, top: str, where: str) -> str:
     """`full` minus the archive folder; DataError for a name torch would not find or torch.save would not write."""
-    name = full[len(top) :] if full.startswith(top) else None
-    if not name or not all(_plain_part(part) for part in name.split("/")):
+    name = _plain_member(full, top)
+    if name is None:
         raise DataError(f"{where}: record {_shown(full)} is not a plain name inside the archive folder {_shown(top)}")
     return name
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_member(full: str, top: str) -> str | None:
+    """`full` minus `top` when every part of it is plain, else None (cached: every chunk archive repeats the names)."""
+    name = full[len(top) :] if full.startswith(top) else None
+    return name if name and all(_plain_part(part) for part in name.split("/")) else None
 
 
 def _plain_part(part: str) -> bool:
