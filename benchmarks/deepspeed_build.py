@@ -18,15 +18,10 @@ from torch import nn
 BYTES_PER_PARAM = {2: 16, 3: 12}
 
 
-def main(out: str, size_gb: float, stage: int) -> None:
-    if stage not in BYTES_PER_PARAM:
-        raise SystemExit(f"ZeRO stage must be 2 or 3, not {stage}")
+def train_and_save(out: str, model: nn.Module, width: int, stage: int, steps: int, lr: float) -> None:
+    """`steps` AdamW steps of `model` under DeepSpeed ZeRO `stage` (gloo, CPU), then save_checkpoint(out)."""
     deepspeed.init_distributed(dist_backend="gloo")
-    width = 4096
-    layers = max(1, round(size_gb * 1e9 / BYTES_PER_PARAM[stage] / (width * width)))
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": stage},
@@ -34,9 +29,20 @@ def main(out: str, size_gb: float, stage: int) -> None:
         "steps_per_print": 1000,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    engine.backward(engine(torch.randn(1, width)).sum())
-    engine.step()
+    for _ in range(steps):
+        engine.backward(engine(torch.randn(1, width)).sum())
+        engine.step()
     engine.save_checkpoint(out)
+
+
+def main(out: str, size_gb: float, stage: int) -> None:
+    if stage not in BYTES_PER_PARAM:
+        raise SystemExit(f"ZeRO stage must be 2 or 3, not {stage}")
+    width = 4096
+    layers = max(1, round(size_gb * 1e9 / BYTES_PER_PARAM[stage] / (width * width)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    train_and_save(out, model, width, stage, steps=1, lr=1e-4)
 
 
 if __name__ == "__main__":
