@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -138,11 +138,7 @@ def _tensor_pieces(
 ) -> list[Piece]:
     pieces = []
     dtype = meta.properties.dtype
-    for chunk in meta.chunks:
-        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-        info = storage.get((fqn, offsets))
-        if info is None:
-            raise DataError(f"{files.folder / METADATA}: chunk {list(offsets)} of '{fqn}' has no storage entry")
+    for offsets, sizes, info in _chunks(files.folder, fqn, meta, storage):
         f, where = _range(files, info, fqn)
         if f.read(4) != zipio.ZIP_MAGIC:  # SerializationFormat.SAFETENSORS: an entry of the file's safetensors document
             pieces.append(Piece(Box(offsets, sizes), files.blobs.chunk(f, where, info.offset, fqn, offsets, sizes, dtype)))
@@ -156,16 +152,24 @@ def _tensor_pieces(
     return pieces
 
 
-def _layout_pieces(folder: Path, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec]) -> list[Piece]:
-    """The chunks as boxes of the tensor, each over its stored item's byte range, unread (ReadOptions.layout_only:
-    inspect reports names, shapes, dtypes and files; where the bytes lie inside each item is left to the commands
-    that read them)."""
-    dtype, pieces = meta.properties.dtype, []
+def _chunks(
+    folder: Path, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec]
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], StorageInfoRec]]:
+    """Each chunk of a tensor: its offsets, sizes and storage entry (DataError for a chunk without one)."""
     for chunk in meta.chunks:
         offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
         info = storage.get((fqn, offsets))
         if info is None:
             raise DataError(f"{folder / METADATA}: chunk {list(offsets)} of '{fqn}' has no storage entry")
+        yield offsets, sizes, info
+
+
+def _layout_pieces(folder: Path, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec]) -> list[Piece]:
+    """The chunks as boxes of the tensor, each over its stored item's byte range, unread (ReadOptions.layout_only:
+    inspect reports names, shapes, dtypes and files; where the bytes lie inside each item is left to the commands
+    that read them)."""
+    dtype, pieces = meta.properties.dtype, []
+    for offsets, sizes, info in _chunks(folder, fqn, meta, storage):
         array = StoredArray(_file_path(folder, info.relative_path), info.offset, dtype, sizes, contiguous_strides(sizes))
         pieces.append(Piece(Box(offsets, sizes), array))
     return pieces
@@ -322,14 +326,16 @@ class DCPReader:
             ckpt.details["refused_pickles"] = refused
         return ckpt
 
-    def _details(self, meta: MetadataRec, tensors: dict[str, TensorEntry], files: list[str], planner: dict, serialization: str) -> dict:
+    def _details(
+        self, meta: MetadataRec, tensors: dict[str, TensorEntry], data_files: list[str], planner: dict, serialization: str
+    ) -> dict:
         storage_meta = getattr(meta, "storage_meta", None)
         chunk_counts = [len(t.pieces) for t in tensors.values()]
         return {
             "dcp_version": getattr(meta, "version", None),
             "key_layout": roles.key_layout(list(planner.values()) or [(k,) for k in meta.state_dict_metadata]),
             "planner_data": bool(planner),
-            "data_files": len(files),
+            "data_files": len(data_files),
             "chunks": sum(chunk_counts),
             "max_chunks_per_tensor": max(chunk_counts, default=0),
             "sharded_tensors": sum(1 for n in chunk_counts if n > 1),
