@@ -240,8 +240,15 @@ def _tensor_jobs(
     # serialised by the filesystem anyway (the inode lock), so kernel copies gain nothing from threads.
     shared = threads > 1 and seg.crc_key is not None and seg.size > 2 * CHUNK_BYTES
     runs = byte_runs(seg.tensor, seg.dtype) if shared else None
-    if runs is None:  # one job: the whole segment in order
-        return [(index, seg.size, lambda sources: stream_tensor(seg, _Out(fd, pos, advance), sources))]
+    if runs is None:  # one job: the whole segment in order, its small pieces gathered (a tensor of 64 ranks' slivers)
+
+        def whole(sources: SourceFiles) -> int:
+            sink = _Out(fd, pos, advance, buffered=True)
+            crc = stream_tensor(seg, sink, sources)
+            sink.flush()
+            return crc
+
+        return [(index, seg.size, whole)]
     jobs = []
     for chunk in split_runs(runs, CHUNK_BYTES):
         size = sum(n for _, _, n in chunk)

@@ -19,7 +19,7 @@ from ckpt_cli.errors import DataError
 
 ALIGNMENT = 64
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
-WHOLE_BYTES = 1 << 16  # an archive this small is read whole (one system call) before it is parsed
+WHOLE_BYTES = 1 << 20  # an archive this small is read whole (one system call) before it is parsed
 ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _U32_MAX = 0xFFFFFFFF
@@ -74,7 +74,7 @@ def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = N
     if length <= WHOLE_BYTES and getattr(f, "prefetch", None) is None:  # a small archive (a DCP chunk): one read, parsed in memory
         f.seek(start)
         window = io.BytesIO(f.read(length))
-    infos: list[Any] | None = _plain_directory(window.getvalue()) if isinstance(window, io.BytesIO) else None
+    infos: list[Any] | None = _plain_directory(window.getvalue()) if isinstance(window, io.BytesIO) else _tail_directory(window)
     try:
         infos = infos or zipfile.ZipFile(window).infolist()  # type: ignore[arg-type]
     except (zipfile.BadZipFile, OSError, ValueError, struct.error, NotImplementedError) as exc:  # NotImplemented: a version past 6.3
@@ -128,11 +128,35 @@ _LOCATOR64 = struct.Struct("<IIQI")  # zip64 end of central directory locator, 2
 _CENTRAL = struct.Struct("<IBBBBHHHHIIIHHHHHII")  # central directory header, 46 bytes
 
 
-def _plain_directory(buf: bytes) -> list[_Entry] | None:
-    """The central directory of an archive held whole in `buf`, when it is laid out as torch.save writes one (no
-    comment, no extra fields, ASCII names, nothing before or after it, a zip64 end record or not); None for any other
-    archive, which zipfile then parses. Parsing a DCP chunk's small archive this way costs a few microseconds,
-    zipfile's ~20."""
+def _plain_directory(buf: bytes, base: int = 0) -> list[_Entry] | None:
+    """The central directory of an archive whose bytes from offset `base` to its end are `buf` (the whole archive,
+    or its tail from the directory on), when it is laid out as torch.save writes one (no comment, no extra fields,
+    ASCII names, nothing before or after it, a zip64 end record or not); None for any other archive, which zipfile
+    then parses. Parsing a DCP chunk's small archive this way costs a few microseconds, zipfile's ~20."""
+    span = _directory_span(buf, base)
+    if span is None or span[0] < base:
+        return None
+    cd_offset, count, cd_end = span
+    entries, pos, cd_end = [], cd_offset - base, cd_end - base
+    for _ in range(count):
+        if pos + _CENTRAL.size > cd_end:
+            return None
+        fields = _CENTRAL.unpack_from(buf, pos)
+        sig, needs, flags, method, crc, csize, usize, name_len, extra_len, comment_len, offset = (
+            fields[0], fields[3], fields[5], fields[6], fields[9], fields[10], fields[11], fields[12], fields[13], fields[14], fields[18],
+        )  # fmt: skip
+        raw = buf[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len]
+        if sig != 0x02014B50 or needs > zipfile.MAX_EXTRACT_VERSION or extra_len or comment_len or not raw.isascii() or b"\0" in raw:
+            return None
+        name = raw.decode("ascii")
+        entries.append(_Entry(name, name, offset, usize, csize, method, flags, crc))
+        pos += _CENTRAL.size + name_len
+    return entries if pos == cd_end else None
+
+
+def _directory_span(buf: bytes, base: int) -> tuple[int, int, int] | None:
+    """(offset, entry count, end) of the central directory, in archive offsets, from the end records at the end of
+    `buf` (archive bytes from `base` on); None when they are not torch.save's."""
     end = len(buf) - _END.size
     if end < 0:
         return None
@@ -148,23 +172,20 @@ def _plain_directory(buf: bytes) -> list[_Entry] | None:
         sig, _, _, _, disk, cd_disk, on_disk, count, cd_size, cd_offset = _END64.unpack_from(buf, cd_end)
         if sig != 0x06064B50:
             return None
-    if disk or cd_disk or on_disk != count or cd_offset + cd_size != cd_end:
+    if disk or cd_disk or on_disk != count or cd_offset + cd_size != base + cd_end:
         return None
-    entries, pos = [], cd_offset
-    for _ in range(count):
-        if pos + _CENTRAL.size > cd_end:
-            return None
-        fields = _CENTRAL.unpack_from(buf, pos)
-        sig, needs, flags, method, crc, csize, usize, name_len, extra_len, comment_len, offset = (
-            fields[0], fields[3], fields[5], fields[6], fields[9], fields[10], fields[11], fields[12], fields[13], fields[14], fields[18],
-        )  # fmt: skip
-        raw = buf[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len]
-        if sig != 0x02014B50 or needs > zipfile.MAX_EXTRACT_VERSION or extra_len or comment_len or not raw.isascii() or b"\0" in raw:
-            return None
-        name = raw.decode("ascii")
-        entries.append(_Entry(name, name, offset, usize, csize, method, flags, crc))
-        pos += _CENTRAL.size + name_len
-    return entries if pos == cd_end else None
+    return cd_offset, count, base + cd_end
+
+
+def _tail_directory(window: _Window) -> list[_Entry] | None:
+    """_plain_directory of a large archive, from two reads at its end (the end records, then the directory)."""
+    tail = min(window.length, _END.size + _LOCATOR64.size + _END64.size)
+    window.seek(window.length - tail)
+    span = _directory_span(window.read(tail), window.length - tail)
+    if span is None or not 0 <= span[0] <= window.length:
+        return None
+    window.seek(span[0])
+    return _plain_directory(window.read(), span[0])
 
 
 def _shown(name: str) -> str:
@@ -189,11 +210,20 @@ def _member_name(full: str, top: str, where: str) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=1024)
 def _plain_member(full: str, top: str) -> str | None:
-    """`full` minus `top` when every part of it is plain, else None (cached: every chunk archive repeats the names)."""
-    name = full[len(top) :] if full.startswith(top) else None
-    return name if name and all(_plain_part(part) for part in name.split("/")) else None
+    """`full` minus `top` when every part of it is plain, else None."""
+    if not full.startswith(top):
+        return None
+    name = full[len(top) :]
+    return name if _PLAIN_NAME.fullmatch(name) or _plain_parts(name) else None
+
+
+_PLAIN_NAME = re.compile(r"(?:\.*[\w-][\w.-]*/)*\.*[\w-][\w.-]*", re.ASCII)  # what torch.save writes: data/0, .data/version
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_parts(name: str) -> bool:
+    return bool(name) and all(_plain_part(part) for part in name.split("/"))
 
 
 def _plain_part(part: str) -> bool:

@@ -227,13 +227,13 @@ class LazyRanks(Mapping[int, RankFile]):
         return len(self.paths)
 
 
-def _load(path: Path, options: ReadOptions) -> RankFile:
+def _load(path: Path, options: ReadOptions, parsed: dict[bytes, Any] | None = None) -> RankFile:
     try:
         f = open_regular(path)
     except OSError as exc:
         raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
     with f:
-        tree, records = load_archive(f, str(path), options, extra_globals=DS_GLOBALS)
+        tree, records = load_archive(f, str(path), options, extra_globals=DS_GLOBALS, parsed=parsed)
     if not isinstance(tree, dict):
         raise DataError(f"{path}: does not hold a DeepSpeed state dict")
     return RankFile(path, tree, records)
@@ -261,7 +261,12 @@ class DeepSpeedReader:
         optim_paths = _ranked(folder, OPTIM_STATES, 2)
         if not model_paths and not shared_model:
             raise DataError(f"{folder}: no model-states file")
-        first_model = _load(shared_model[0] if shared_model else model_paths[min(model_paths)], options)
+        parsed: dict[bytes, Any] = {}  # rank files repeat their pickles (stage 3: all of them); each is parsed once
+
+        def load(p: Path) -> RankFile:
+            return _load(p, options, parsed)
+
+        first_model = load(shared_model[0] if shared_model else model_paths[min(model_paths)])
         moe_here = deepspeed_moe.is_moe(folder, first_model.tree)  # expert parallel: docs/formats.md §2.12
         if moe_here:
             deepspeed_moe.refuse_unsupported(folder, first_model.tree, bool(optim_paths))
@@ -270,7 +275,7 @@ class DeepSpeedReader:
             raise UsageError(
                 f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"
             )
-        optims = {r: _load(p, options) for r, p in sorted(optim_paths.items())}
+        optims = {r: load(p) for r, p in sorted(optim_paths.items())}
         osd0 = optims[min(optims)].tree.get("optimizer_state_dict")
         if not isinstance(osd0, dict):
             raise DataError(f"{optim_paths[min(optims)]}: no optimizer_state_dict")
@@ -288,14 +293,14 @@ class DeepSpeedReader:
         if isinstance(osd0.get("base_optimizer_state"), list):
             raise UsageError(f"{folder}: elastic_checkpoint format (per-group optimizer state lists) is not supported by ckpt")
         loaded = {r: first_model for r, p in model_paths.items() if p == first_model.path}
-        models = LazyRanks(model_paths if stage == 3 else {}, lambda p: _load(p, options), loaded)
+        models = LazyRanks(model_paths if stage == 3 else {}, load, loaded)
         if stage == 3 and sorted(models) != list(range(world)):
             raise DataError(
                 f"{folder}: stage 3 needs the model-states files of ranks 0..{world - 1} (partition_count {world}), "
                 f"found ranks {sorted(models)}"
             )
         model = first_model.tree
-        moe = deepspeed_moe.read_experts(folder, first_model, optims, world, stage, lambda p: _load(p, options)) if moe_here else None
+        moe = deepspeed_moe.read_experts(folder, first_model, optims, world, stage, load) if moe_here else None
         if stage == 3:
             layout: Stage12Partitions | Stage3Partitions = Stage3Partitions(models, optims, world)
         else:

@@ -188,6 +188,11 @@ def stage3_rank_range(numel: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, numel)
 
 
+def stage3_rank_count(numel: int, world: int) -> int:
+    """How many ranks hold some of a parameter's elements (the rest hold padding only)."""
+    return ceil_div(numel, stage3_partition_size(numel, world)) if numel else 0
+
+
 def stage3_slots(params: Sequence[Param], world: int) -> list[Slot]:
     """A sub-group's params in each rank's flat partition: every param takes ceil(n/W) elements."""
     out, offset = [], 0

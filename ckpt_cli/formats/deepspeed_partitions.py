@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes
-from ckpt_cli.core.model import Box, FlatRange, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.model import Box, FlatRange, LazyPieces, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.formats import deepspeed_layout as zl
@@ -160,12 +160,16 @@ class Stage3Partitions:
                 pieces.append(Piece(FlatRange(start, end - start), array, slot.offset))
         return pieces
 
+    def _lazy_pieces(self, arrays: list[StoredArray], slot: Slot) -> LazyPieces:
+        return LazyPieces(functools.partial(self._pieces, arrays, slot), zl.stage3_rank_count(slot.numel, self.world))
+
     def model_tensors(self) -> dict[str, TensorEntry]:
         out = {}
         for s in range(len(self.shapes)):
             arrays = self._arrays(s, None)
             for slot in self.offsets(s):
-                out[slot.name] = TensorEntry(slot.name, dtypes.FLOAT32, slot.shape, "model", self._pieces(arrays, slot))
+                pieces = self._lazy_pieces(arrays, slot)
+                out[slot.name] = TensorEntry(slot.name, dtypes.FLOAT32, slot.shape, "model", pieces)
         return out
 
     def optimizer_tensors(self) -> dict[str, TensorEntry]:
@@ -178,7 +182,7 @@ class Stage3Partitions:
                 arrays = self._arrays(s, key) if ref.shape else []
                 step = [Piece(Box((), ()), self.optims[0].array(ref))]
                 for slot in slots:
-                    out.update(moment(slot, key, ref, self._pieces(arrays, slot) if ref.shape else step))
+                    out.update(moment(slot, key, ref, self._lazy_pieces(arrays, slot) if ref.shape else step))
         return out
 
     def param_groups(self) -> list[dict[str, Any]]:
@@ -193,7 +197,7 @@ class Stage3Partitions:
         return {"sub_groups": len(self.shapes)}
 
 
-def moment(slot: Slot, key: str, ref: TensorRef, pieces: list[Piece]) -> dict[str, TensorEntry]:
+def moment(slot: Slot, key: str, ref: TensorRef, pieces: list[Piece] | LazyPieces) -> dict[str, TensorEntry]:
     """A param's optimizer state `key` as a logical tensor: its shape, or 0-d for a per-group scalar (step)."""
     path = ("optimizer", "state", slot.name, key)
     return {path_name(path): TensorEntry(path_name(path), ref.dtype, slot.shape if ref.shape else (), "optimizer", pieces, path)}

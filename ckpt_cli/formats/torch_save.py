@@ -46,15 +46,25 @@ def load_archive(
     start: int = 0,
     length: int | None = None,
     extra_globals: dict[tuple[str, str], Any] | None = None,
+    parsed: dict[bytes, Any] | None = None,
 ) -> tuple[Any, dict[str, zipio.Record]]:
-    """The unpickled `data.pkl` (tensors as TensorRef) and the records of one torch.save archive."""
+    """The unpickled `data.pkl` (tensors as TensorRef) and the records of one torch.save archive.
+
+    `parsed`: pickles already unpickled in this read, by digest, for files that repeat one pickle byte for byte (every
+    rank's ZeRO-3 model states describe the whole module): the tree is shared, so callers must not change it, and each
+    file's tensors are still checked against its own records when their pieces are made."""
     records = zipio.read_records(f, where, start, length)
     if "data.pkl" not in records:
         raise DataError(f"{where}: zip archive without data.pkl; not a torch.save file")
     rec = records["data.pkl"]
     f.seek(rec.data_offset)
-    obj = safe_loads(f.read(rec.size), where, extra_globals, options.trust_pickle)
-    return obj, records
+    data = f.read(rec.size)
+    if parsed is None:
+        return safe_loads(data, where, extra_globals, options.trust_pickle), records
+    digest = hashlib.blake2b(data, digest_size=32).digest()
+    if digest not in parsed:
+        parsed[digest] = safe_loads(data, where, extra_globals, options.trust_pickle)
+    return parsed[digest], records
 
 
 def stored_array(ref: TensorRef, records: dict[str, zipio.Record], path: str, tensor: str = "") -> StoredArray:
