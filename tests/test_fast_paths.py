@@ -94,10 +94,13 @@ def damaged_copies(data: bytes, rng: random.Random, count: int) -> list[bytes]:
     return out
 
 
-def records(data: bytes, monkeypatch: pytest.MonkeyPatch | None) -> str:
+def records(data: bytes, monkeypatch: pytest.MonkeyPatch | None, path: str = "fast") -> str:
+    """read_records' verdict on `data`: by the fast paths (C, else Python), Python's plain parser, or zipfile's."""
     with monkeypatch.context() if monkeypatch else _nothing() as patch:
         if patch is not None:
-            patch.setattr(zipio, "_plain_directory", lambda buf, base=0: None)  # zipfile's path
+            patch.setattr(zipio, "_zip_scan", None)
+            if path == "zipfile":
+                patch.setattr(zipio, "_plain_directory", lambda buf, base=0: None)
         try:
             return repr(zipio.read_records(io.BytesIO(data), "f.pt"))
         except DataError as exc:
@@ -122,9 +125,10 @@ def test_small_archives_parse_as_zipfile_parses_them(monkeypatch):
     outcomes = set()
     for data in archives:
         assert zipio._plain_directory(data) is not None  # torch.save's layout takes the fast path
+        assert zipio._zip_scan is None or zipio._zip_scan.records(data) is not None  # and the C walk's
         for copy in [data, *damaged_copies(data, rng, 300)]:
             fast = records(copy, None)
-            assert fast == records(copy, monkeypatch), copy[-64:]
+            assert fast == records(copy, monkeypatch, "python") == records(copy, monkeypatch, "zipfile"), copy[-64:]
             outcomes.add(fast.startswith("refused"))
     assert outcomes == {True, False}
 
@@ -144,6 +148,6 @@ def test_large_archives_parse_their_directory_from_the_tail_as_zipfile_does(monk
         if len(copy) <= zipio.WHOLE_BYTES:
             continue
         fast = records(copy, None)
-        assert fast == records(copy, monkeypatch), copy[-64:]
+        assert fast == records(copy, monkeypatch, "zipfile"), copy[-64:]
         outcomes.add(fast.startswith("refused"))
     assert outcomes == {True, False}

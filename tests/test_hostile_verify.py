@@ -175,6 +175,24 @@ def test_deepspeed_two_optimizer_files_for_one_rank(ckpt, copy_s2, tmp_path):
     assert_refused(ckpt("convert", copy_s2, tmp_path / "o.pt", "--to", "torch"), tmp_path / "o.pt", "rank 1")
 
 
+def test_deepspeed_stage3_partition_shorter_than_its_parameters(ckpt, ds_saves, tmp_path):
+    """Stage 3 pieces are made by arithmetic, not enumerated by verify: the reader checks each rank's flat partition
+    holds exactly what its parameters take, which DeepSpeed and zero_to_fp32 require too."""
+    run = tmp_path / "run"
+    shutil.copytree(ds_saves[2] / "stage3-fp32", run)
+    path = run / TAG / RANK1_OPTIM
+    state = torch.load(path, weights_only=False)
+    flat = state["optimizer_state_dict"]["fp32_flat_groups"]
+    flat[0] = flat[0][:-1].clone()
+    torch.save(state, path)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with pytest.raises((ValueError, RuntimeError)):  # the last parameter's gathered slices fall short of its shape
+        get_fp32_state_dict_from_zero_checkpoint(str(run))
+    assert_verify_fails(ckpt("verify", run), RANK1_OPTIM, "fp32 weights partition of sub-group 0 holds", "take")
+    assert_refused(ckpt("merge", run, tmp_path / "m.safetensors"), tmp_path / "m.safetensors", RANK1_OPTIM)
+
+
 # ---- safetensors: what the library refuses -------------------------------------------------------------
 
 

@@ -143,10 +143,13 @@ class LazyPieces(Sequence["Piece"]):
     """A tensor's pieces, made when first asked for: `inspect` of a ZeRO-3 checkpoint of 64 ranks reports 6,000
     tensors and needs none of their 384,000 pieces. Tensors that share one (tied weights) are tied."""
 
-    def __init__(self, make: Callable[[], list[Piece]], count: int | None = None) -> None:
+    def __init__(self, make: Callable[[], list[Piece]], count: int | None = None, by_layout: bool = False) -> None:
         self._make: Callable[[], list[Piece]] | None = make
         self._pieces: list[Piece] = []
         self._count = count  # how many `make` will return, when the layout tells without making them
+        # Made by a layout's arithmetic over arrays whose sizes the reader checked: they tile the tensor and stay
+        # inside their arrays by construction, so the structural check need not make and walk them.
+        self.by_layout = by_layout
 
     def _all(self) -> list[Piece]:
         if self._make is not None:

@@ -17,6 +17,11 @@ from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_cli.errors import DataError
 
+try:  # built by `pip install` where a C compiler is at hand (pyproject.toml: an optional extension)
+    from ckpt_cli.core import _zip_scan
+except ImportError:
+    _zip_scan = None
+
 ALIGNMENT = 64
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
 WHOLE_BYTES = 1 << 20  # an archive this small is read whole (one system call) before it is parsed
@@ -74,6 +79,10 @@ def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = N
     if length <= WHOLE_BYTES and getattr(f, "prefetch", None) is None:  # a small archive (a DCP chunk): one read, parsed in memory
         f.seek(start)
         window = io.BytesIO(f.read(length))
+    if isinstance(window, io.BytesIO) and _zip_scan is not None:
+        records = _plain_records(window.getvalue(), start)
+        if records is not None:
+            return records
     infos: list[Any] | None = _plain_directory(window.getvalue()) if isinstance(window, io.BytesIO) else _tail_directory(window)
     try:
         infos = infos or zipfile.ZipFile(window).infolist()  # type: ignore[arg-type]
@@ -107,6 +116,16 @@ def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = N
         if begin < end:
             raise DataError(f"{where}: records {_shown(first)} and {_shown(second)} overlap (torch.save writes them one after another)")
     return records
+
+
+def _plain_records(archive: bytes, start: int) -> dict[str, Record] | None:
+    """read_records of an archive held whole, by core/_zip_scan.c: the records when the archive is laid out as
+    torch.save writes one and read_records would accept every record; else None (the Python path then decides)."""
+    found = _zip_scan.records(archive)  # type: ignore[union-attr]
+    if found is None:
+        return None
+    records = {name: Record(name, start + offset, size, crc) for name, offset, size, crc in found}
+    return records if len(records) == len(found) else None  # a name twice: the Python path says so
 
 
 class _Entry(NamedTuple):

@@ -11,6 +11,7 @@ from ckpt_cli.core import dtypes
 from ckpt_cli.core.model import Box, FlatRange, LazyPieces, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tree import path_name
+from ckpt_cli.errors import DataError
 from ckpt_cli.formats import deepspeed_layout as zl
 from ckpt_cli.formats.deepspeed_layout import Slot
 
@@ -144,12 +145,20 @@ class Stage3Partitions:
         return zl.stage3_slots(list(self.shapes[s].items()), self.world)
 
     def _arrays(self, s: int, key: str | None) -> list[StoredArray]:
-        """Each rank's flat partition of sub-group s: fp32 weights (key None) or a moment."""
+        """Each rank's flat partition of sub-group s: fp32 weights (key None) or a moment, of exactly the elements
+        its parameters take (DeepSpeed copies it into a buffer of that size; zero_to_fp32 refuses any other)."""
+        need = sum(zl.stage3_partition_size(slot.numel, self.world) for slot in self.offsets(s))
         arrays = []
         for r in range(self.world):
             osd = self.osd[r]
             ref = osd["fp32_flat_groups"][s] if key is None else osd["optimizer_state_dict"]["state"][s][key]
-            arrays.append(self.optims[r].array(ref))
+            array = self.optims[r].array(ref)
+            if array.numel != need:
+                raise DataError(
+                    f"{self.optims[r].path}: the {'fp32 weights' if key is None else repr(key)} partition of sub-group {s} "
+                    f"holds {array.numel} elements; its {len(self.shapes[s])} parameters take {need} at {self.world} ranks"
+                )
+            arrays.append(array)
         return arrays
 
     def _pieces(self, arrays: list[StoredArray], slot: Slot) -> list[Piece]:
@@ -161,7 +170,8 @@ class Stage3Partitions:
         return pieces
 
     def _lazy_pieces(self, arrays: list[StoredArray], slot: Slot) -> LazyPieces:
-        return LazyPieces(functools.partial(self._pieces, arrays, slot), zl.stage3_rank_count(slot.numel, self.world))
+        count = zl.stage3_rank_count(slot.numel, self.world)
+        return LazyPieces(functools.partial(self._pieces, arrays, slot), count, by_layout=True)
 
     def model_tensors(self) -> dict[str, TensorEntry]:
         out = {}
