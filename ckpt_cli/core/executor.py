@@ -113,7 +113,7 @@ def copy_runs(runs: list[ByteRun], out: Sink, sources: SourceFiles, with_crc: bo
     """Copy byte runs to `out`: in the kernel when no CRC is wanted (by the output, or to check the source
     record they come from) and both ends are local files, else through the reusable buffer. Returns the CRC32 of all runs (0 when not
     wanted); each run's own CRC32 goes to the source check."""
-    crc = 0
+    crc, first = 0, True
     check = sources.check
     for path, offset, nbytes in runs:
         checked = check is not None and check.wants(path, offset, nbytes)
@@ -126,7 +126,9 @@ def copy_runs(runs: list[ByteRun], out: Sink, sources: SourceFiles, with_crc: bo
             out.write(view)
         if checked:
             check.add(path, offset, nbytes, run_crc)  # type: ignore[union-attr]
-        crc = crc32_combine(crc, run_crc, nbytes) if with_crc else 0
+        if with_crc:  # a tensor of one run (most DCP chunks) needs no combining
+            crc = run_crc if first else crc32_combine(crc, run_crc, nbytes)
+            first = False
     return crc
 
 

@@ -139,6 +139,9 @@ def box_runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int,
         yield gstart, run_len, lstart
 
 
+Run = tuple[int, int, Piece, int]  # a tensor's contiguous run: (global flat start, length, piece, local flat start)
+
+
 class LazyPieces(Sequence["Piece"]):
     """A tensor's pieces, made when first asked for: `inspect` of a ZeRO-3 checkpoint of 64 ranks reports 6,000
     tensors and needs none of their 384,000 pieces. Tensors that share one (tied weights) are tied."""
@@ -189,7 +192,7 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
-    def runs(self) -> list[tuple[int, int, Piece, int]]:
+    def runs(self) -> list[Run]:
         """All (global start, length, piece, local start) runs sorted by global position."""
         out = [(g, n, p, loc) for p in self.pieces for g, n, loc in p.runs(self.shape)]
         out.sort(key=lambda r: (r[0], r[1]))

@@ -30,9 +30,9 @@ _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _U32_MAX = 0xFFFFFFFF
 
 
-@dataclass(frozen=True)
-class Record:
-    """One stored record: its payload is bytes [data_offset, data_offset + size) of the file."""
+class Record(NamedTuple):
+    """One stored record: its payload is bytes [data_offset, data_offset + size) of the file (a tuple: a DCP rank
+    file of thousands of chunk archives makes seven per chunk)."""
 
     name: str  # without the archive's top folder ("data.pkl", "data/0")
     data_offset: int
@@ -65,7 +65,13 @@ class _Window:
 
 
 def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = None) -> dict[str, Record]:
-    """Records of the archive in bytes [start, start+length) of `f`, keyed by name minus top folder.
+    """Records of the archive in bytes [start, start+length) of `f`, keyed by name minus top folder (read_archive)."""
+    return read_archive(f, where, start, length)[0]
+
+
+def read_archive(f: BinaryIO, where: str, start: int = 0, length: int | None = None) -> tuple[dict[str, Record], bytes | None]:
+    """Records of the archive in bytes [start, start+length) of `f`, keyed by name minus top folder, and the
+    archive's bytes when it was small enough to be read whole (WHOLE_BYTES; else None).
 
     Refused (DataError): what torch.save never writes and readers would disagree on. torch's reader (miniz,
     caffe2/serialize/inline_container.cc) looks every record up by name and takes whichever of two equal names
@@ -76,14 +82,16 @@ def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = N
     if length is None:
         length = f.seek(0, 2) - start
     window: _Window | io.BytesIO = _Window(f, start, length)
+    whole: bytes | None = None
     if length <= WHOLE_BYTES and getattr(f, "prefetch", None) is None:  # a small archive (a DCP chunk): one read, parsed in memory
         f.seek(start)
-        window = io.BytesIO(f.read(length))
-    if isinstance(window, io.BytesIO) and _zip_scan is not None:
-        records = _plain_records(window.getvalue(), start)
-        if records is not None:
-            return records
-    infos: list[Any] | None = _plain_directory(window.getvalue()) if isinstance(window, io.BytesIO) else _tail_directory(window)
+        whole = f.read(length)
+        window = io.BytesIO(whole)
+        if _zip_scan is not None:
+            records = _plain_records(whole, start)
+            if records is not None:
+                return records, whole
+    infos: list[Any] | None = _plain_directory(whole) if whole is not None else _tail_directory(window)  # type: ignore[arg-type]
     try:
         infos = infos or zipfile.ZipFile(window).infolist()  # type: ignore[arg-type]
     except (zipfile.BadZipFile, OSError, ValueError, struct.error, NotImplementedError) as exc:  # NotImplemented: a version past 6.3
@@ -115,7 +123,7 @@ def read_records(f: BinaryIO, where: str, start: int = 0, length: int | None = N
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
             raise DataError(f"{where}: records {_shown(first)} and {_shown(second)} overlap (torch.save writes them one after another)")
-    return records
+    return records, whole
 
 
 def _plain_records(archive: bytes, start: int) -> dict[str, Record] | None:

@@ -72,6 +72,12 @@ class _Files:
     handles: dict[str, BinaryIO] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
     blobs: Blobs = field(default_factory=Blobs)
+    paths: dict[str, str] = field(default_factory=dict)  # relative path -> the file's path, for messages
+
+    def where(self, relative: str) -> str:
+        if relative not in self.paths:
+            self.paths[relative] = str(self.folder / relative)
+        return self.paths[relative]
 
     def open(self, relative: str) -> BinaryIO:
         if relative not in self.handles:
@@ -115,7 +121,7 @@ def _range(files: _Files, info: StorageInfoRec, fqn: str) -> tuple[BinaryIO, str
             "(e.g. zstd compression); ckpt reads uncompressed DCP checkpoints only"
         )
     f = files.open(info.relative_path)
-    where = str(files.folder / info.relative_path)
+    where = files.where(info.relative_path)
     if info.offset < 0 or info.length <= 0 or info.offset + info.length > files.sizes[info.relative_path]:
         raise DataError(
             f"{where}: '{fqn}' needs bytes {info.offset}..{info.offset + info.length} but the file has "
@@ -268,10 +274,13 @@ class DCPReader:
             )
         meta = load_metadata(path / METADATA, options.trust_pickle, self.metadata_globals)
         storage = {}
+        named: set[Any] = set()  # relative paths already found plain (a few files, named by every chunk)
         for index, info in meta.storage_data.items():
             if not isinstance(index, IndexRec) or not isinstance(info, StorageInfoRec):
                 raise DataError(f"{path / METADATA}: storage_data entry of an unknown kind")
-            plain_component(getattr(info, "relative_path", None), f"{path / METADATA}: storage_data relative_path")
+            relative = getattr(info, "relative_path", None)
+            if type(relative) is not str or relative not in named:
+                named.add(plain_component(relative, f"{path / METADATA}: storage_data relative_path"))
             _check_range(path / METADATA, index, info)
             storage[index.key()] = info
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}

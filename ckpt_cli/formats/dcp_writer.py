@@ -22,7 +22,19 @@ from typing import Any
 
 from ckpt_cli.core import pickler, zipio
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Box, Checkpoint, FlatRange, ObjectEntry, Opaque, PathKey, Piece, TensorEntry, box_runs, unsafe_value_problem
+from ckpt_cli.core.model import (
+    Box,
+    Checkpoint,
+    FlatRange,
+    ObjectEntry,
+    Opaque,
+    PathKey,
+    Piece,
+    Run,
+    TensorEntry,
+    box_runs,
+    unsafe_value_problem,
+)
 from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.pickler import Global, Instance, Reduce, size
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
@@ -106,12 +118,15 @@ class Layout:
     notes: list[str]
 
 
-def sub_box(entry: TensorEntry, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> TensorEntry:
+def sub_box(
+    entry: TensorEntry, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], source: list[Run] | None = None
+) -> TensorEntry:
     """The box `offsets` + `sizes` of `entry` as a tensor of its own: one flat piece per contiguous run of the box
-    that one source piece holds (whole rows of a row range are one run; a column range is one run per row)."""
+    that one source piece holds (whole rows of a row range are one run; a column range is one run per row).
+    `source`: entry.runs(), when the caller cuts several boxes from one tensor."""
     if offsets == (0,) * len(entry.shape) and sizes == entry.shape:
         return dataclasses.replace(entry, name=name)
-    source = entry.runs()
+    source = entry.runs() if source is None else source
     pieces, i = [], 0
     for gstart, length, lstart in box_runs(offsets, sizes, entry.shape):
         end = gstart + length
@@ -219,12 +234,13 @@ def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[list[list[Item]], dict
         planner[fqn] = path
         entries[fqn] = entry
         split = layout.splits.get(entry.name)
+        runs = entry.runs() if split is not None and world > 1 else None  # cut into every rank's box
         for r in range(world):
             if split is None:
                 offsets, part = (0,) * len(entry.shape), entry
             else:
                 offsets, sizes = chunk_of(entry.shape, split, layout.mesh, r)
-                part = sub_box(entry, fqn, offsets, sizes)
+                part = sub_box(entry, fqn, offsets, sizes, runs)
             plans[r].append(Item(fqn, offsets, part.nbytes, tensor=part))
     objects = byte_items(ckpt)
     for obj in objects:

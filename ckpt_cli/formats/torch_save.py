@@ -53,12 +53,15 @@ def load_archive(
     `parsed`: pickles already unpickled in this read, by digest, for files that repeat one pickle byte for byte (every
     rank's ZeRO-3 model states describe the whole module): the tree is shared, so callers must not change it, and each
     file's tensors are still checked against its own records when their pieces are made."""
-    records = zipio.read_records(f, where, start, length)
+    records, whole = zipio.read_archive(f, where, start, length)
     if "data.pkl" not in records:
         raise DataError(f"{where}: zip archive without data.pkl; not a torch.save file")
     rec = records["data.pkl"]
-    f.seek(rec.data_offset)
-    data = f.read(rec.size)
+    if whole is not None:
+        data = whole[rec.data_offset - start : rec.data_offset - start + rec.size]
+    else:
+        f.seek(rec.data_offset)
+        data = f.read(rec.size)
     if parsed is None:
         return safe_loads(data, where, extra_globals, options.trust_pickle), records
     digest = hashlib.blake2b(data, digest_size=32).digest()
