@@ -224,6 +224,9 @@ def main() -> None:
         raise SystemExit(f"unknown sources {sorted(unknown)}; choose from {', '.join(SOURCES)}")
     args.workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TMPDIR": str(args.workdir / "tmp")}
+    # As installed: compiled modules cached (pip compiles them at install; some shells set this off), and warm.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    run_quiet([*CKPT, "--help"], env)
     (args.workdir / "tmp").mkdir(exist_ok=True)
     ranks = [int(w) for w in args.ranks.split(",")]
     peer_ranks = {int(w) for w in args.peer_ranks.split(",") if w}

@@ -147,3 +147,17 @@ def test_stage3_sub_groups_are_numbered_across_param_groups():
     subs, group_subs = zl.stage3_group_sub_groups([WEIGHTS, BIASES], 2, 300)
     assert [names(s) for s in subs] == [["embed.weight", "block.0.weight"], ["block.2.weight"], names(BIASES)]
     assert group_subs == [[0, 1], [2]]
+
+
+def test_flat_pieces_of_sorted_partitions_look_only_where_the_param_lies():
+    """flat_pieces with the partitions' starts (bisected) gives what the scan of every partition gives."""
+    import random
+
+    from ckpt_cli.formats.deepspeed_partitions import flat_pieces
+
+    rng = random.Random(1)
+    for _ in range(3000):
+        size, world = rng.randrange(1, 20), rng.randrange(1, 9)
+        parts = [(d * size, size if d < world - 1 else rng.randrange(size + 1), f"rank{d}", rng.randrange(3)) for d in range(world)]
+        start, numel = rng.randrange(size * world + 3), rng.randrange(size * world)
+        assert flat_pieces(start, numel, parts, [p[0] for p in parts]) == flat_pieces(start, numel, parts)

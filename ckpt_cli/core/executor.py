@@ -245,8 +245,7 @@ def _tensor_jobs(
     if runs is None:  # one job: the whole segment in order, its small pieces gathered (a tensor of 64 ranks' slivers)
 
         def whole(sources: SourceFiles) -> int:
-            sink = _Out(fd, pos, advance, buffered=True)
-            crc = stream_tensor(seg, sink, sources)
+            crc = stream_tensor(seg, sink := _Out(fd, pos, advance, buffered=True), sources)
             sink.flush()
             return crc
 

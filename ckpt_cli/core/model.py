@@ -8,6 +8,7 @@ shards) or a flat element range of it (DeepSpeed ZeRO partitions). A piece point
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -184,8 +185,8 @@ class TensorEntry:
         if not self.path:
             self.path = (self.name,)
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # cached: a write plan asks for every segment's size many times (shapes do not change)
         return math.prod(self.shape)
 
     @property

@@ -186,7 +186,7 @@ class Source:
     world: int
     model: RankFile
     models: Mapping[int, RankFile]
-    optims: dict[int, RankFile]
+    optims: Mapping[int, RankFile]
     layout: Stage12Partitions | Stage3Partitions
     optim_prefix: str
     dtypes: dict[str, Any]
@@ -275,7 +275,11 @@ class DeepSpeedReader:
             raise UsageError(
                 f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"
             )
-        optims = {r: load(p) for r, p in sorted(optim_paths.items())}
+        optims: Mapping[int, RankFile]
+        if options.layout_only and not moe_here:  # inspect: rank 0's file and the partition arithmetic tell what it reports
+            optims = LazyRanks(optim_paths, load, {})
+        else:
+            optims = {r: load(p) for r, p in sorted(optim_paths.items())}
         osd0 = optims[min(optims)].tree.get("optimizer_state_dict")
         if not isinstance(osd0, dict):
             raise DataError(f"{optim_paths[min(optims)]}: no optimizer_state_dict")
@@ -316,7 +320,7 @@ class DeepSpeedReader:
         client_tensors, objects = self._client_state(first_model, layout.param_groups())
         tensors.update(client_tensors)
         files = [first_model.path] + [p for _, p in sorted(models.paths.items()) if p != first_model.path]
-        files += [o.path for _, o in sorted(optims.items())] + (moe.paths if moe else [])
+        files += [p for _, p in sorted(optim_paths.items())] + (moe.paths if moe else [])
         wrapper = "BF16_Optimizer" if stage is None else f"DeepSpeedZeroOptimizer{'_Stage3' if stage == 3 else ''}"
         precision = self._precision(model, optim_paths)
         details = {
@@ -446,6 +450,8 @@ class DeepSpeedReader:
             )
         if isinstance(ckpt.source, Source):
             problems += _world_problems(ckpt.source)
+            if isinstance(ckpt.source.layout, Stage3Partitions):
+                problems += ckpt.source.layout.flat_problems()
             if ckpt.source.layout.experts is not None:
                 problems += deepspeed_moe.partition_problems(ckpt.source.layout)
         if deep:

@@ -3,8 +3,9 @@ optimizer state become pieces over the ranks' saved partitions, placed by the ru
 
 from __future__ import annotations
 
+import bisect
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes
@@ -25,14 +26,37 @@ class ZeroFile(Protocol):
     def array(self, ref: TensorRef) -> StoredArray: ...
 
 
-def flat_pieces(start: int, numel: int, partitions: list[tuple[int, int, StoredArray, int]]) -> list[Piece]:
-    """Pieces of global flat elements [start, start+numel) held by partitions (flat start, length, array, array start)."""
+def flat_pieces(
+    start: int, numel: int, partitions: list[tuple[int, int, StoredArray, int]], starts: list[int] | None = None
+) -> list[Piece]:
+    """Pieces of global flat elements [start, start+numel) held by partitions (flat start, length, array, array start).
+    `starts`: the partitions' flat starts when they are in increasing order, so that only the few a param spans are
+    looked at (a param of a 1,024-rank buffer spans one or two)."""
+    if starts is not None:
+        first = max(bisect.bisect_right(starts, start) - 1, 0)
+        partitions = partitions[first : bisect.bisect_left(starts, start + numel, lo=first)]
     pieces = []
     for p_start, p_len, array, a_start in partitions:
         if shared := zl.overlap(start, numel, p_start, p_len):
             lo, hi = shared
             pieces.append(Piece(FlatRange(lo - start, hi - lo), array, a_start + lo - p_start))
     return pieces
+
+
+class OptimizerStates(Mapping[int, Any]):
+    """Each rank's `optimizer_state_dict`, taken from its file when first asked for (inspect reads rank 0's only)."""
+
+    def __init__(self, optims: Mapping[int, ZeroFile]) -> None:
+        self.optims = optims
+
+    def __getitem__(self, rank: int) -> Any:
+        return self.optims[rank].tree["optimizer_state_dict"]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.optims)
+
+    def __len__(self) -> int:
+        return len(self.optims)
 
 
 class Stage12Partitions:
@@ -51,7 +75,8 @@ class Stage12Partitions:
     ) -> None:
         self.model, self.optims, self.world, self.stage = model, optims, world, stage
         self.experts, self.order = experts, order
-        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
+        self.osd = OptimizerStates(optims)
+        self._parts: dict[tuple[int, str | None, int], tuple[list[tuple[int, int, StoredArray, int]], list[int] | None]] = {}
         self.shapes: list[dict[str, zl.Shape]] = model.tree.get("param_shapes") or []
         base = self.osd[0]["base_optimizer_state"]
         self.state, self.groups = base.get("state", {}), base.get("param_groups", [])
@@ -86,14 +111,30 @@ class Stage12Partitions:
             parts.append((d * size, ref.shape[0], self.optims[r].array(ref), 0))
         return parts
 
+    def _lazy_pieces(self, g: int, key: str | None, holders: list[int], slot: Slot) -> LazyPieces:
+        """The param's pieces over the holders' partitions, made (and the partitions read) when first asked for; their
+        count follows from the partition size, which the first holder's file tells."""
+
+        def make() -> list[Piece]:
+            at = (g, key, holders[0])
+            if at not in self._parts:
+                parts = self._partitions(g, key, holders)
+                starts = [p[0] for p in parts]
+                self._parts[at] = parts, starts if starts == sorted(starts) else None
+            return flat_pieces(slot.offset, slot.numel, *self._parts[at])
+
+        osd, k = self.osd[holders[0]], self.index(holders[0], g)
+        size = zl.partition_size_of_saved(osd["single_partition_of_fp32_groups"][k].shape[0], osd["group_paddings"][k], self.stage is None)
+        count = (slot.offset + slot.numel - 1) // size - slot.offset // size + 1 if slot.numel and size else 0
+        return LazyPieces(make, count)
+
     def model_tensors(self) -> dict[str, TensorEntry]:
         out = {}
         for g in range(len(self.shapes)):
             for holders, name_of in self.replicas(g):
-                parts = self._partitions(g, None, holders)
                 for slot in self.offsets(g):
                     name = name_of(slot.name)
-                    out[name] = TensorEntry(name, dtypes.FLOAT32, slot.shape, "model", flat_pieces(slot.offset, slot.numel, parts))
+                    out[name] = TensorEntry(name, dtypes.FLOAT32, slot.shape, "model", self._lazy_pieces(g, None, holders, slot))
         return out
 
     def optimizer_tensors(self) -> dict[str, TensorEntry]:
@@ -103,13 +144,11 @@ class Stage12Partitions:
                 if not isinstance(ref, TensorRef):
                     continue
                 for holders, name_of in self.replicas(g):
-                    if ref.shape:
-                        parts = self._partitions(g, key, holders)
-                    else:  # step: one 0-d value per group, the same on every rank
+                    if not ref.shape:  # step: one 0-d value per group, the same on every rank
                         held = self.osd[holders[0]]["base_optimizer_state"]["state"][self.index(holders[0], g)][key]
                         step = [Piece(Box((), ()), self.optims[holders[0]].array(held))]
                     for slot in self.offsets(g):
-                        pieces = flat_pieces(slot.offset, slot.numel, parts) if ref.shape else step
+                        pieces = self._lazy_pieces(g, key, holders, slot) if ref.shape else step
                         out.update(moment(Slot(name_of(slot.name), slot.shape, slot.offset), key, ref, pieces))
         return out
 
@@ -135,7 +174,8 @@ class Stage3Partitions:
 
     def __init__(self, models: Mapping[int, ZeroFile], optims: Mapping[int, ZeroFile], world: int) -> None:
         self.models, self.optims, self.world = models, optims, world
-        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
+        self.osd = OptimizerStates(optims)
+        self._flats: dict[tuple[int, str | None], list[StoredArray]] = {}
         self.shapes: list[dict[str, zl.Shape]] = models[0].tree.get("param_shapes") or []
         inner = self.osd[0].get("optimizer_state_dict") or {}
         self.state, self.groups = inner.get("state", {}), inner.get("param_groups", [])
@@ -147,6 +187,8 @@ class Stage3Partitions:
     def _arrays(self, s: int, key: str | None) -> list[StoredArray]:
         """Each rank's flat partition of sub-group s: fp32 weights (key None) or a moment, of exactly the elements
         its parameters take (DeepSpeed copies it into a buffer of that size; zero_to_fp32 refuses any other)."""
+        if (s, key) in self._flats:
+            return self._flats[s, key]
         need = sum(zl.stage3_partition_size(slot.numel, self.world) for slot in self.offsets(s))
         arrays = []
         for r in range(self.world):
@@ -159,27 +201,38 @@ class Stage3Partitions:
                     f"holds {array.numel} elements; its {len(self.shapes[s])} parameters take {need} at {self.world} ranks"
                 )
             arrays.append(array)
+        self._flats[s, key] = arrays
         return arrays
 
-    def _pieces(self, arrays: list[StoredArray], slot: Slot) -> list[Piece]:
+    def flat_problems(self) -> list[str]:
+        """Every rank's flats read and their sizes checked (what the lazily made pieces rely on): the first problem."""
+        try:
+            for s in range(len(self.shapes)):
+                self._arrays(s, None)
+                for key, ref in self.state.get(s, {}).items():
+                    if isinstance(ref, TensorRef) and ref.shape:
+                        self._arrays(s, key)
+        except DataError as exc:
+            return [str(exc)]
+        return []
+
+    def _pieces(self, s: int, key: str | None, slot: Slot) -> list[Piece]:
         pieces = []
-        for r, array in enumerate(arrays):
+        for r, array in enumerate(self._arrays(s, key)):
             start, end = zl.stage3_rank_range(slot.numel, self.world, r)
             if start < end:
                 pieces.append(Piece(FlatRange(start, end - start), array, slot.offset))
         return pieces
 
-    def _lazy_pieces(self, arrays: list[StoredArray], slot: Slot) -> LazyPieces:
+    def _lazy_pieces(self, s: int, key: str | None, slot: Slot) -> LazyPieces:
         count = zl.stage3_rank_count(slot.numel, self.world)
-        return LazyPieces(functools.partial(self._pieces, arrays, slot), count, by_layout=True)
+        return LazyPieces(functools.partial(self._pieces, s, key, slot), count, by_layout=True)
 
     def model_tensors(self) -> dict[str, TensorEntry]:
         out = {}
         for s in range(len(self.shapes)):
-            arrays = self._arrays(s, None)
             for slot in self.offsets(s):
-                pieces = self._lazy_pieces(arrays, slot)
-                out[slot.name] = TensorEntry(slot.name, dtypes.FLOAT32, slot.shape, "model", pieces)
+                out[slot.name] = TensorEntry(slot.name, dtypes.FLOAT32, slot.shape, "model", self._lazy_pieces(s, None, slot))
         return out
 
     def optimizer_tensors(self) -> dict[str, TensorEntry]:
@@ -189,10 +242,9 @@ class Stage3Partitions:
             for key, ref in self.state.get(s, {}).items():
                 if not isinstance(ref, TensorRef):
                     continue
-                arrays = self._arrays(s, key) if ref.shape else []
                 step = [Piece(Box((), ()), self.optims[0].array(ref))]
                 for slot in slots:
-                    out.update(moment(slot, key, ref, self._lazy_pieces(arrays, slot) if ref.shape else step))
+                    out.update(moment(slot, key, ref, self._lazy_pieces(s, key, slot) if ref.shape else step))
         return out
 
     def param_groups(self) -> list[dict[str, Any]]:
