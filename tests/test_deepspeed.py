@@ -275,3 +275,23 @@ def test_tensor_parallel_save_is_refused_with_what_would_make_it_readable(ckpt, 
     res = ckpt("inspect", src)
     assert res.code == 2 and "tensor-parallel checkpoint (2 mp_rank files)" in res.err and "universal_checkpoint_info" in res.err
     assert "Traceback" not in res.err
+
+
+@pytest.mark.parametrize("config", ["stage2-fp32", "stage3-fp32"])
+def test_inspect_parses_each_optimizer_file_and_one_model_states(ds_saves, config, monkeypatch):
+    """inspect parses every optimizer file (a hostile pickle in any of them is refused, never passed over) but one
+    model-states file (stage 3 repeats the module description on every rank), and makes no pieces: it counts them
+    from the partition arithmetic, as many as the full read makes."""
+    import ckpt_cli
+    from ckpt_cli.formats import deepspeed
+
+    parsed: list[str] = []
+    real = deepspeed._load
+    monkeypatch.setattr(deepspeed, "_load", lambda path, *a, **k: parsed.append(path.name) or real(path, *a, **k))
+    doc = ckpt_cli.inspect(ds_saves[2] / config)
+    models = [n for n in parsed if "model_states" in n]
+    assert sorted(n for n in parsed if "optim_states" in n) == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    assert models == ["zero_pp_rank_0_mp_rank_00_model_states.pt" if config.startswith("stage3") else "mp_rank_00_model_states.pt"]
+    full = open_checkpoint(ds_saves[2] / config)
+    assert doc["num_tensors"] == len(full.tensors)
+    assert [t["pieces"] for t in doc["tensors"]] == [len(t.pieces) for t in full.tensors.values()]  # counted, then made

@@ -11,6 +11,7 @@ once in deepspeed_layout.py; deepspeed_partitions.py turns the saved partitions 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes, pickler, roles, zipio
 from ckpt_cli.core.interface import ReadOptions
-from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.model import Box, Checkpoint, FileInfo, LazyPieces, ObjectEntry, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
 from ckpt_cli.core.pickle_guard import charge
 from ckpt_cli.core.pickler import Global, Instance, Reduce
@@ -31,7 +32,7 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
 from ckpt_cli.formats import deepspeed_moe
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
-from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, ZeroFile, flat_pieces
+from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, ZeroFile, stage3_frozen_pieces
 from ckpt_cli.formats.deepspeed_variants import refuse_variants
 from ckpt_cli.formats.torch_save import load_archive, stored_array
 
@@ -220,6 +221,9 @@ class LazyRanks(Mapping[int, RankFile]):
             self._loaded[rank] = self._load(self.paths[rank])
         return self._loaded[rank]
 
+    def __contains__(self, rank: object) -> bool:  # without parsing the file (Mapping's own would)
+        return rank in self.paths
+
     def __iter__(self) -> Iterator[int]:
         return iter(sorted(self.paths))
 
@@ -275,11 +279,8 @@ class DeepSpeedReader:
             raise UsageError(
                 f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"
             )
-        optims: Mapping[int, RankFile]
-        if options.layout_only and not moe_here:  # inspect: rank 0's file and the partition arithmetic tell what it reports
-            optims = LazyRanks(optim_paths, load, {})
-        else:
-            optims = {r: load(p) for r, p in sorted(optim_paths.items())}
+        # Every file is parsed, inspect's too: a hostile pickle in any rank's file is refused, never passed over in silence.
+        optims: Mapping[int, RankFile] = {r: load(p) for r, p in sorted(optim_paths.items())}
         osd0 = optims[min(optims)].tree.get("optimizer_state_dict")
         if not isinstance(osd0, dict):
             raise DataError(f"{optim_paths[min(optims)]}: no optimizer_state_dict")
@@ -367,14 +368,10 @@ class DeepSpeedReader:
         for name, shape in shapes.items():
             shape = tuple(shape)
             n = math.prod(shape)
-            if stage == 3:
-                parts = []
-                for r in range(world):
-                    ref = models[r].tree["frozen_param_fragments"][name]
-                    start, end = zl.stage3_rank_range(n, world, r)
-                    parts.append((start, end - start, models[r].array(ref), 0))
-                dtype = parts[0][2].dtype
-                out[name] = TensorEntry(name, dtype, shape, "model", flat_pieces(0, n, parts))
+            if stage == 3:  # every rank's model states hold a fragment: read when a command reads the data
+                dtype = models[0].tree["frozen_param_fragments"][name].dtype
+                pieces = LazyPieces(functools.partial(stage3_frozen_pieces, models, name, n, world), zl.stage3_rank_count(n, world))
+                out[name] = TensorEntry(name, dtype, shape, "model", pieces)
             else:
                 ref = model["frozen_param_fragments"][name]
                 out[name] = TensorEntry(name, ref.dtype, shape, "model", [Piece(Box((0,) * len(shape), shape), first.array(ref))])

@@ -43,6 +43,16 @@ def flat_pieces(
     return pieces
 
 
+def stage3_frozen_pieces(models: Mapping[int, ZeroFile], name: str, numel: int, world: int) -> list[Piece]:
+    """A frozen parameter at stage 3: each rank's model states hold its ceil(n/W) fragment (docs/formats.md §2.8)."""
+    parts = []
+    for r in range(world):
+        ref = models[r].tree["frozen_param_fragments"][name]
+        start, end = zl.stage3_rank_range(numel, world, r)
+        parts.append((start, end - start, models[r].array(ref), 0))
+    return flat_pieces(0, numel, parts)
+
+
 class OptimizerStates(Mapping[int, Any]):
     """Each rank's `optimizer_state_dict`, taken from its file when first asked for (inspect reads rank 0's only)."""
 
