@@ -38,7 +38,11 @@ def file_and_tiling_problems(ckpt: Checkpoint) -> list[str]:
     for t in ckpt.tensors.values():
         if isinstance(t.pieces, LazyPieces) and t.pieces.by_layout:
             continue
-        problem = t.tiling_problem()
+        try:  # lazily made pieces read their rank's file now: a short or missing record is one more problem
+            problem = t.tiling_problem()
+        except DataError as exc:
+            problems.append(str(exc))
+            continue
         if problem:
             problems.append(f"{ckpt.path}: tensor '{t.name}': {problem}")
         for piece in t.pieces:
