@@ -109,11 +109,14 @@ class Stage12Partitions:
             for e in range(self.experts.ep_sizes[g])
         ]
 
+    def _partition_size(self, g: int, holder: int) -> int:
+        """The size of each partition of group g, as `holder`'s file tells (its saved partition and padding)."""
+        osd, k = self.osd[holder], self.index(holder, g)
+        return zl.partition_size_of_saved(osd["single_partition_of_fp32_groups"][k].shape[0], osd["group_paddings"][k], self.stage is None)
+
     def _partitions(self, g: int, key: str | None, holders: list[int]) -> list[tuple[int, int, StoredArray, int]]:
         """Every holder's partition of group g's flat fp32 weights (key None) or of a moment: (flat start, saved length, array, 0)."""
-        osd, k = self.osd[holders[0]], self.index(holders[0], g)
-        saved = osd["single_partition_of_fp32_groups"][k].shape[0]
-        size = zl.partition_size_of_saved(saved, osd["group_paddings"][k], self.stage is None)
+        size = self._partition_size(g, holders[0])
         parts = []
         for d, r in enumerate(holders):
             osd, k = self.osd[r], self.index(r, g)
@@ -133,8 +136,7 @@ class Stage12Partitions:
                 self._parts[at] = parts, starts if starts == sorted(starts) else None
             return flat_pieces(slot.offset, slot.numel, *self._parts[at])
 
-        osd, k = self.osd[holders[0]], self.index(holders[0], g)
-        size = zl.partition_size_of_saved(osd["single_partition_of_fp32_groups"][k].shape[0], osd["group_paddings"][k], self.stage is None)
+        size = self._partition_size(g, holders[0])
         count = (slot.offset + slot.numel - 1) // size - slot.offset // size + 1 if slot.numel and size else 0
         return LazyPieces(make, count)
 
