@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes
@@ -53,22 +53,6 @@ def stage3_frozen_pieces(models: Mapping[int, ZeroFile], name: str, numel: int, 
     return flat_pieces(0, numel, parts)
 
 
-class OptimizerStates(Mapping[int, Any]):
-    """Each rank's `optimizer_state_dict`, taken from its file when first asked for (inspect reads rank 0's only)."""
-
-    def __init__(self, optims: Mapping[int, ZeroFile]) -> None:
-        self.optims = optims
-
-    def __getitem__(self, rank: int) -> Any:
-        return self.optims[rank].tree["optimizer_state_dict"]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.optims)
-
-    def __len__(self) -> int:
-        return len(self.optims)
-
-
 class Stage12Partitions:
     """Stage 1/2 and BF16_Optimizer: one flat fp32 buffer per param group, cut into W equal partitions.
     MoE (`experts`): an expert group is cut into W/ep_size partitions per expert-parallel rank, each holding that
@@ -85,7 +69,7 @@ class Stage12Partitions:
     ) -> None:
         self.model, self.optims, self.world, self.stage = model, optims, world, stage
         self.experts, self.order = experts, order
-        self.osd = OptimizerStates(optims)
+        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
         self._parts: dict[tuple[int, str | None, int], tuple[list[tuple[int, int, StoredArray, int]], list[int] | None]] = {}
         self.shapes: list[dict[str, zl.Shape]] = model.tree.get("param_shapes") or []
         base = self.osd[0]["base_optimizer_state"]
@@ -186,7 +170,7 @@ class Stage3Partitions:
 
     def __init__(self, models: Mapping[int, ZeroFile], optims: Mapping[int, ZeroFile], world: int) -> None:
         self.models, self.optims, self.world = models, optims, world
-        self.osd = OptimizerStates(optims)
+        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
         self._flats: dict[tuple[int, str | None], list[StoredArray]] = {}
         self.shapes: list[dict[str, zl.Shape]] = models[0].tree.get("param_shapes") or []
         inner = self.osd[0].get("optimizer_state_dict") or {}
