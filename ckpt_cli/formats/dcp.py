@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 
 from ckpt_cli.core import roles, zipio
 from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.file_times import rewritten_after
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import (
     Box,
@@ -366,12 +367,14 @@ class DCPReader:
         for p in sorted(folder.glob("*.distcp")):
             if p.name not in referenced:
                 problems.append(f"{p}: not referenced by {METADATA} (a leftover of another save?)")
-        meta_mtime = meta_path.stat().st_mtime_ns
         uploaded = is_remote(folder)  # an object's LastModified is its upload, in whatever order a copy made them
         for rel in sorted(referenced) if not uploaded else ():
             data = folder / rel
-            if data.exists() and data.stat().st_mtime_ns > meta_mtime:
-                problems.append(f"{data}: newer than {METADATA}; an interrupted re-save may have mixed old metadata with new data")
+            if data.exists() and rewritten_after(data, meta_path):  # by birth and modification: a copy passes
+                problems.append(
+                    f"{data}: rewritten after {METADATA} was committed; an interrupted re-save may have mixed old "
+                    "metadata with new data"
+                )
         problems += _overlaps(folder, list(meta.storage_data.values()), source.safetensors)
         problems += list(source.problems)
         problems += _bounds(ckpt)
