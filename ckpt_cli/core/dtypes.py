@@ -90,6 +90,22 @@ def by_name(name: str) -> DType:
     raise UsageError(f"unknown dtype '{name}' (known: {', '.join(BY_NAME)})")
 
 
+CAST_CHOICES = ("keep", "fp32", "bf16", "fp16")
+_CASTS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def cast_target(name: str) -> DType | None:
+    """What `--dtype` casts floating-point weights to: None for keep. Only the floating-point widths a model is
+    trained and served in: an integer, bool or float8 target would round every weight to 0 or 1 (float8 needs
+    scales), so anything else is a UsageError naming the choices."""
+    key = name.lower() if isinstance(name, str) else name
+    if key == "keep":
+        return None
+    if key not in _CASTS:
+        raise UsageError(f"--dtype {name!r}: ckpt casts weights to {', '.join(CAST_CHOICES)} only (keep leaves them as saved)")
+    return BY_NAME[_CASTS[key]]
+
+
 def from_safetensors(code: str, where: str) -> DType:
     try:
         return BY_SAFETENSORS[code]

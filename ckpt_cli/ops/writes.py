@@ -34,7 +34,7 @@ def transform(
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
 ) -> Transform:
-    cast = None if dtype == "keep" else dtypes.by_name(dtype)
+    cast = dtypes.cast_target(dtype)
     return Transform(tuple(select or ()), strip_prefix, add_prefix, weights_only, cast)
 
 
