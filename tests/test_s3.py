@@ -312,6 +312,9 @@ def test_overwrite_on_s3(ckpt, s3, sources, tmp_path):
     assert s3.objects("overwrite/hf") == local_files(tmp_path / "hf")
     res = ckpt("convert", url, s3.url("src"), "--to", "hf", "--overwrite")
     assert res.code == 2 and "never replaces what is being read" in res.err
+    before = s3.keys("src/")
+    res = ckpt("convert", url, f"{url}/sub", "--to", "hf")
+    assert res.code == 2 and "inside the source" in res.err and s3.keys("src/") == before
     s3.put("overwrite/notes/readme.txt", b"not a checkpoint")
     res = ckpt("convert", url, s3.url("overwrite/notes"), "--to", "hf", "--overwrite")
     assert res.code == 2 and "neither empty nor a checkpoint" in res.err

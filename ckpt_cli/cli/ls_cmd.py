@@ -39,7 +39,7 @@ def ls(root: Root, json_: Json = False, trust_pickle: TrustPickle = False) -> No
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    width = max(len(r["path"]) for r in rows)
+    width = max([len("path")] + [len(r["path"]) for r in rows])
     lines = [f"  {'path':<{width}}  {'framework':<10} {'format':<11} {'step':>6} {'world':>5} {'size':>10}  state"]
     for r in rows:
         state = "complete" if r["complete"] else f"INCOMPLETE: {r['problem']}"

@@ -40,6 +40,7 @@ def check_destination(dest: Path, overwrite: bool, output_is_dir: bool, guard: G
     or a folder holding one, a non-empty folder that is not a checkpoint, a file that is not a checkpoint when
     the output is a folder. `dest` may be in object storage (s3://, a prefix or an object)."""
     dest = storage.location(dest)
+    _refuse_inside_a_source(dest, guard.sources)
     if not (dest.exists() if storage.is_remote(dest) else os.path.lexists(dest)):
         return
     if not overwrite:
@@ -57,6 +58,16 @@ def check_destination(dest: Path, overwrite: bool, output_is_dir: bool, guard: G
         raise UsageError(f"{dest} is a folder that is neither empty nor a checkpoint; --overwrite replaces only those")
     if not dest.is_dir() and output_is_dir and not checkpoint:
         raise UsageError(f"{dest} is a file that is not a checkpoint; --overwrite replaces it only with a single-file output")
+
+
+def _refuse_inside_a_source(dest: Path, sources: tuple[str, ...]) -> None:
+    """A destination inside a folder being read would become part of that checkpoint (a stray sub-folder that
+    `ls` then calls the newest checkpoint, files a later read takes for leftovers): refused, on every store."""
+    above = set(_real(dest).parents)
+    for source in sources:
+        real = _real(storage.location(source))
+        if real in above and real.is_dir():
+            raise UsageError(f"{dest} is inside the source {source}; write it outside the checkpoint being read")
 
 
 def _real(path: Path) -> Path:

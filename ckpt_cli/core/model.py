@@ -180,6 +180,7 @@ class TensorEntry:
     role: str
     pieces: list[Piece] | LazyPieces
     path: PathKey = ()  # key path in the source's nesting (state-dict keys), for nested writers
+    copy_of: str | None = None  # another tensor this one is a lower-precision or duplicate copy of (written once)
 
     def __post_init__(self) -> None:
         if not self.path:

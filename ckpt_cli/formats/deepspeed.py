@@ -394,7 +394,7 @@ class DeepSpeedReader:
             ref = module.get(name)
             if isinstance(ref, TensorRef) and math.prod(ref.shape):
                 path = ("module", name)
-                out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, ref.shape, "other", first.whole(ref), path)
+                out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, ref.shape, "other", first.whole(ref), path, copy_of=name)
         return out
 
     def _client_state(self, first: RankFile, param_groups: list[dict[str, Any]]) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry]]:

@@ -36,6 +36,7 @@ class Format:
     reshard_by: str | None = None  # what `reshard` changes: "world_size" (ranks) or "shards" (files); None: one file
     training: TrainingFormat | None = None  # holds a whole training run that moves to and from other frameworks
     writes_any_state_dict: bool = True  # False: the writer needs a source of its own format (or a training state)
+    members: str | None = None  # names of the files a folder of this format holds (a regex, whole name)
 
 
 # Detection order: the most specific layouts first.
@@ -52,6 +53,7 @@ FORMATS: dict[str, Format] = {
             reshard_by="world_size",
             training=deepspeed_training.TRAINING,
             writes_any_state_dict=False,
+            members=r"latest|.+_(model|optim)_states\.pt",
         ),
         Format(
             "megatron",
@@ -59,6 +61,7 @@ FORMATS: dict[str, Format] = {
             None,
             "Megatron-Core torch_dist: metadata.json + common.pt + DCP .metadata/__R_I.distcp",
             True,
+            members=r"__\d+_\d+\.distcp|common\.pt|metadata\.json|\.metadata",
         ),
         Format(
             "dcp",
@@ -68,12 +71,33 @@ FORMATS: dict[str, Format] = {
             True,
             reshard_by="world_size",
             training=dcp_training.TRAINING,
+            members=r"__\d+_\d+\.distcp|(__\d+)?\.metadata",
         ),
         Format(
-            "dtensor", dtensor_ranks.READER, None, "per-rank torch.save of DTensor shards (verl, SkyRL): model_world_size_W_rank_R.pt", True
+            "dtensor",
+            dtensor_ranks.READER,
+            None,
+            "per-rank torch.save of DTensor shards (verl, SkyRL): model_world_size_W_rank_R.pt",
+            True,
+            members=r"(model|optim|extra_state)_world_size_\d+_rank_\d+\.pt",
         ),
-        Format("dcp-hf", dcp_safetensors.HF_READER, None, "DCP by HuggingFaceStorageWriter: shard-R-model-I-of-N.safetensors", False),
-        Format("hf", hf.READER, hf.WRITER, "Hugging Face sharded safetensors + model.safetensors.index.json", False, reshard_by="shards"),
+        Format(
+            "dcp-hf",
+            dcp_safetensors.HF_READER,
+            None,
+            "DCP by HuggingFaceStorageWriter: shard-R-model-I-of-N.safetensors",
+            False,
+            members=r"shard-\d+-model-\d+-of-\d+\.safetensors",
+        ),
+        Format(
+            "hf",
+            hf.READER,
+            hf.WRITER,
+            "Hugging Face sharded safetensors + model.safetensors.index.json",
+            False,
+            reshard_by="shards",
+            members=r".+-\d+-of-\d+\.(safetensors|bin)|.+\.index\.json",
+        ),
         Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file", False),
         Format("torch", torch_save.READER, torch_save.WRITER, "one torch.save file (.pt/.pth/.bin)", True),
     )
@@ -95,6 +119,17 @@ def writer(name: str) -> Writer:
 
 def detect(path: Path) -> Format | None:
     return next((f for f in FORMATS.values() if f.reader.detect(path)), None)
+
+
+def member_of(path: Path) -> tuple[Path, Format] | None:
+    """The checkpoint folder that holds `path` as one of its files (a DCP `__0_0.distcp`, one hf shard, a DeepSpeed
+    rank file), with its format; None when `path` is a folder or a file on its own. Read alone, such a file would
+    pass for a whole checkpoint: verify would say OK about a part, merge would write a part."""
+    name, parent = path.name, path.parent
+    candidates = [f for f in FORMATS.values() if f.members and re.fullmatch(f.members, name)]
+    if not candidates or path.is_dir():
+        return None
+    return next(((parent, f) for f in candidates if f.reader.detect(parent)), None)
 
 
 def _step_of(name: str) -> int:

@@ -59,15 +59,19 @@ def identify(path: Path) -> Found | None:
     run = runs.detect(path)
     if run is not None:
         return Found(path, run.framework, run.parts[0].format)
-    if path.is_file() and COMPANION_FILE.fullmatch(path.name):
+    if path.is_file() and (COMPANION_FILE.fullmatch(path.name) or registry.member_of(path)):
         return None
     fmt = registry.detect(path)
     return Found(path, None, fmt.name) if fmt is not None else None
 
 
 def find(root: Path, depth: int = SEARCH_DEPTH) -> list[Found]:
-    """Every checkpoint under `root` (none inside another), oldest first."""
+    """Every checkpoint under `root` (none inside another), oldest first; `root` itself when it is a run checkpoint,
+    or a checkpoint with nothing below it but its own files (a DCP or hf folder)."""
     found: list[Found] = []
+    itself = identify(root)
+    if itself is not None and itself.framework is not None:
+        return [itself]
 
     def walk(folder: Path, left: int) -> None:
         try:
@@ -82,6 +86,8 @@ def find(root: Path, depth: int = SEARCH_DEPTH) -> list[Found]:
                 walk(child, left - 1)
 
     walk(root, depth)
+    if not found and itself is not None:
+        return [itself]
     return sorted(found, key=Found.order)
 
 
@@ -106,6 +112,8 @@ def relative(found: Found, root: Path) -> str:
 def run_of(found: Found, root: Path) -> str:
     """Which run a checkpoint belongs to: its folder under the root, with a folder named by a step (verl's
     global_step_N/actor) standing for the step, not for a run of its own."""
+    if found.path == root:
+        return "."
     folder = found.path.parent.relative_to(root)
     if found.path.name == found.path.parent.name or not NAME_STEP.search(found.path.parent.name):
         return str(folder)

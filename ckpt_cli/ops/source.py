@@ -30,6 +30,13 @@ def open_checkpoint(
             raise DataError(problem)
     if not path.exists():
         raise UsageError(f"{path}: no such file or folder")
+    holder = registry.member_of(path) if format is None else None
+    if holder is not None:
+        folder, fmt = holder
+        raise UsageError(
+            f"{path}: one file of the {fmt.name} checkpoint {folder}, not a checkpoint by itself; point at {folder} "
+            "(or name --format to read this one file alone)"
+        )
     if format is not None or runs.detect(path) is not None or registry.detect(path) is not None:
         ckpt = run_roots.open_exact(path, format, tag, trust_pickle, layout_only)
         note = run_roots.part_note(path) if format is None and not runs.detect(path) else None

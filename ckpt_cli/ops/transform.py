@@ -74,3 +74,15 @@ def apply(ckpt: Checkpoint, t: Transform) -> Checkpoint:
         raise UsageError(f"--select {' '.join(t.select)} matches no tensor")
     containers = ckpt.containers if not (t.strip_prefix or t.add_prefix) else {}
     return dataclasses.replace(ckpt, tensors=tensors, objects=objects, containers=containers, notes=list(ckpt.notes))
+
+
+def without_copies(ckpt: Checkpoint) -> Checkpoint:
+    """The checkpoint less the tensors that copy another one it holds (DeepSpeed's module.* beside the fp32 master
+    weights): another format gets each tensor once. Said in a note."""
+    copies = [t.name for t in ckpt.tensors.values() if t.copy_of is not None and t.copy_of in ckpt.tensors]
+    if not copies:
+        return ckpt
+    tensors = {n: t for n, t in ckpt.tensors.items() if n not in set(copies)}
+    first = ckpt.tensors[copies[0]]
+    note = f"left out {len(copies)} tensors that copy a weight written under its own name ({first.name} of {first.copy_of}, ...)"
+    return dataclasses.replace(ckpt, tensors=tensors, notes=[*ckpt.notes, note])

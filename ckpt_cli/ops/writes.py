@@ -139,14 +139,10 @@ class PreparedWrite:
 
     def dry_run(self, overwrite: bool = False) -> WriteReport:
         """The plan, with a note when the real run would refuse the destination."""
-        dest = self.request.dest
-        if dest.exists() and not overwrite:
-            self.job.notes.append(f"{dest} exists: the real run needs --overwrite")
-        elif overwrite:
-            try:
-                convert_op.check_destination(self.job, overwrite)
-            except UsageError as exc:
-                self.job.notes.append(f"the real run will refuse: {exc}")
+        try:
+            convert_op.check_destination(self.job, overwrite)
+        except UsageError as exc:
+            self.job.notes.append(f"the real run will refuse: {exc}")
         return WriteReport.of(self.job, written=False)
 
     def check_destination(self, overwrite: bool = False) -> None:
