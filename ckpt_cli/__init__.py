@@ -5,23 +5,26 @@ The Python API (ckpt_cli/api.py): `ckpt_cli.open(path)` for metadata and streame
 The library never imports typer, rich or tqdm; those belong to `ckpt_cli.cli`.
 """
 
-from ckpt_cli.api import (
-    Checkpoint,
-    Report,
-    TensorInfo,
-    Tree,
-    WriteReport,
-    convert,
-    diff,
-    inspect,
-    merge,
-    open,
-    reshard,
-    split,
-    verify,
-)
+from __future__ import annotations
+
 from ckpt_cli.errors import CkptError, DataError, UnsafePickleError, UsageError
-from ckpt_cli.ops.source import open_checkpoint
+
+_API = ("Checkpoint", "Report", "TensorInfo", "Tree", "WriteReport", "convert", "diff", "inspect", "merge", "open", "reshard")
+_API += ("split", "verify")
+
+
+def __getattr__(name: str) -> object:  # no typing import: ckpt starts without it (cli/entry.py)
+    """The API is imported on first use, so that `ckpt` can handle Ctrl-C before its heavy imports (cli/entry.py)."""
+    if name in _API:
+        from ckpt_cli import api
+
+        return getattr(api, name)
+    if name == "open_checkpoint":
+        from ckpt_cli.ops.source import open_checkpoint
+
+        return open_checkpoint
+    raise AttributeError(f"module 'ckpt_cli' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 __all__ = [

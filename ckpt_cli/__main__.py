@@ -1,3 +1,3 @@
-from ckpt_cli.cli.app import main
+from ckpt_cli.cli.entry import main
 
 main()

@@ -3,12 +3,18 @@ checkpoint given as the checkpoint, a destination inside its source. Each case i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_fails
 
 import ckpt_cli
 from ckpt_cli.errors import UsageError
@@ -136,3 +142,172 @@ def test_a_sibling_of_a_single_file_source_is_fine(ckpt, tmp_path, mixed_files):
     src = tmp_path / "mixed.safetensors"
     shutil.copy(mixed_files["safetensors"], src)
     assert ckpt("merge", src, tmp_path / "copy.pt").code == 0
+
+
+# ---- signals at any moment, start-up included ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig,code,line", [(signal.SIGINT, 130, "ckpt: error: interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_signal_during_start_up_gives_one_line_and_the_exit_code(tmp_path, mixed_files, sig, code, line):
+    """Signals from the first milliseconds of ckpt's own code on (imports of typer, numpy, torch) to the write itself.
+    Before that the interpreter is still starting: no Python code can handle a signal there."""
+    stopped = 0
+    for delay in (0.01, 0.03, 0.06, 0.1, 0.2, 0.4, 0.8):
+        dest = tmp_path / f"out{delay}.safetensors"
+        args = ["merge", str(mixed_files["hf"]), str(dest), "--dtype", "bf16"]
+        code_ = f"print('up', flush=True); from ckpt_cli.cli.entry import main; main({args!r})"
+        proc = subprocess.Popen([sys.executable, "-c", code_], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        time.sleep(delay)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+        assert "Traceback" not in err, (delay, err)
+        if proc.returncode == 0:  # finished before the signal came
+            continue
+        assert proc.returncode == code and line in err and len(err.strip().splitlines()) == 1, (delay, proc.returncode, err)
+        assert not dest.exists()
+        stopped += 1
+    assert stopped >= 3  # the early ones land during start-up
+
+
+# ---- structured inputs: one loader, bounds, a schema per file kind ------------------------------------------------
+
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(9)
+)
+_MANIFEST_HEAD = '{"ckpt_manifest": 2, "hash": "blake3", "format": "hf", '
+USER_FILES = {  # file kind -> (option, {case: text, needle})
+    "name map": ("--name-map", {
+        "alias bomb": (BOMB, "YAML aliases"),
+        "nested": ("rename: " + "[" * 5000 + "]" * 5000, "nested deeper"),
+        "wrong type": ("rename: [{from: 3, to: x}]", "rename[0].from must be a string"),
+        "unknown key": ("renames: []", "unknown key 'renames'"),
+        "huge integer": ("split: [{from: x, to: a, groups: " + "9" * 5000 + "}]", "integer of 5000 digits"),
+        "not a mapping": ("- a\n- b\n", "must be a mapping"),
+    }),
+    "policy": ("--policy", {
+        "alias bomb": (BOMB, "YAML aliases"),
+        "wrong type": ("min_params: ten", "min_params must be a non-negative integer"),
+        "wrong nested type": ("tensors: {shapes: {w: [2, x]}}", "tensors.shapes.w[1]"),
+        "tolerance": ("tolerance: {atol: -1}", "tolerance.atol must be a number >= 0"),
+        "huge integer": ("max_params: " + "9" * 5000, "integer of 5000 digits"),
+    }),
+    "manifest": ("--manifest", {
+        "nested": ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+        "wrong type": ('{"ckpt_manifest": 2, "hash": "blake3", "format": "hf", "files": [], "tensors": {}}', "files must be a mapping"),
+        "missing field": (_MANIFEST_HEAD + '"files": {}, "tensors": {"w": {"dtype": "float32"}}}', "tensors.w.shape is missing"),
+        "escaping path": (_MANIFEST_HEAD + '"files": {"../x": {"bytes": 1, "blake3": "0"}}, "tensors": {}}', "outside"),
+        "unknown hash": ('{"ckpt_manifest": 2, "hash": "md5"}', "sha256 and blake3"),
+        "huge integer": ('{"ckpt_manifest": ' + "2" * 5000 + "}", "integer of 5000 digits"),
+    }),
+}
+USER_CASES = [(kind, case) for kind, (_, cases) in USER_FILES.items() for case in cases]
+
+
+@pytest.mark.parametrize("kind,case", USER_CASES, ids=[f"{k}: {c}" for k, c in USER_CASES])
+def test_a_bad_user_file_is_exit_2_naming_the_field(ckpt, tmp_path, mixed_files, kind, case):
+    option, cases = USER_FILES[kind]
+    text, needle = cases[case]
+    path = tmp_path / ("file.json" if kind == "manifest" else "file.yaml")
+    path.write_text(text)
+    if kind == "name map":
+        res = ckpt("convert", mixed_files["hf"], tmp_path / "out", "--to", "hf", option, path)
+    else:
+        res = ckpt("verify", mixed_files["hf"], option, path)
+    assert res.code == 2 and "Traceback" not in res.err and "internal error" not in res.err, res.err
+    assert str(path) in res.err and needle in res.err, res.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_deepspeed_config_alias_bomb_is_refused(ckpt, tmp_path, fsdp2_saves):
+    config = tmp_path / "ds.yaml"
+    config.write_text(BOMB)
+    res = ckpt("convert", fsdp2_saves[2] / "ckpt", tmp_path / "out", "--to", "deepspeed", "--world-size", "2", "--ds-config", config)
+    assert res.code == 2 and "YAML aliases" in res.err, res.err
+
+
+CHECKPOINT_FILES = {  # damage to a checkpoint's own JSON file -> what verify names (exit 1)
+    "hf index nested": ("hf", "model.safetensors.index.json", "[" * 100_000 + "]" * 100_000, "nested deeper"),
+    "hf index wrong type": ("hf", "model.safetensors.index.json", '{"weight_map": {"a": 5}}', "weight_map"),
+    "trainer_state huge step": ("trainer", "trainer_state.json", '{"global_step": ' + "7" * 5000 + "}", "integer of 5000 digits"),
+    "trainer_state wrong type": ("trainer", "trainer_state.json", '{"global_step": "four"}', "global_step must be a non-negative"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_FILES))
+def test_a_damaged_checkpoint_json_file_is_exit_1_naming_it(ckpt, tmp_path, case, tiny_llama, run_folders):
+    kind, name, text, needle = CHECKPOINT_FILES[case]
+    if kind == "hf":
+        folder = shutil.copytree(tiny_llama[1] / "sharded", tmp_path / "ckpt")
+    else:
+        folder = shutil.copytree(run_folders["trainer-plain"] / "checkpoint-4", tmp_path / "ckpt")
+    (folder / name).write_text(text)
+    res = ckpt("verify", folder)
+    assert res.code == 1 and "Traceback" not in res.out + res.err and "internal error" not in res.err, res.out + res.err
+    assert name in res.out + res.err and needle in res.out + res.err, res.out + res.err
+    res = ckpt("merge", folder, tmp_path / "out.safetensors")
+    assert res.code == 1 and not (tmp_path / "out.safetensors").exists(), res.err
+
+
+def test_a_safetensors_shape_that_overflows_64_bits_is_refused(ckpt, tmp_path):
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2**32, 2**32, 0], "data_offsets": [0, 0]}}).encode()
+    path = tmp_path / "overflow.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    res = ckpt("verify", path)
+    assert res.code == 1 and "overflows 64 bits" in res.out + res.err
+    assert ckpt("merge", path, tmp_path / "out.pt").code == 1 and not (tmp_path / "out.pt").exists()
+
+
+def test_a_split_of_an_empty_tensor_is_bounded_by_its_elements(ckpt, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"stack": torch.zeros(10**9, 0, 4)}, tmp_path / "empty.safetensors")  # a billion layers of nothing
+    name_map = tmp_path / "m.yaml"
+    name_map.write_text("split: [{from: stack, to: 'x.{layer}', layers: true, groups: 1000}]")
+    started = time.monotonic()
+    res = ckpt("convert", tmp_path / "empty.safetensors", tmp_path / "out", "--to", "hf", "--name-map", name_map)
+    assert res.code == 2 and "nothing to split" in res.err, res.err
+    assert time.monotonic() - started < 30
+
+
+# ---- manifests ------------------------------------------------------------------------------------------------------
+
+
+def test_a_manifest_catches_the_flipped_byte_deep_cannot(ckpt, tmp_path, mixed_files):
+    folder = shutil.copytree(mixed_files["hf"], tmp_path / "hf")
+    manifest = tmp_path / "m.json"
+    assert ckpt("verify", folder, "--write-manifest", manifest).code == 0
+    assert json.loads(manifest.read_text())["hash"] == "blake3"
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    res = ckpt("verify", folder, "--deep")
+    assert res.code == 0 and "stores no checksums" in res.err and "--write-manifest" in res.err
+    assert_fails(ckpt("verify", folder, "--manifest", manifest), shard.name, "differs from manifest")
+
+
+def test_a_sha256_manifest_of_version_1_is_still_checked(ckpt, tmp_path, mixed_files):
+    from safetensors import safe_open
+
+    def _sha256(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    def _name(t: torch.Tensor) -> str:
+        return str(t.dtype).removeprefix("torch.")
+
+    def _bytes(t: torch.Tensor) -> bytes:
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    path = mixed_files["safetensors"]
+    with safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    manifest = {
+        "ckpt_manifest": 1,
+        "format": "safetensors",
+        "files": {path.name: {"bytes": path.stat().st_size, "sha256": _sha256(path.read_bytes())}},
+        "tensors": {k: {"dtype": _name(v), "shape": list(v.shape), "sha256": _sha256(_bytes(v))} for k, v in tensors.items()},
+    }
+    (tmp_path / "m.json").write_text(json.dumps(manifest))
+    res = ckpt("verify", path, "--manifest", tmp_path / "m.json")
+    assert res.code == 0, res.out + res.err

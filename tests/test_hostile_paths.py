@@ -310,7 +310,7 @@ def test_write_manifest_refuses_an_existing_file_and_replaces_only_a_manifest(pr
     refused(cli("verify", src, "--write-manifest", project / "README.md", "--overwrite"), 2, "not a ckpt manifest")
     assert snapshot(tmp_path) == before
     res = cli("verify", src, "--write-manifest", manifest, "--overwrite")
-    assert res.code == 0 and json.loads(manifest.read_text())["ckpt_manifest"] == 1
+    assert res.code == 0 and json.loads(manifest.read_text())["ckpt_manifest"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "manifest.json", "project"]  # written in place, atomically
 
 

@@ -492,6 +492,8 @@ def test_dcp_payload_value_is_reported_and_never_copied(timed, dcp_copy, tmp_pat
     res = timed("inspect", dcp_copy, "--json")
     assert res.code == 0 and "Traceback" not in res.err, res.err
     assert json.loads(res.out)["details"]["refused_pickles"] == {"dataloader.offset": "posix.system"}
+    res = timed("inspect", dcp_copy)  # the text output names it too
+    assert res.code == 0 and "refused: 'dataloader.offset' is a pickle that needs global 'posix.system'" in res.out, res.out
     for args in (["verify", dcp_copy], ["verify", dcp_copy, "--deep"]):
         res = timed(*args)
         assert res.code == 1 and "Traceback" not in res.out + res.err, res.out + res.err

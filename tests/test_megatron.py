@@ -289,3 +289,17 @@ def test_name_map_mistakes_are_usage_errors(ckpt, mcore, tmp_path):
     _write(tmp_path / "m.yaml", STACKED_MAP)
     res = ckpt("convert", mcore / "stacked", tmp_path / "out", "--to", "dcp", "--world-size", "1", "--name-map", tmp_path / "m.yaml")
     assert res.code == 2 and "weight exports" in res.err, res.err
+
+
+def test_a_payload_in_common_pt_is_named_by_inspect_and_refused(ckpt, mcore, tmp_path):
+    from conftest import Evil
+
+    folder = shutil.copytree(mcore / "stacked", tmp_path / "evil")
+    marker = tmp_path / "pwned"
+    common = torch.load(folder / "common.pt", weights_only=False)
+    torch.save({**common, "payload": Evil(marker)}, folder / "common.pt")
+    res = ckpt("inspect", folder)
+    assert res.code == 0 and "refused: 'payload' is a pickle that needs global 'posix.system'" in res.out, res.out + res.err
+    assert_fails(ckpt("verify", folder), "posix.system")
+    assert ckpt("merge", folder, tmp_path / "out.pt", "--all").code == 1
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()

@@ -177,4 +177,4 @@ def test_policy(ckpt, tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("tensor: {}\n")
     res = ckpt("verify", tmp_path / "c.pt", "--policy", broken)
-    assert res.code == 2 and "unknown policy keys" in res.err
+    assert res.code == 2 and "unknown key 'tensor'" in res.err

@@ -64,6 +64,12 @@ def _few(items: list[Any], shown: int = 8) -> str:
     return ", ".join(map(str, items[:shown])) + more
 
 
+def _unread_line(value: dict[str, Any]) -> str:
+    if value["refused_global"]:
+        return f"refused: '{value['name']}' is a pickle that needs global '{value['refused_global']}' (not on the allow list; not loaded)"
+    return f"unread: '{value['name']}': {value['reason']}"
+
+
 def render(doc: dict[str, Any], with_tensors: bool) -> str:
     roles: dict[str, int] = {}
     for t in doc["tensors"]:
@@ -93,6 +99,7 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
     lines.append("training state")
     lines += [f"  {k:<14} {_state_line(v)}" for k, v in doc["training_state"].items()]
     lines += [f"note: {n}" for n in doc.get("notes", [])]
+    lines += [_unread_line(u) for u in doc.get("unread", [])]
     if with_tensors:
         width = max([len(t["name"]) for t in doc["tensors"]] + [4])
         lines.append("")

@@ -50,6 +50,8 @@ def verify(
             f"OK {report.path} ({report.format}): {', '.join(report.checks)}; "
             f"{report.stats.get('tensors', 0)} tensors in {report.stats.get('files', 0)} files"
         )
+        for note in report.notes:
+            output.info(f"note: {note}")
     else:
         count = len(report.problems)
         output.emit(f"FAILED {report.path} ({report.format or 'unreadable'}): {count} problem{'s' if count > 1 else ''}")

@@ -70,6 +70,8 @@ class RowSplit:
         if not inner:
             raise UsageError(f"{where}: {'a stack of layers needs' if self.layers else 'splitting rows needs'} one more dimension")
         rows, row = inner[0], math.prod(inner[1:])
+        if layers * self.groups > max(entry.numel, 1):  # each output range holds >= 1 element: the loop is bounded by the data
+            raise UsageError(f"{where}: {layers} layers x {self.groups} groups from {entry.numel} elements; nothing to split")
         if rows % self.groups:
             raise UsageError(f"{where}: {rows} rows do not divide into {self.groups} groups")
         block = rows // self.groups

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ckpt_cli.core import storage
+from ckpt_cli.core import storage, structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
+from ckpt_cli.core.paths import read_regular_text
 from ckpt_cli.core.row_split import RowSplit
+from ckpt_cli.core.structured import Optional
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
 
@@ -30,6 +32,14 @@ PER_RANK_RULES = ("wrap", "first", "drop")
 _RANK_KEY = re.compile(r"^((?:.*[_.-])?(?:dp_)?rank_?)(\d+)$")  # rank_3, dp_rank_3, rng_rank3
 # Rank keys of other parallel dimensions or none at all: never re-keyed by the data-parallel world size.
 _NOT_DP_RANK = re.compile(r"(?:^|[_.-])(?:tp|pp|mp|ep|sp|cp|expert|lora|low)_?rank_?$")
+
+
+NAME_MAP_SCHEMA = {
+    "strip_segments": Optional([str]),
+    "rename": Optional([{"from": str, "to": str}]),
+    "tied": Optional({str: str}),
+    "split": Optional([{"from": str, "to": (str, list, dict), "groups": structured.non_negative, "layers": bool}]),
+}
 
 
 @dataclass(frozen=True)
@@ -47,17 +57,15 @@ class NameMap:
     def from_yaml(cls, path: Path) -> NameMap:
         """`strip_segments: [...]`, `rename: [{from: REGEX, to: REPL}, ...]`, `tied: {alias: owner}`,
         `split: [{from: REGEX, to: NAMES, groups: N, layers: BOOL}, ...]`."""
-        import yaml
-
         path = storage.location(path)  # a local file or an object (s3://)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            text = read_regular_text(path, max_bytes=16 << 20)
         except OSError as exc:
             raise UsageError(f"{path}: cannot read the name map ({exc.strerror})") from exc
-        except yaml.YAMLError as exc:
-            raise UsageError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from exc
-        if not isinstance(data, dict) or set(data) - {"strip_segments", "rename", "tied", "split"}:
-            raise UsageError(f"{path}: a name map holds strip_segments, rename, split and tied only")
+        except DataError as exc:
+            raise UsageError(f"{path}: cannot read the name map ({exc})") from exc
+        data = structured.load_yaml(text, str(path), UsageError) or {}
+        structured.check(data, NAME_MAP_SCHEMA, str(path), UsageError)
         renames = []
         for item in data.get("rename") or []:
             if not isinstance(item, dict) or set(item) != {"from", "to"}:

@@ -14,13 +14,13 @@ end per dim). That folder is the `dcp-hf` format here. safetensors has no checks
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ckpt_cli.core import structured
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, Piece, StoredArray, TensorEntry, contiguous_strides
@@ -82,10 +82,7 @@ def _sharding_info(metadata: Any, blob: Blob, where: str) -> dict[str, tuple[int
     raw = metadata.get(SHARDING_INFO) if isinstance(metadata, dict) else None
     if raw is None:
         return {name: (0,) * len(shape) for name, (_, shape, _, _) in blob.tensors.items()}
-    try:
-        info = json.loads(raw) if isinstance(raw, str) else None
-    except (json.JSONDecodeError, RecursionError):
-        info = None
+    info = structured.load_json(raw, where, DataError) if isinstance(raw, str) else None
     if not isinstance(info, dict):
         raise DataError(f"{where}: {SHARDING_INFO} is not a JSON object")
     out = {}

@@ -10,13 +10,12 @@ cuts for the requested world size, exactly as it reshards a DeepSpeed checkpoint
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import dtypes, storage
+from ckpt_cli.core import dtypes, storage, structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, Opaque, StoredArray, TensorEntry, concat_flat
 from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
 from ckpt_cli.core.training import TrainingState, apply_per_rank_rule
@@ -48,15 +47,11 @@ def read_config(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise UsageError(f"{path}: cannot read the DeepSpeed config ({exc.strerror})") from exc
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError:
-        import yaml
-
-        try:
-            config = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise UsageError(f"{path}: not a JSON (or YAML) DeepSpeed config") from exc
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        config = structured.load_json(text, str(path), UsageError)
+    else:
+        config = structured.load_yaml(text, str(path), UsageError)
     if not isinstance(config, dict):
         raise UsageError(f"{path}: a DeepSpeed config is a JSON object")
     return config

@@ -11,13 +11,12 @@ optimizer's step) is the same on every rank: it is read from rank 0, never conca
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import zipio
+from ckpt_cli.core import structured, zipio
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, PathKey, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text, shown
@@ -237,8 +236,8 @@ def _fsdp_config(folder: Path, world: int) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        doc = json.loads(read_regular_text(path, max_bytes=1 << 20))
-    except (OSError, DataError, json.JSONDecodeError):
+        doc = structured.load_json(read_regular_text(path, max_bytes=1 << 20), str(path), DataError)
+    except OSError:
         raise DataError(f"{path}: not a readable JSON file") from None
     if not isinstance(doc, dict):
         raise DataError(f"{path}: not a JSON object")

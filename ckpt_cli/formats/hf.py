@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli.core import structured
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, TensorEntry
 from ckpt_cli.core.paths import plain_component, present, read_regular_text
@@ -38,9 +39,10 @@ def find_index(folder: Path) -> Path | None:
 def load_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """weight_map and metadata of an index file; DataError with the reason when malformed."""
     try:
-        doc = json.loads(read_regular_text(index))
-    except (OSError, json.JSONDecodeError) as exc:
+        text = read_regular_text(index, max_bytes=256 << 20)
+    except OSError as exc:
         raise DataError(f"{index}: not a readable JSON index ({exc})") from exc
+    doc = structured.load_json(text, str(index), DataError)
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise DataError(f"{index}: no 'weight_map' object mapping tensor names to files")

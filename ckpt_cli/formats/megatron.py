@@ -12,13 +12,12 @@ Megatron. Facts: docs/formats.md §9.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import pickler, roles, zipio
+from ckpt_cli.core import pickler, roles, structured, zipio
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, Opaque, TensorEntry
 from ckpt_cli.core.paths import open_regular, present, read_regular_text
@@ -119,9 +118,9 @@ def load_config(folder: Path) -> dict[str, Any] | None:
     if not present(path):
         return None
     try:
-        config = json.loads(read_regular_text(path, 1 << 20))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise DataError(f"{path}: not valid JSON ({type(exc).__name__}); Megatron cannot load this checkpoint either") from exc
+        config = structured.load_json(read_regular_text(path, 1 << 20), str(path), DataError)
+    except OSError as exc:
+        raise DataError(f"{path}: not readable ({exc.strerror}); Megatron cannot load this checkpoint either") from exc
     if not isinstance(config, dict) or not isinstance(config.get("sharded_backend"), str):
         raise DataError(f"{path}: no sharded_backend; not a Megatron dist_checkpointing config")
     if config["sharded_backend"] != "torch_dist":

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import roles, storage, zipio
+from ckpt_cli.core import roles, storage, structured, zipio
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text
@@ -27,6 +26,13 @@ from ckpt_cli.formats.runs import Companion, Part, RunCheckpoint
 JSON_LIMIT = 64 * 2**20  # trainer_state.json holds the log history: generous, but bounded
 PARSED_KINDS = ("scheduler", "rng", "framework_state", "custom")  # torch.save files read through the allow list
 WEIGHTS_COPY = "weights_copy"  # the Trainer's model.safetensors beside ZeRO files: read by its format's reader
+# The Trainer's counters ckpt reads from trainer_state.json (the rest, log history included, is carried as it is).
+TRAINER_COUNTERS = {
+    "global_step": structured.non_negative,
+    "max_steps": structured.non_negative,
+    "epoch": structured.Optional(float),
+    "train_batch_size": structured.Optional(structured.non_negative),
+}
 
 
 @dataclass
@@ -116,7 +122,13 @@ def _parse_companion(comp: Companion, where: str, options: ReadOptions, problems
         if comp.kind == "other" and _is_pickle(where):  # an unknown pickle is checked like a known one before it is copied
             return registry.get("torch").reader.read(storage.location(where), ReadOptions(trust_pickle=options.trust_pickle))
         if comp.relpath.endswith(".json"):
-            return json.loads(read_regular_text(where, JSON_LIMIT))
+            value = structured.load_json(read_regular_text(where, JSON_LIMIT), where, DataError)
+            if comp.kind == "trainer_state":
+                structured.check(value, dict, where, DataError)
+                for key, spec in TRAINER_COUNTERS.items():
+                    if key in value:
+                        structured.check(value[key], spec, where, DataError, key)
+            return value
         if comp.kind in PARSED_KINDS:
             return registry.get("torch").reader.read(storage.location(where), ReadOptions(trust_pickle=options.trust_pickle))
         if comp.kind == WEIGHTS_COPY:
@@ -127,8 +139,6 @@ def _parse_companion(comp: Companion, where: str, options: ReadOptions, problems
         if comp.kind == "args":  # a pickle of TrainingArguments: its archive is checked, never unpickled
             with open_regular(where) as f:
                 zipio.read_records(f, where)
-    except json.JSONDecodeError as exc:
-        problems.append(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})")
     except DataError as exc:
         problems.append(str(exc))
     except OSError as exc:

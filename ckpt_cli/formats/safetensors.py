@@ -87,6 +87,17 @@ def _is_size(value: Any) -> bool:
     return type(value) is int and 0 <= value < 1 << 64
 
 
+def _overflows(shape: tuple[int, ...], itemsize: int) -> bool:
+    """The element and bit counts in unsigned 64-bit arithmetic, multiplied in order as the library does
+    (checked_mul): [2**32, 2**32, 0] holds no element, yet the library refuses it."""
+    count = 1
+    for d in shape:
+        count *= d
+        if count >= 1 << 64:
+            return True
+    return count * itemsize * 8 >= 1 << 64
+
+
 def _parse_entry(where: str, name: str, info: Any) -> tuple[DType, tuple[int, ...], int, int]:
     if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
         raise DataError(f"{where}: malformed header entry for {shown(name)} (no dtype)")
@@ -97,6 +108,8 @@ def _parse_entry(where: str, name: str, info: Any) -> tuple[DType, tuple[int, ..
         raise DataError(f"{where}: malformed header entry for {shown(name)} (data_offsets must be two non-negative integers)")
     dtype = dtypes.from_safetensors(info["dtype"], where)
     shape, (begin, end) = tuple(shape), offsets
+    if _overflows(shape, dtype.itemsize):
+        raise DataError(f"{where}: shape {shown(shape)} of {shown(name)} overflows 64 bits (the safetensors library refuses the file)")
     if end < begin:
         raise DataError(f"{where}: malformed header entry for {shown(name)} (data_offsets end before they begin)")
     if end - begin != math.prod(shape) * dtype.itemsize:
@@ -183,6 +196,8 @@ def file_segments(tensors: list[TensorEntry], metadata: dict[str, str]) -> list[
     doc: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     pos = 0
     for t in ordered:
+        if _overflows(t.shape, t.dtype.itemsize):
+            raise DataError(f"'{t.name}' has shape {list(t.shape)}, whose size overflows 64 bits: no safetensors reader would load it")
         doc[t.name] = {"dtype": t.dtype.safetensors, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
         pos += t.nbytes
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()

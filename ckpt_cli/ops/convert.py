@@ -59,7 +59,7 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
             raise UsageError("a name map's split applies to weight exports (hf, safetensors, torch), not to training-state conversions")
         view = training_view(ckpt, target, t, write, cross)
     else:
-        source = transform.without_copies(ckpt) if ckpt.format != target.name else ckpt
+        source = transform.without_copies(ckpt, t) if ckpt.format != target.name else ckpt
         view = transform.apply(name_map.weights_view(source, cross.names) if cross.names_given else source, t)
     plan = writer.plan(view, request.dest, write)
     return Job(plan, list(view.notes) + plan.notes, (str(request.src), *(f.path for f in ckpt.files)))

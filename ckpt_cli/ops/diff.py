@@ -23,7 +23,7 @@ from ckpt_cli.ops import crossframework
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.transform import matches
 from ckpt_cli.ops.values import ValueDiff, compare_values
-from ckpt_cli.ops.verify import tensor_sha256
+from ckpt_cli.ops.verify import tensor_digest
 
 STATE_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "rng")
 ONE_SIDED_QUIET = ("param_groups",)  # held by one side only: the optimizer entry says so already
@@ -326,11 +326,11 @@ def find_renamed(
     hashes_b: dict[tuple[Any, str], list[str]] = {}
     for t in only_b:
         if key(t) in shared:
-            hashes_b.setdefault((key(t), tensor_sha256(t, sources_b)), []).append(t.name)
+            hashes_b.setdefault((key(t), tensor_digest(t, sources_b)), []).append(t.name)
     pairs = []
     for t in only_a:
         if key(t) in shared:
-            candidates = hashes_b.get((key(t), tensor_sha256(t, sources_a)))
+            candidates = hashes_b.get((key(t), tensor_digest(t, sources_a)))
             if candidates:
                 pairs.append((t.name, candidates.pop(0)))
     return pairs

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import roles, storage
-from ckpt_cli.core.model import Checkpoint
+from ckpt_cli.core.model import Checkpoint, Opaque
 from ckpt_cli.formats import registry, runs
 from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.transform import matches
@@ -43,8 +43,18 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
         "training_state": roles.describe_training_state(ckpt),
         "tensors": tensor_rows(ckpt, filters),
         "details": {**ckpt.details, "objects": len(ckpt.objects), "tied": ckpt.tied_groups()},
+        "unread": unread_values(ckpt),
         "notes": ckpt.notes,
     }
+
+
+def unread_values(ckpt: Checkpoint) -> list[dict[str, Any]]:
+    """Every value ckpt left unparsed: a pickle the allow list refused (its global named) or one it cannot read."""
+    out = []
+    for obj in ckpt.objects.values():
+        if isinstance(obj.value, Opaque):
+            out.append({"name": obj.name, "reason": obj.value.reason, "refused_global": obj.value.unsafe_global})
+    return out
 
 
 def run_root(path: Path) -> list[dict[str, Any]] | None:

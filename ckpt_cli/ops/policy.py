@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import dtypes, roles
+from ckpt_cli.core import dtypes, roles, structured
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.core.paths import read_regular_text
+from ckpt_cli.core.structured import Optional
 from ckpt_cli.errors import CkptError, DataError, UsageError
 
-_TOP_KEYS = {"tensors", "min_params", "max_params", "finite", "training_state", "tolerance"}
 _STATE_KEYS = {"optimizer", "lr_scheduler", "rng", "dataloader", "client_state"}
 
 
@@ -43,44 +43,60 @@ class Policy:
     rtol: float | None = None
 
 
-def _list_of_str(value: Any, key: str, path: Path) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise UsageError(f"{path}: '{key}' must be a list of strings")
-    return value
+def _names(value: Any) -> str | None:
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return None
+    return "must be a dtype name or a list of them"
+
+
+def _tolerance(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return f"must be a number >= 0, not {value!r}"[:100]
+    return None
+
+
+SCHEMA = {
+    "tensors": Optional(
+        {
+            "required": Optional([str]),
+            "forbidden": Optional([str]),
+            "dtypes": Optional({str: _names}),
+            "shapes": Optional({str: [structured.non_negative]}),
+        }
+    ),
+    "min_params": Optional(structured.non_negative),
+    "max_params": Optional(structured.non_negative),
+    "finite": Optional(bool),
+    "training_state": Optional([str]),
+    "tolerance": Optional({"atol": Optional(_tolerance), "rtol": Optional(_tolerance)}),
+}
 
 
 def load(path: Path) -> Policy:
-    import yaml
-
     try:
-        doc = yaml.safe_load(read_regular_text(path, max_bytes=64 << 20))  # a local file or an object (s3://)
+        text = read_regular_text(path, max_bytes=64 << 20)  # a local file or an object (s3://)
     except FileNotFoundError:
         raise UsageError(f"{path}: policy file not found") from None
-    except (OSError, DataError, yaml.YAMLError) as exc:
-        raise UsageError(f"{path}: not readable YAML ({str(exc).splitlines()[0]})") from exc
-    doc = doc or {}
-    if not isinstance(doc, dict) or not set(doc) <= _TOP_KEYS:
-        unknown = sorted(set(doc) - _TOP_KEYS) if isinstance(doc, dict) else ["(not a mapping)"]
-        raise UsageError(f"{path}: unknown policy keys {unknown} (known: {sorted(_TOP_KEYS)})")
+    except (OSError, DataError) as exc:
+        raise UsageError(f"{path}: not readable ({str(exc).splitlines()[0]})") from exc
+    doc = structured.load_yaml(text, str(path), UsageError) or {}
+    structured.check(doc, SCHEMA, str(path), UsageError)
     tensors = doc.get("tensors") or {}
     policy = Policy(
-        required=_list_of_str(tensors.get("required", []), "tensors.required", path),
-        forbidden=_list_of_str(tensors.get("forbidden", []), "tensors.forbidden", path),
+        required=tensors.get("required") or [],
+        forbidden=tensors.get("forbidden") or [],
         min_params=doc.get("min_params"),
         max_params=doc.get("max_params"),
         finite=bool(doc.get("finite", False)),
-        training_state=_list_of_str(doc.get("training_state", []), "training_state", path),
+        training_state=doc.get("training_state") or [],
     )
     for glob, allowed in (tensors.get("dtypes") or {}).items():
-        names = [allowed] if isinstance(allowed, str) else _list_of_str(allowed, f"tensors.dtypes.{glob}", path)
+        names = [allowed] if isinstance(allowed, str) else allowed
         try:
             policy.dtypes[glob] = [dtypes.by_name(n).name for n in names]
         except CkptError as exc:
-            raise UsageError(f"{path}: {exc}") from exc
-    for name, shape in (tensors.get("shapes") or {}).items():
-        if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
-            raise UsageError(f"{path}: tensors.shapes.{name} must be a list of integers")
-        policy.shapes[name] = shape
+            raise UsageError(f"{path}: tensors.dtypes.{glob}: {exc}") from exc
+    policy.shapes = dict(tensors.get("shapes") or {})
     unknown_state = set(policy.training_state) - _STATE_KEYS
     if unknown_state:
         raise UsageError(f"{path}: unknown training_state entries {sorted(unknown_state)} (known: {sorted(_STATE_KEYS)})")

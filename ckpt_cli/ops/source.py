@@ -33,8 +33,10 @@ def open_checkpoint(
     holder = registry.member_of(path) if format is None else None
     if holder is not None:
         folder, fmt = holder
+        run = runs.is_part_of(folder)  # the DCP folder of a Trainer or accelerate save: name the whole save
+        what, at = (f"the {run[0].framework} checkpoint", run[1]) if run else (f"the {fmt.name} checkpoint", folder)
         raise UsageError(
-            f"{path}: one file of the {fmt.name} checkpoint {folder}, not a checkpoint by itself; point at {folder} "
+            f"{path}: one file of {what} {at}, not a checkpoint by itself; point at that folder "
             "(or name --format to read this one file alone)"
         )
     if format is not None or runs.detect(path) is not None or registry.detect(path) is not None:

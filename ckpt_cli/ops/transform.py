@@ -76,13 +76,16 @@ def apply(ckpt: Checkpoint, t: Transform) -> Checkpoint:
     return dataclasses.replace(ckpt, tensors=tensors, objects=objects, containers=containers, notes=list(ckpt.notes))
 
 
-def without_copies(ckpt: Checkpoint) -> Checkpoint:
+def without_copies(ckpt: Checkpoint, t: Transform) -> Checkpoint:
     """The checkpoint less the tensors that copy another one it holds (DeepSpeed's module.* beside the fp32 master
-    weights): another format gets each tensor once. Said in a note."""
-    copies = [t.name for t in ckpt.tensors.values() if t.copy_of is not None and t.copy_of in ckpt.tensors]
+    weights): another format gets each tensor once. Said in a note when `t` would have written them."""
+    copies = [e for e in ckpt.tensors.values() if e.copy_of is not None and e.copy_of in ckpt.tensors]
     if not copies:
         return ckpt
-    tensors = {n: t for n, t in ckpt.tensors.items() if n not in set(copies)}
-    first = ckpt.tensors[copies[0]]
-    note = f"left out {len(copies)} tensors that copy a weight written under its own name ({first.name} of {first.copy_of}, ...)"
-    return dataclasses.replace(ckpt, tensors=tensors, notes=[*ckpt.notes, note])
+    tensors = {n: e for n, e in ckpt.tensors.items() if e not in copies}
+    kept = [e for e in copies if not (t.weights_only and e.role != "model") and matches(e.name, t.select)]
+    notes = list(ckpt.notes)
+    if kept:
+        first = f"{kept[0].name} of {kept[0].copy_of}"
+        notes.append(f"left out {len(kept)} tensors that copy a weight written under its own name ({first}, ...)")
+    return dataclasses.replace(ckpt, tensors=tensors, notes=notes)
