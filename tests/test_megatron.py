@@ -299,7 +299,7 @@ def test_a_payload_in_common_pt_is_named_by_inspect_and_refused(ckpt, mcore, tmp
     common = torch.load(folder / "common.pt", weights_only=False)
     torch.save({**common, "payload": Evil(marker)}, folder / "common.pt")
     res = ckpt("inspect", folder)
-    assert res.code == 0 and "refused: 'payload' is a pickle that needs global 'posix.system'" in res.out, res.out + res.err
+    assert res.code == 0 and "refused: 'common.pt' is a pickle that needs global 'posix.system'" in res.out, res.out + res.err
     assert_fails(ckpt("verify", folder), "posix.system")
     assert ckpt("merge", folder, tmp_path / "out.pt", "--all").code == 1
     assert not marker.exists() and not (tmp_path / "out.pt").exists()

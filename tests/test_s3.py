@@ -421,7 +421,7 @@ def test_manifests_and_policies_in_object_storage(ckpt, s3, sources, tmp_path, m
     manifest = s3.url("manifests/mixed.json")
     res = ckpt("verify", url, "--write-manifest", manifest)
     assert res.code == 0 and f"wrote manifest {manifest};" in res.out, res.out + res.err
-    assert json.loads(s3.get("manifests/mixed.json"))["ckpt_manifest"] == 1 and not list(tmp_path.iterdir())
+    assert json.loads(s3.get("manifests/mixed.json"))["ckpt_manifest"] == 2 and not list(tmp_path.iterdir())
     again = ckpt("verify", url, "--write-manifest", manifest)
     assert again.err == f"ckpt: error: {manifest} already exists; pass --overwrite to replace it\n"
     assert "is not a ckpt manifest" in ckpt("verify", url, "--write-manifest", url, "--overwrite").err

@@ -101,6 +101,9 @@ def _run(argv: list[str] | None) -> int:
     debug = bool(os.environ.get("CKPT_DEBUG"))
     try:
         code = app(args=argv, prog_name="ckpt", standalone_mode=False)
+        if code == 130:  # typer turns a KeyboardInterrupt in a command into a silent Exit(130), SIGTERM's included
+            error("terminated (SIGTERM)" if interrupt.requested() else "interrupted")
+            code = 143 if interrupt.requested() else 130
     except CkptError as exc:
         if debug:
             raise

@@ -33,6 +33,11 @@ def check() -> None:
         raise Terminated
 
 
+def requested() -> bool:
+    """Whether a stop (SIGTERM) was requested during this run."""
+    return _requested.is_set()
+
+
 def reset() -> None:
     """Forget a request (a new CLI run in the same process)."""
     _requested.clear()

@@ -38,7 +38,7 @@ NAME_MAP_SCHEMA = {
     "strip_segments": Optional([str]),
     "rename": Optional([{"from": str, "to": str}]),
     "tied": Optional({str: str}),
-    "split": Optional([{"from": str, "to": (str, list, dict), "groups": structured.non_negative, "layers": bool}]),
+    "split": Optional([{"from": str, "to": (str, list, dict), "groups": Optional(structured.non_negative), "layers": Optional(bool)}]),
 }
 
 
