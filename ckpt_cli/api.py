@@ -41,7 +41,7 @@ from ckpt_cli.ops.diff import diff as diff_op
 from ckpt_cli.ops.request import Request
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.tree_view import Tree
-from ckpt_cli.ops.verify import Report, VerifyOptions
+from ckpt_cli.ops.verify import Report, VerifyOptions, check_manifest_destination  # noqa: F401 - the CLI's writes use it
 from ckpt_cli.ops.verify import verify as verify_op
 from ckpt_cli.ops.writes import (
     PreparedWrite,

@@ -28,6 +28,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dry-run -d 'Print t
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l json -d 'Machine-readable JSON on stdout.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l workers -r -d 'Files written at once (default: CPU count, at most 4).'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l write-manifest -r -d 'After the write, record per-file and per-tensor BLAKE3 digests of the output in FILE (as verify --write-manifest).'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l layout -x -a 'get_state_dict torchtitan' -d 'dcp target: key layout of the training state, get_state_dict (model/optim) or torchtitan (model keys at the top, optimizer flattened); default: get_state_dict from DeepSpeed, else as the source.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l zero-stage -r -d 'deepspeed target from another framework: ZeRO stage 1, 2 or 3.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l ds-config -r -d 'deepspeed target: the runs DeepSpeed config (JSON): stage, precision, clipping, batch size.'
@@ -80,6 +81,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from merge' -l dry-run -d 'Print the
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l json -d 'Machine-readable JSON on stdout.'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l workers -r -d 'Files written at once (default: CPU count, at most 4).'
+complete -c ckpt -n '__fish_seen_subcommand_from merge' -l write-manifest -r -d 'After the write, record per-file and per-tensor BLAKE3 digests of the output in FILE (as verify --write-manifest).'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -F
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l world-size -r -d 'dcp, deepspeed: number of ranks to write for.'
@@ -99,6 +101,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l dry-run -d 'Print t
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l json -d 'Machine-readable JSON on stdout.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l workers -r -d 'Files written at once (default: CPU count, at most 4).'
+complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l write-manifest -r -d 'After the write, record per-file and per-tensor BLAKE3 digests of the output in FILE (as verify --write-manifest).'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l layout -x -a 'get_state_dict torchtitan' -d 'dcp target: key layout of the training state, get_state_dict (model/optim) or torchtitan (model keys at the top, optimizer flattened); default: get_state_dict from DeepSpeed, else as the source.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l rename -r -d 'Rename parameters, REGEX=REPLACEMENT (repeatable, in order): training-state conversions and exports.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l name-map -r -d 'YAML name map: strip_segments, rename [{from, to}], tied {alias: owner}; weight exports (hf, safetensors, torch) also split [{from, to, groups, layers}]: fused QKV, gate/up and layer-stacked tensors by rows.'
@@ -119,6 +122,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from split' -l dry-run -d 'Print the
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l json -d 'Machine-readable JSON on stdout.'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l workers -r -d 'Files written at once (default: CPU count, at most 4).'
+complete -c ckpt -n '__fish_seen_subcommand_from split' -l write-manifest -r -d 'After the write, record per-file and per-tensor BLAKE3 digests of the output in FILE (as verify --write-manifest).'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -F
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -l deep -d 'Read every byte: zip CRCs, per-tensor checksums, unreadable records.'

@@ -311,3 +311,16 @@ def test_a_sha256_manifest_of_version_1_is_still_checked(ckpt, tmp_path, mixed_f
     (tmp_path / "m.json").write_text(json.dumps(manifest))
     res = ckpt("verify", path, "--manifest", tmp_path / "m.json")
     assert res.code == 0, res.out + res.err
+
+
+@pytest.mark.parametrize("command,args", [("convert", ["--to", "hf"]), ("merge", []), ("split", ["--num-shards", "2"])])
+def test_a_write_records_the_manifest_of_its_output(ckpt, tmp_path, mixed_files, command, args):
+    dest = tmp_path / ("out.safetensors" if command == "merge" else "out")
+    manifest = tmp_path / "out.json"
+    res = ckpt(command, mixed_files["hf"], dest, *args, "--write-manifest", manifest)
+    assert res.code == 0 and "wrote manifest" in res.err, res.err
+    assert json.loads(manifest.read_text())["hash"] == "blake3"
+    assert ckpt("verify", dest, "--manifest", manifest).code == 0
+    other = tmp_path / ("other.safetensors" if command == "merge" else "other")
+    res = ckpt(command, mixed_files["hf"], other, *args, "--write-manifest", manifest)  # an existing manifest: refused first
+    assert res.code == 2 and "--overwrite" in res.err and not other.exists()

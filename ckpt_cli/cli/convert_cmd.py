@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -34,11 +35,12 @@ from ckpt_cli.cli.options import (
     WeightsOnly,
     Workers,
     WorldSize,
+    WriteManifest,
     ZeroStage,
 )
 from ckpt_cli.core.distributed import is_main_process
 from ckpt_cli.core.sizes import human_bytes
-from ckpt_cli.errors import Interrupted, Terminated
+from ckpt_cli.errors import DataError, Interrupted, Terminated
 from ckpt_cli.formats.registry import FORMATS
 
 
@@ -51,6 +53,7 @@ class Output:
     quiet: bool = False
     json: bool = False
     workers: int | None = None
+    manifest: Path | None = None  # --write-manifest: digests of the output, read back from the page cache
 
 
 def plan_text(report: api.WriteReport) -> str:
@@ -74,6 +77,8 @@ def _run(request: api.Request, out: Output) -> None:
         output.emit_json(report.to_json()) if out.json else output.emit(plan_text(report))
         return
     prepared.check_destination(out.overwrite)
+    if out.manifest is not None and is_main_process():
+        api.check_manifest_destination(out.manifest, out.overwrite)  # before any work, as verify does
     for note in prepared.notes:
         output.info(f"note: {note}", quiet)
     with output.progress(prepared.total_bytes, f"{prepared.format} -> {dest.name}", quiet) as bar:
@@ -84,6 +89,11 @@ def _run(request: api.Request, out: Output) -> None:
             what = "terminated (SIGTERM)" if terminated else "interrupted"
             raise Interrupted(f"{what}; nothing was written to {dest}", terminated) from None
     output.info(f"wrote {report.format} {dest} ({len(report.files)} files, {human_bytes(report.total_bytes)})", quiet)
+    if out.manifest is not None and is_main_process():
+        checked = api.verify(dest, write_manifest=out.manifest, overwrite=out.overwrite)
+        if not checked.ok:  # the output fails its own structural check: a bug, said as one
+            raise DataError(f"{dest}: the output fails verify, no manifest written: {checked.problems[0]}")
+        output.info(f"wrote manifest {out.manifest}", quiet)
 
 
 def convert(
@@ -109,6 +119,7 @@ def convert(
     quiet: Quiet = False,
     json_: Json = False,
     workers: Workers = None,
+    write_manifest: WriteManifest = None,
     layout: Layout = None,
     zero_stage: ZeroStage = None,
     ds_config: DSConfig = None,
@@ -124,7 +135,7 @@ def convert(
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
         per_rank_state=per_rank_state,
     )  # fmt: skip
-    _run(request, Output(overwrite, dry_run, quiet, json_, workers))
+    _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))
 
 
 def reshard(
@@ -147,6 +158,7 @@ def reshard(
     quiet: Quiet = False,
     json_: Json = False,
     workers: Workers = None,
+    write_manifest: WriteManifest = None,
     layout: Layout = None,
     rename: Rename = None,
     name_map: NameMapFile = None,
@@ -159,7 +171,7 @@ def reshard(
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
     )  # fmt: skip
-    _run(request, Output(overwrite, dry_run, quiet, json_, workers))
+    _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))
 
 
 def merge(
@@ -180,13 +192,14 @@ def merge(
     quiet: Quiet = False,
     json_: Json = False,
     workers: Workers = None,
+    write_manifest: WriteManifest = None,
 ) -> None:
     """All shards into one file: DST.safetensors or DST.pt (model weights unless --all)."""
     request = api.merge_request(
         src, dest, keep_all=all_, dtype=dtype, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix,
         format=format_, tag=tag, trust_pickle=trust_pickle,
     )  # fmt: skip
-    _run(request, Output(overwrite, dry_run, quiet, json_, workers))
+    _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))
 
 
 def split(
@@ -206,10 +219,11 @@ def split(
     quiet: Quiet = False,
     json_: Json = False,
     workers: Workers = None,
+    write_manifest: WriteManifest = None,
 ) -> None:
     """One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB)."""
     request = api.split_request(
         src, dest, max_shard_size=max_shard_size, num_shards=num_shards, dtype=dtype, select=select, strip_prefix=strip_prefix,
         add_prefix=add_prefix, format=format_, tag=tag, trust_pickle=trust_pickle,
     )  # fmt: skip
-    _run(request, Output(overwrite, dry_run, quiet, json_, workers))
+    _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))

@@ -49,6 +49,14 @@ WeightsOnly = Annotated[bool, typer.Option("--weights-only", help="Model weights
 Select = Annotated[Optional[list[str]], typer.Option("--select", help="Keep tensors whose names match this glob (repeatable).")]
 StripPrefix = Annotated[Optional[str], typer.Option("--strip-prefix", help="Remove this prefix from tensor names.")]
 AddPrefix = Annotated[Optional[str], typer.Option("--add-prefix", help="Add this prefix to tensor names.")]
+WriteManifest = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--write-manifest",
+        help="After the write, record per-file and per-tensor BLAKE3 digests of the output in FILE (as verify --write-manifest).",
+        metavar="FILE",
+    ),
+]
 Workers = Annotated[Optional[int], typer.Option("--workers", help="Files written at once (default: CPU count, at most 4).", min=1)]
 Layout = Annotated[
     Optional[str],

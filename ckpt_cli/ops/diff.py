@@ -20,10 +20,10 @@ from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.reading import SourceFiles
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.ops import crossframework
+from ckpt_cli.ops.digests import tensor_digest
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.transform import matches
 from ckpt_cli.ops.values import ValueDiff, compare_values
-from ckpt_cli.ops.verify import tensor_digest
 
 STATE_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "rng")
 ONE_SIDED_QUIET = ("param_groups",)  # held by one side only: the optimizer entry says so already
