@@ -1,4 +1,4 @@
-"""The Python API: the README's examples run, tensors read through it equal what the real producers'
+"""The Python API: the examples of docs/api.md run, tensors read through it equal what the real producers'
 loaders give (DCP, DeepSpeed, hf, and every dtype), its reports are the CLI's, and it never imports the CLI."""
 
 from __future__ import annotations
@@ -17,25 +17,18 @@ from safetensors.torch import load_file
 from test_architecture import GRAPH
 from test_dcp import flat_state
 from test_deepspeed import zero_to_fp32
-from test_readme import README, run_command, shell_env
+from test_readme import ROOT, run_command, shell_env
 
 import ckpt_cli
 from ckpt_cli.errors import DataError, UsageError
 
-
-def python_blocks(text: str, section: str) -> list[str]:
-    """The ```python blocks of one `## ` section of a markdown text."""
-    start = text.index(f"\n## {section}\n")
-    end = text.find("\n## ", start + 1)
-    return re.findall(r"^```python\n(.*?)^```$", text[start : end if end > 0 else None], flags=re.DOTALL | re.MULTILINE)
-
-
-BLOCKS = python_blocks(README.read_text(), "Python API")
+API_PAGE = ROOT / "docs" / "api.md"
+BLOCKS = re.findall(r"^```python\n(.*?)^```$", API_PAGE.read_text(), flags=re.DOTALL | re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """A folder where `ckpt demo demo` ran, as the README's examples expect."""
+    """A folder where `ckpt demo demo` ran, as the examples of docs/api.md expect."""
     root = tmp_path_factory.mktemp("api-demo")
     out = run_command("ckpt demo demo", root)
     assert (root / "demo" / "hf").is_dir(), out
@@ -47,10 +40,10 @@ def test_readme_has_python_examples():
 
 
 def test_readme_python_examples_run(demo):
-    """Every block, in README order, in its own interpreter (a notebook's fresh kernel), in the demo folder."""
+    """Every block, in page order, in its own interpreter (a notebook's fresh kernel), in the demo folder."""
     for index, block in enumerate(BLOCKS):
         proc = subprocess.run([sys.executable, "-c", block], cwd=demo, env=shell_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"README Python API block {index} failed:\n{block}\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 0, f"docs/api.md Python block {index} failed:\n{block}\n{proc.stderr[-3000:]}"
 
 
 def read_all(path, **kwargs):

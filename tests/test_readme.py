@@ -1,9 +1,10 @@
-"""The README's console examples run verbatim and print what the README shows.
+"""The console examples of the README and of every page under docs/ run verbatim and print what they show.
 
-Every ```console block of README.md is a test. In a block, a line starting with `$ ` is a command and
+Every ```console block of README.md and of the PAGES is a test. In a block, a line starting with `$ ` is a command and
 the lines after it, up to the next command, are its expected output (stdout and stderr together, in the
-order a terminal shows them). All blocks run in order in one temporary directory, as a newcomer would
-type them after `ckpt demo demo` (the README's first block), so later blocks use what earlier ones wrote.
+order a terminal shows them). All blocks run in order (the README's, then each page's in PAGES order) in one temporary directory, as a
+newcomer would type them after `ckpt demo demo` (the README's first block), so later blocks use what earlier
+ones wrote.
 Each command runs in its own `bash -c` with the venv's `ckpt` first on PATH and a fixed terminal width.
 
 The output must match byte for byte, sizes and counts included; nothing is normalised, because nothing
@@ -25,7 +26,10 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# The manual, in the order its examples build on each other (usage's outputs are frameworks' inputs, ...).
+PAGES = [README] + [ROOT / "docs" / f"{name}.md" for name in ("usage", "frameworks", "run-folders", "api", "scale", "safety", "design")]
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ def run_command(command: str, cwd: Path) -> str:
     return proc.stdout
 
 
-BLOCKS = console_blocks(README.read_text())
+PAGE_BLOCKS = [(page, steps) for page in PAGES for steps in console_blocks(page.read_text())]
+BLOCKS = [steps for _, steps in PAGE_BLOCKS]
 
 
 class Tour:
@@ -95,8 +100,8 @@ def tour(tmp_path_factory) -> Tour:
 
 
 def _block_id(index: int) -> str:
-    first = BLOCKS[index][0].command
-    return f"{index:02d} {first[:60]}"
+    page, steps = PAGE_BLOCKS[index]
+    return f"{index:02d} {page.stem} {steps[0].command[:60]}"
 
 
 def test_readme_has_console_examples():
@@ -109,4 +114,4 @@ def test_console_block(tour, index):
     if tour.done > index:
         pytest.skip("ran already, as a prerequisite of a later block (blocks run once, in README order)")
     for command, expected, actual in tour.run_block(index):
-        assert actual == expected, f"README command: $ {command}"
+        assert actual == expected, f"{PAGE_BLOCKS[index][0].name} command: $ {command}"
