@@ -92,3 +92,29 @@ def test_build_outputs_are_not_tracked():
 
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     assert not [f for f in files if ".egg-info/" in f]
+
+
+def _modules_after(args: list[str], cwd: Path) -> set[str]:
+    """The ckpt_cli modules a fresh process has imported after running the CLI with `args`."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom ckpt_cli.cli.entry import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print(' '.join(m for m in sys.modules if m.startswith('ckpt_cli')), file=sys.stderr)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True, check=True)
+    return set(proc.stderr.strip().splitlines()[-1].split())
+
+
+def test_help_imports_no_format_and_inspect_no_writer(tmp_path):
+    """Start-up pays only for what the command uses: the format table names modules that load on first use."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    help_modules = _modules_after(["--help"], tmp_path)
+    assert not [m for m in help_modules if m.startswith("ckpt_cli.formats.") and m != "ckpt_cli.formats.registry"], help_modules
+    save_file({"w": np.zeros(4, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
+    inspect_modules = _modules_after(["inspect", "m.safetensors"], tmp_path)
+    writers = {"ckpt_cli.formats.dcp_writer", "ckpt_cli.formats.deepspeed_writer"}
+    assert not inspect_modules & writers, inspect_modules & writers

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpt_cli import api
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import (
     AddPrefix,
@@ -38,10 +37,24 @@ from ckpt_cli.cli.options import (
     WriteManifest,
     ZeroStage,
 )
-from ckpt_cli.core.distributed import is_main_process
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import DataError, Interrupted, Terminated
 from ckpt_cli.formats.registry import FORMATS
+
+if TYPE_CHECKING:
+    from ckpt_cli import api
+
+
+def is_main_process() -> bool:
+    from ckpt_cli.core.distributed import is_main_process as main
+
+    return main()
+
+
+def _api():  # noqa: ANN202 - the API module, imported when a command runs (`ckpt --help` imports no format)
+    from ckpt_cli import api
+
+    return api
 
 
 @dataclass(frozen=True)
@@ -71,14 +84,14 @@ def plan_text(report: api.WriteReport) -> str:
 def _run(request: api.Request, out: Output) -> None:
     quiet = out.quiet or not is_main_process()  # under torchrun, rank 0 speaks for all
     dest = request.dest
-    prepared = api.prepare(request)
+    prepared = _api().prepare(request)
     if out.dry_run:
         report = prepared.dry_run(out.overwrite)
         output.emit_json(report.to_json()) if out.json else output.emit(plan_text(report))
         return
     prepared.check_destination(out.overwrite)
     if out.manifest is not None and is_main_process():
-        api.check_manifest_destination(out.manifest, out.overwrite)  # before any work, as verify does
+        _api().check_manifest_destination(out.manifest, out.overwrite)  # before any work, as verify does
     for note in prepared.notes:
         output.info(f"note: {note}", quiet)
     with output.progress(prepared.total_bytes, f"{prepared.format} -> {dest.name}", quiet) as bar:
@@ -90,7 +103,7 @@ def _run(request: api.Request, out: Output) -> None:
             raise Interrupted(f"{what}; nothing was written to {dest}", terminated) from None
     output.info(f"wrote {report.format} {dest} ({len(report.files)} files, {human_bytes(report.total_bytes)})", quiet)
     if out.manifest is not None and is_main_process():
-        checked = api.verify(dest, write_manifest=out.manifest, overwrite=out.overwrite)
+        checked = _api().verify(dest, write_manifest=out.manifest, overwrite=out.overwrite)
         if not checked.ok:  # the output fails its own structural check: a bug, said as one
             raise DataError(f"{dest}: the output fails verify, no manifest written: {checked.problems[0]}")
         output.info(f"wrote manifest {out.manifest}", quiet)
@@ -100,7 +113,7 @@ def convert(
     src: Source,
     dest: Dest,
     to: Annotated[
-        str, typer.Option("--to", help=f"Target format: {', '.join(n for n, f in FORMATS.items() if f.writer)}.", show_default=False)
+        str, typer.Option("--to", help=f"Target format: {', '.join(n for n, f in FORMATS.items() if f.writable)}.", show_default=False)
     ],
     world_size: WorldSize = None,
     tp: TensorParallel = None,
@@ -129,7 +142,7 @@ def convert(
 ) -> None:
     """Convert any readable checkpoint to another format, streamed. Between DeepSpeed and dcp the whole training
     state moves (weights, Adam moments, param groups, step, scheduler, dataloader), so a run resumes in the other framework."""
-    request = api.convert_request(
+    request = _api().convert_request(
         src, dest, to=to, world_size=world_size, tp=tp, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
@@ -166,7 +179,7 @@ def reshard(
 ) -> None:
     """Same format, new layout: --world-size N (dcp, deepspeed; dcp on an N/T x T mesh with --tp T) or --num-shards/--max-shard-size (hf).
     With --tp, FSDP2 + tensor parallel: each tensor split along the dims its source chunks show."""
-    request = api.reshard_request(
+    request = _api().reshard_request(
         src, dest, world_size=world_size, tp=tp, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
@@ -195,7 +208,7 @@ def merge(
     write_manifest: WriteManifest = None,
 ) -> None:
     """All shards into one file: DST.safetensors or DST.pt (model weights unless --all)."""
-    request = api.merge_request(
+    request = _api().merge_request(
         src, dest, keep_all=all_, dtype=dtype, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix,
         format=format_, tag=tag, trust_pickle=trust_pickle,
     )  # fmt: skip
@@ -222,7 +235,7 @@ def split(
     write_manifest: WriteManifest = None,
 ) -> None:
     """One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB)."""
-    request = api.split_request(
+    request = _api().split_request(
         src, dest, max_shard_size=max_shard_size, num_shards=num_shards, dtype=dtype, select=select, strip_prefix=strip_prefix,
         add_prefix=add_prefix, format=format_, tag=tag, trust_pickle=trust_pickle,
     )  # fmt: skip

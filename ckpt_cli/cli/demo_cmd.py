@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Dest, Overwrite
-from ckpt_cli.ops.demo import write_demo
 
 
 def demo(dest: Dest, overwrite: Overwrite = False) -> None:
     """Write small, real sample checkpoints in every format into DIR, to try every command on."""
+    from ckpt_cli.ops.demo import write_demo
+
     for path in write_demo(dest, overwrite):
         output.emit(str(path))
     output.info(

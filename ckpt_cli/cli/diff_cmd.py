@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Json, TrustPickle
 from ckpt_cli.formats.registry import FORMATS
-from ckpt_cli.ops.diff import DiffOptions, DiffReport
-from ckpt_cli.ops.diff import diff as diff_op
+
+if TYPE_CHECKING:
+    from ckpt_cli.ops.diff import DiffReport
 
 MAX_GROUPS = 20  # group rows shown (--json lists all)
 MAX_NAMES = 4  # names shown per list
@@ -37,6 +38,9 @@ def diff(
     trust_pickle: TrustPickle = False,
 ) -> None:
     """Compare two checkpoints: tensors added, removed, renamed or changed (max |a-b|, relative L2, cosine), training state."""
+    from ckpt_cli.ops.diff import DiffOptions
+    from ckpt_cli.ops.diff import diff as diff_op
+
     options = DiffOptions(atol, rtol, tuple(filter_ or ()), depth, format_a, format_b, tag_a, tag_b, trust_pickle)
     report = diff_op(a, b, options)
     if json_:

@@ -21,7 +21,7 @@ from ckpt_cli.formats.dcp_training import LAYOUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 VALUE_CHOICES = {
-    "--to": [name for name, f in registry.FORMATS.items() if f.writer is not None],
+    "--to": [name for name, f in registry.FORMATS.items() if f.writable],
     "--format": list(registry.FORMATS),
     "--dtype": ["keep", "fp32", "bf16", "fp16"],
     "--layout": list(LAYOUTS),

@@ -6,10 +6,15 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckpt_cli import api
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Format, Json, Source, Tag, TrustPickle
 from ckpt_cli.core.sizes import human_bytes
+
+
+def _api():  # noqa: ANN202 - the API module, imported when a command runs (`ckpt --help` imports no format)
+    from ckpt_cli import api
+
+    return api
 
 
 def inspect(
@@ -34,14 +39,14 @@ def inspect(
 ) -> None:
     """Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state."""
     if tree or depth is not None or markdown:
-        with api.open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt:
+        with _api().open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt:
             view = ckpt.tree(depth, filter_ or ())
         if json_ or yaml_:
             output.emit_json(view.to_json()) if json_ else output.emit_yaml(view.to_json())
         else:
             output.emit(view.markdown() if markdown else view.text())
         return
-    doc = api.inspect(src, filters=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
+    doc = _api().inspect(src, filters=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
     if json_:
         output.emit_json(doc)
     elif yaml_:

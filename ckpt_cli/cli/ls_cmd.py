@@ -12,7 +12,6 @@ from ckpt_cli.cli.options import Json, TrustPickle
 from ckpt_cli.core import storage
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
-from ckpt_cli.ops import runs
 
 Root = Annotated[Path, typer.Argument(help="A run root: the folder a training run saves its checkpoints under.", show_default=False)]
 
@@ -22,6 +21,8 @@ def ls(root: Root, json_: Json = False, trust_pickle: TrustPickle = False) -> No
 
     Each row: path, framework, format, step, world size, size, and whether the structural check passes.
     Exit 1 when none is complete."""
+    from ckpt_cli.ops import runs
+
     root = storage.location(root)  # s3://bucket/prefix too
     if storage.is_remote(root):
         storage.fresh()

@@ -7,9 +7,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpt_cli import api
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Format, Json, Source, Tag, TrustPickle
+
+
+def _api():  # noqa: ANN202 - the API module, imported when a command runs (`ckpt --help` imports no format)
+    from ckpt_cli import api
+
+    return api
+
 
 MAX_SHOWN = 20
 
@@ -39,7 +45,7 @@ def verify(
     ] = False,
 ) -> None:
     """Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare."""
-    report = api.verify(
+    report = _api().verify(
         src, deep=deep, finite=finite, against=against, atol=atol, rtol=rtol, manifest=manifest, write_manifest=write_manifest,
         overwrite=overwrite, policy=policy, format=format_, tag=tag, trust_pickle=trust_pickle,
     )  # fmt: skip

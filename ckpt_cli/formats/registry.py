@@ -2,41 +2,55 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from ckpt_cli.core.interface import Reader, Writer
-from ckpt_cli.core.training import TrainingFormat
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats import (
-    dcp,
-    dcp_safetensors,
-    dcp_training,
-    dcp_writer,
-    deepspeed,
-    deepspeed_training,
-    deepspeed_writer,
-    dtensor_ranks,
-    hf,
-    megatron,
-    safetensors,
-    torch_save,
-)
+
+if TYPE_CHECKING:
+    from ckpt_cli.core.interface import Reader, Writer
+    from ckpt_cli.core.training import TrainingFormat
+
+
+@functools.cache
+def _load(where: str) -> Any:
+    """The object `module:NAME` names, its module imported on first use (`ckpt --help` imports no format)."""
+    module, _, name = where.partition(":")
+    return getattr(importlib.import_module(f"ckpt_cli.formats.{module}"), name)
 
 
 @dataclass(frozen=True)
 class Format:
     name: str
-    reader: Reader
-    writer: Writer | None
+    reader_at: str  # "module:NAME" under ckpt_cli.formats, imported when first used
+    writer_at: str | None
     summary: str
     has_checksums: bool  # records carry CRCs that check(deep=True) verifies
     own_tags: bool = False  # the reader resolves --tag itself (DeepSpeed's latest + global_stepN)
     reshard_by: str | None = None  # what `reshard` changes: "world_size" (ranks) or "shards" (files); None: one file
-    training: TrainingFormat | None = None  # holds a whole training run that moves to and from other frameworks
+    training_at: str | None = None  # holds a whole training run that moves to and from other frameworks
     writes_any_state_dict: bool = True  # False: the writer needs a source of its own format (or a training state)
     members: str | None = None  # names of the files a folder of this format holds (a regex, whole name)
+
+    @property
+    def reader(self) -> Reader:
+        return _load(self.reader_at)
+
+    @property
+    def writer(self) -> Writer | None:
+        return _load(self.writer_at) if self.writer_at else None
+
+    @property
+    def writable(self) -> bool:
+        return self.writer_at is not None
+
+    @property
+    def training(self) -> TrainingFormat | None:
+        return _load(self.training_at) if self.training_at else None
 
 
 # Detection order: the most specific layouts first.
@@ -45,19 +59,19 @@ FORMATS: dict[str, Format] = {
     for f in (
         Format(
             "deepspeed",
-            deepspeed.READER,
-            deepspeed_writer.WRITER,
+            "deepspeed:READER",
+            "deepspeed_writer:WRITER",
             "DeepSpeed ZeRO stage 1/2/3: latest + global_stepN/*_states.pt",
             True,
             own_tags=True,
             reshard_by="world_size",
-            training=deepspeed_training.TRAINING,
+            training_at="deepspeed_training:TRAINING",
             writes_any_state_dict=False,
             members=r"latest|.+_(model|optim)_states\.pt",
         ),
         Format(
             "megatron",
-            megatron.READER,
+            "megatron:READER",
             None,
             "Megatron-Core torch_dist: metadata.json + common.pt + DCP .metadata/__R_I.distcp",
             True,
@@ -65,17 +79,17 @@ FORMATS: dict[str, Format] = {
         ),
         Format(
             "dcp",
-            dcp.READER,
-            dcp_writer.WRITER,
+            "dcp:READER",
+            "dcp_writer:WRITER",
             "PyTorch Distributed Checkpoint: .metadata + __R_I.distcp",
             True,
             reshard_by="world_size",
-            training=dcp_training.TRAINING,
+            training_at="dcp_training:TRAINING",
             members=r"__\d+_\d+\.distcp|(__\d+)?\.metadata",
         ),
         Format(
             "dtensor",
-            dtensor_ranks.READER,
+            "dtensor_ranks:READER",
             None,
             "per-rank torch.save of DTensor shards (verl, SkyRL): model_world_size_W_rank_R.pt",
             True,
@@ -83,7 +97,7 @@ FORMATS: dict[str, Format] = {
         ),
         Format(
             "dcp-hf",
-            dcp_safetensors.HF_READER,
+            "dcp_safetensors:HF_READER",
             None,
             "DCP by HuggingFaceStorageWriter: shard-R-model-I-of-N.safetensors",
             False,
@@ -91,15 +105,15 @@ FORMATS: dict[str, Format] = {
         ),
         Format(
             "hf",
-            hf.READER,
-            hf.WRITER,
+            "hf:READER",
+            "hf:WRITER",
             "Hugging Face sharded safetensors + model.safetensors.index.json",
             False,
             reshard_by="shards",
             members=r".+-\d+-of-\d+\.(safetensors|bin)|.+\.index\.json",
         ),
-        Format("safetensors", safetensors.READER, safetensors.WRITER, "one .safetensors file", False),
-        Format("torch", torch_save.READER, torch_save.WRITER, "one torch.save file (.pt/.pth/.bin)", True),
+        Format("safetensors", "safetensors:READER", "safetensors:WRITER", "one .safetensors file", False),
+        Format("torch", "torch_save:READER", "torch_save:WRITER", "one torch.save file (.pt/.pth/.bin)", True),
     )
 }
 
@@ -111,10 +125,10 @@ def get(name: str) -> Format:
 
 
 def writer(name: str) -> Writer:
-    w = get(name).writer
-    if w is None:
+    fmt = get(name)
+    if fmt.writer is None:
         raise UsageError(f"format '{name}' can be read but not written")
-    return w
+    return fmt.writer
 
 
 def detect(path: Path) -> Format | None:

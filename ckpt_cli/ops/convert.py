@@ -74,7 +74,7 @@ def refuse_broken(ckpt: Checkpoint, src: Path) -> None:
 
 
 def _targets_by(kind: str) -> str:
-    return " and ".join(n for n, f in registry.FORMATS.items() if f.reshard_by == kind and f.writer is not None)
+    return " and ".join(n for n, f in registry.FORMATS.items() if f.reshard_by == kind and f.writable)
 
 
 def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transform.Transform, cross: CrossOptions) -> bool:
