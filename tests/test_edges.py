@@ -324,3 +324,36 @@ def test_a_write_records_the_manifest_of_its_output(ckpt, tmp_path, mixed_files,
     other = tmp_path / ("other.safetensors" if command == "merge" else "other")
     res = ckpt(command, mixed_files["hf"], other, *args, "--write-manifest", manifest)  # an existing manifest: refused first
     assert res.code == 2 and "--overwrite" in res.err and not other.exists()
+
+
+# ---- small CLI consistency items ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["inspect", "{hf}", "--json", "--yaml"], "--json and --yaml"),
+        (["inspect", "{hf}", "--tree", "--tensors"], "--tree and --tensors"),
+        (["inspect", "{hf}", "--filter", "no.such.*"], "matches no tensor"),
+        (["verify", "{hf}", "--against", "{hf}", "--atol", "-1"], "finite values >= 0"),
+        (["diff", "{hf}", "{hf}", "--rtol", "-0.5"], "finite values >= 0"),
+    ],
+)
+def test_contradictory_or_empty_options_are_exit_2(ckpt, mixed_files, args, needle):
+    res = ckpt(*[a.format(hf=mixed_files["hf"]) for a in args])
+    assert res.code == 2 and needle in res.err and "Traceback" not in res.err, res.err
+
+
+def test_version_short_flag_and_help_points_at_the_demo(ckpt):
+    res = ckpt("-V")
+    assert res.code == 0 and res.out.startswith("ckpt ")
+    assert "ckpt demo demo" in ckpt("--help").out
+
+
+def test_json_on_a_write_reports_what_was_written(ckpt, mixed_files, tmp_path):
+    res = ckpt("split", mixed_files["safetensors"], tmp_path / "out", "--num-shards", "2", "--json", "-q")
+    doc = json.loads(res.out)
+    assert res.code == 0 and doc["written"] is True and doc["seconds"] >= 0
+    assert sorted(f["path"] for f in doc["files"]) == sorted(p.name for p in (tmp_path / "out").iterdir())
+    dry = json.loads(ckpt("split", mixed_files["safetensors"], tmp_path / "o2", "--num-shards", "2", "--json", "--dry-run").out)
+    assert dry["written"] is False

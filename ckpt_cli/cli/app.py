@@ -25,7 +25,8 @@ except ImportError:  # pragma: no cover
 
 app = typer.Typer(
     name="ckpt",
-    help="Inspect, verify and convert training checkpoints: DCP, DeepSpeed ZeRO, Hugging Face, safetensors, torch.",
+    help="Inspect, verify and convert training checkpoints: DCP, DeepSpeed ZeRO, Hugging Face, safetensors, torch.\n\n"
+    "New here? 'ckpt demo demo' writes small real checkpoints of every format to try each command on.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -41,7 +42,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version and exit."),
+    version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True, help="Show the version and exit."),
 ) -> None:
     """Inspect, verify and convert training checkpoints."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -94,6 +95,7 @@ def _run(request: api.Request, out: Output) -> None:
         _api().check_manifest_destination(out.manifest, out.overwrite)  # before any work, as verify does
     for note in prepared.notes:
         output.info(f"note: {note}", quiet)
+    started = time.monotonic()
     with output.progress(prepared.total_bytes, f"{prepared.format} -> {dest.name}", quiet) as bar:
         try:
             report = prepared.write(out.overwrite, bar, out.workers)
@@ -107,6 +109,9 @@ def _run(request: api.Request, out: Output) -> None:
         if not checked.ok:  # the output fails its own structural check: a bug, said as one
             raise DataError(f"{dest}: the output fails verify, no manifest written: {checked.problems[0]}")
         output.info(f"wrote manifest {out.manifest}", quiet)
+    if out.json and is_main_process():  # what was written, for scripts: the plan's document, and the run's facts
+        manifest = str(out.manifest) if out.manifest is not None else None
+        output.emit_json({**report.to_json(), "seconds": round(time.monotonic() - started, 3), "manifest": manifest})
 
 
 def convert(

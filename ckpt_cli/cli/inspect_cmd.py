@@ -9,6 +9,7 @@ import typer
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Format, Json, Source, Tag, TrustPickle
 from ckpt_cli.core.sizes import human_bytes
+from ckpt_cli.errors import UsageError
 
 
 def _api():  # noqa: ANN202 - the API module, imported when a command runs (`ckpt --help` imports no format)
@@ -38,6 +39,7 @@ def inspect(
     trust_pickle: TrustPickle = False,
 ) -> None:
     """Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state."""
+    _refuse_conflicts(json_, yaml_, tensors, tree or depth is not None or markdown, markdown)
     if tree or depth is not None or markdown:
         with _api().open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt:
             view = ckpt.tree(depth, filter_ or ())
@@ -53,6 +55,15 @@ def inspect(
         output.emit_yaml(doc)
     else:
         output.emit(render(doc, tensors))
+
+
+def _refuse_conflicts(json_: bool, yaml_: bool, tensors: bool, tree: bool, markdown: bool) -> None:
+    """Options that ask for two outputs at once: exit 2 naming them (the first would silently win)."""
+    pairs = [("--json", json_, "--yaml", yaml_), ("--tree", tree, "--tensors", tensors), ("--markdown", markdown, "--json", json_)]
+    pairs.append(("--markdown", markdown, "--yaml", yaml_))
+    for a, on_a, b, on_b in pairs:
+        if on_a and on_b:
+            raise UsageError(f"{a} and {b} ask for two different outputs; give one")
 
 
 def _state_line(value: Any) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 from ckpt_cli.core import roles, storage
 from ckpt_cli.core.model import Checkpoint, Opaque
+from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import registry, runs
 from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.transform import matches
@@ -24,6 +25,8 @@ def tensor_rows(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> list[dict[st
 def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
     """The stable `inspect --json` document (SPEC §3)."""
     chosen = [t for t in ckpt.tensors.values() if matches(t.name, filters)]
+    if filters and not chosen:  # as convert --select: an empty selection is a mistake, not an empty table
+        raise UsageError(f"--filter {' '.join(filters)} matches no tensor of {ckpt.path}")
     dtypes: dict[str, int] = {}
     for t in chosen:
         dtypes[t.dtype.name] = dtypes.get(t.dtype.name, 0) + t.nbytes

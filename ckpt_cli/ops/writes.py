@@ -114,6 +114,7 @@ class WriteReport:
             "estimated_peak_rss": self.estimated_peak_rss,
             "notes": self.notes,
             "placement": self.placement,
+            "written": self.written,
         }
 
 
