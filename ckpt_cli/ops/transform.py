@@ -82,7 +82,8 @@ def without_copies(ckpt: Checkpoint, t: Transform) -> Checkpoint:
     copies = [e for e in ckpt.tensors.values() if e.copy_of is not None and e.copy_of in ckpt.tensors]
     if not copies:
         return ckpt
-    tensors = {n: e for n, e in ckpt.tensors.items() if e not in copies}
+    left_out = {e.name for e in copies}
+    tensors = {n: e for n, e in ckpt.tensors.items() if n not in left_out}
     kept = [e for e in copies if not (t.weights_only and e.role != "model") and matches(e.name, t.select)]
     notes = list(ckpt.notes)
     if kept:
