@@ -358,3 +358,23 @@ def test_json_on_a_write_reports_what_was_written(ckpt, mixed_files, tmp_path):
     assert sorted(f["path"] for f in doc["files"]) == sorted(p.name for p in (tmp_path / "out").iterdir())
     dry = json.loads(ckpt("split", mixed_files["safetensors"], tmp_path / "o2", "--num-shards", "2", "--json", "--dry-run").out)
     assert dry["written"] is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_nonfinite_from_bits_equals_torch(dtype):
+    """Every bit pattern class: random words (NaN payloads, both infinities, subnormals, signed zeros)."""
+    from ckpt_cli.ops.finite import NonFinite
+
+    width = torch.finfo(dtype).bits
+    ints = {16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
+    g = torch.Generator().manual_seed(width)
+    words = torch.randint(-(2 ** (width - 1)), 2 ** (width - 1) - 1, (200_000,), generator=g, dtype=torch.int64).to(ints)
+    values = words.view(dtype)
+    values[:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0], dtype=dtype)
+    counter = NonFinite(str(dtype).removeprefix("torch."))
+    raw = values.view(torch.uint8).numpy().tobytes()
+    for start in range(0, len(raw), 4096 * 8):  # element-aligned blocks, as reads hand them over
+        counter.update(raw[start : start + 4096 * 8])
+    wide = values.to(torch.float64) if dtype != torch.float64 else values
+    assert (counter.nan, counter.inf) == (int(torch.isnan(wide).sum()), int(torch.isinf(wide).sum()))
+    assert counter.nan > 0 and counter.inf >= 2

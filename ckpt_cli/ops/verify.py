@@ -16,12 +16,13 @@ from typing import Any
 from ckpt_cli.core import atomic, remote_write, storage, structured
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import is_plain, read_regular_text
-from ckpt_cli.core.reading import SourceFiles, byte_runs, element_windows, read_elements
+from ckpt_cli.core.reading import SourceFiles, byte_runs, element_windows, read_elements, tensor_bytes
 from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.ops import crossframework
 from ckpt_cli.ops import policy as policy_mod
-from ckpt_cli.ops.digests import Digests, file_digest, file_pass, tensor_digest
+from ckpt_cli.ops.digests import Digests, file_digest, file_pass, hasher
+from ckpt_cli.ops.finite import NonFinite
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, has_checksums
 from ckpt_cli.ops.values import compare_values
@@ -77,6 +78,24 @@ class Report:
 def _root(ckpt: Checkpoint) -> Path:
     p = location(ckpt.path)
     return p if p.is_dir() else p.parent
+
+
+def scan_tensor(t: TensorEntry, sources: SourceFiles, digests: dict[str, Digests], finite: bool) -> tuple[int, int]:
+    """One read of the tensor's bytes for every digest still wanted and, with `finite`, its NaN and Inf counts
+    from the bits (float8 through torch: not every float8 follows the IEEE rule)."""
+    counter = NonFinite(t.dtype.name) if finite and NonFinite.handles(t.dtype.name) else None
+    if digests or counter is not None:
+        hashers = {algo: hasher(algo) for algo in digests}
+        for block in tensor_bytes(t, sources):
+            for h in hashers.values():
+                h.update(block)
+            if counter is not None:
+                counter.update(block)
+        for algo, h in hashers.items():
+            digests[algo].tensors[t.name] = h.hexdigest()
+    if counter is not None:
+        return counter.nan, counter.inf
+    return count_nonfinite(t, sources) if finite and t.dtype.is_float else (0, 0)
 
 
 def count_nonfinite(t: TensorEntry, sources: SourceFiles) -> tuple[int, int]:
@@ -301,13 +320,9 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
             if want_hash or read_all:  # in object storage: fetched ahead in large ranges, not one round trip per tensor
                 sources.expect([run for t in ckpt.tensors.values() for run in byte_runs(t, t.dtype) or []])
             for t in ckpt.tensors.values():
-                for algo in algorithms:
-                    if t.name not in hashes[algo].tensors:
-                        hashes[algo].tensors[t.name] = tensor_digest(t, sources, algo)
-                if finite and t.dtype.is_float:
-                    nan, inf = count_nonfinite(t, sources)
-                    if nan or inf:
-                        report.nonfinite[t.name] = {"nan": nan, "inf": inf}
+                nan, inf = scan_tensor(t, sources, {a: hashes[a] for a in algorithms if t.name not in hashes[a].tensors}, finite)
+                if nan or inf:
+                    report.nonfinite[t.name] = {"nan": nan, "inf": inf}
         except DataError as exc:
             report.problems.append(str(exc))
             return report
