@@ -28,6 +28,7 @@ from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, has_c
 from ckpt_cli.ops.values import compare_values
 
 MANIFEST_VERSION = 2  # 1: sha256 digests; 2: the digest named by "hash" (blake3 when ckpt writes it)
+MANIFEST_VERSIONS = (1, 2)  # what --manifest checks and --overwrite may replace
 MANIFEST_HASH = "blake3"  # measured, one core (AVX-512): blake3 4.5 GB/s (8.5 on 2), sha256 1.8, xxh3 18 (not cryptographic)
 
 
@@ -154,7 +155,7 @@ def load_manifest(path: Path) -> dict[str, Any]:
     except (OSError, DataError) as exc:
         raise UsageError(f"{path}: not a readable manifest ({exc})") from exc
     doc = structured.load_json(text, str(path), UsageError)
-    if not isinstance(doc, dict) or doc.get("ckpt_manifest") not in (1, 2):
+    if not isinstance(doc, dict) or doc.get("ckpt_manifest") not in MANIFEST_VERSIONS:
         raise UsageError(f"{path}: not a ckpt manifest (written by verify --write-manifest)")
     if manifest_hash(doc) not in ("sha256", "blake3"):
         raise UsageError(f"{path}: hash {str(doc['hash'])[:40]!r}; ckpt checks sha256 and blake3 manifests")
@@ -182,7 +183,7 @@ def check_manifest_destination(path: Path, overwrite: bool) -> None:
         doc = structured.load_json(read_regular_text(path, max_bytes=1 << 30), str(path), DataError)
     except (OSError, DataError):
         doc = None
-    if not isinstance(doc, dict) or doc.get("ckpt_manifest") not in (1, 2):
+    if not isinstance(doc, dict) or doc.get("ckpt_manifest") not in MANIFEST_VERSIONS:
         raise UsageError(f"{path} is not a ckpt manifest; --overwrite replaces only a manifest that verify wrote")
 
 
