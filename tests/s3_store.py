@@ -57,5 +57,3 @@ def local_files(path: Path) -> dict[str, bytes]:
 
 def same_but_paths(s3_text: str, url: str, local_text: str, local: Path) -> None:
     assert s3_text.replace(url, "<root>") == local_text.replace(str(local), "<root>")
-
-

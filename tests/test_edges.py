@@ -178,29 +178,38 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
 )
 _MANIFEST_HEAD = '{"ckpt_manifest": 2, "hash": "blake3", "format": "hf", '
 USER_FILES = {  # file kind -> (option, {case: text, needle})
-    "name map": ("--name-map", {
-        "alias bomb": (BOMB, "YAML aliases"),
-        "nested": ("rename: " + "[" * 5000 + "]" * 5000, "nested deeper"),
-        "wrong type": ("rename: [{from: 3, to: x}]", "rename[0].from must be a string"),
-        "unknown key": ("renames: []", "unknown key 'renames'"),
-        "huge integer": ("split: [{from: x, to: a, groups: " + "9" * 5000 + "}]", "integer of 5000 digits"),
-        "not a mapping": ("- a\n- b\n", "must be a mapping"),
-    }),
-    "policy": ("--policy", {
-        "alias bomb": (BOMB, "YAML aliases"),
-        "wrong type": ("min_params: ten", "min_params must be a non-negative integer"),
-        "wrong nested type": ("tensors: {shapes: {w: [2, x]}}", "tensors.shapes.w[1]"),
-        "tolerance": ("tolerance: {atol: -1}", "tolerance.atol must be a number >= 0"),
-        "huge integer": ("max_params: " + "9" * 5000, "integer of 5000 digits"),
-    }),
-    "manifest": ("--manifest", {
-        "nested": ("[" * 100_000 + "]" * 100_000, "nested deeper"),
-        "wrong type": ('{"ckpt_manifest": 2, "hash": "blake3", "format": "hf", "files": [], "tensors": {}}', "files must be a mapping"),
-        "missing field": (_MANIFEST_HEAD + '"files": {}, "tensors": {"w": {"dtype": "float32"}}}', "tensors.w.shape is missing"),
-        "escaping path": (_MANIFEST_HEAD + '"files": {"../x": {"bytes": 1, "blake3": "0"}}, "tensors": {}}', "outside"),
-        "unknown hash": ('{"ckpt_manifest": 2, "hash": "md5"}', "sha256 and blake3"),
-        "huge integer": ('{"ckpt_manifest": ' + "2" * 5000 + "}", "integer of 5000 digits"),
-    }),
+    "name map": (
+        "--name-map",
+        {
+            "alias bomb": (BOMB, "YAML aliases"),
+            "nested": ("rename: " + "[" * 5000 + "]" * 5000, "nested deeper"),
+            "wrong type": ("rename: [{from: 3, to: x}]", "rename[0].from must be a string"),
+            "unknown key": ("renames: []", "unknown key 'renames'"),
+            "huge integer": ("split: [{from: x, to: a, groups: " + "9" * 5000 + "}]", "integer of 5000 digits"),
+            "not a mapping": ("- a\n- b\n", "must be a mapping"),
+        },
+    ),
+    "policy": (
+        "--policy",
+        {
+            "alias bomb": (BOMB, "YAML aliases"),
+            "wrong type": ("min_params: ten", "min_params must be a non-negative integer"),
+            "wrong nested type": ("tensors: {shapes: {w: [2, x]}}", "tensors.shapes.w[1]"),
+            "tolerance": ("tolerance: {atol: -1}", "tolerance.atol must be a number >= 0"),
+            "huge integer": ("max_params: " + "9" * 5000, "integer of 5000 digits"),
+        },
+    ),
+    "manifest": (
+        "--manifest",
+        {
+            "nested": ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+            "wrong type": ('{"ckpt_manifest": 2, "hash": "blake3", "format": "hf", "files": [], "tensors": {}}', "files must be a mapping"),
+            "missing field": (_MANIFEST_HEAD + '"files": {}, "tensors": {"w": {"dtype": "float32"}}}', "tensors.w.shape is missing"),
+            "escaping path": (_MANIFEST_HEAD + '"files": {"../x": {"bytes": 1, "blake3": "0"}}, "tensors": {}}', "outside"),
+            "unknown hash": ('{"ckpt_manifest": 2, "hash": "md5"}', "sha256 and blake3"),
+            "huge integer": ('{"ckpt_manifest": ' + "2" * 5000 + "}", "integer of 5000 digits"),
+        },
+    ),
 }
 USER_CASES = [(kind, case) for kind, (_, cases) in USER_FILES.items() for case in cases]
 

@@ -33,13 +33,16 @@ typedef struct {
     uint32_t depth;
 } Val;
 
-/* The memo: an open-addressing table of index -> value (PUT may name any index up to the opcode count, so a
-   dense array could be made far larger than the memo itself). */
+/* The memo: a dense array by index. PUT may name any index up to the opcode count (larger ones are refused),
+   so the array is at most 8 bytes per opcode, and real pickles number their stores 0, 1, 2, ... (a hash table
+   of the millions of stores in a wide `.metadata` took 24 bytes each at half load: 330 MB at 200,000 chunks). */
 typedef struct {
-    int64_t index; /* -1: empty */
     Val value;
-    char fetched;
 } Slot;
+
+#define PRESENT ((uint32_t)1 << 31) /* in value.depth: depths stay below max_depth, far under this bit */
+#define FETCHED ((uint32_t)1 << 30)
+#define DEPTH_BITS (FETCHED - 1)
 
 typedef struct {
     const unsigned char *data;
@@ -82,41 +85,34 @@ static int push(Scan *s, Val v) {
 }
 
 static Slot *memo_find(Scan *s, int64_t index) {
-    if (!s->memo_cap) return NULL;
-    size_t mask = (size_t)s->memo_cap - 1;
-    for (size_t i = (size_t)(index * 0x9E3779B97F4A7C15ULL >> 17) & mask;; i = (i + 1) & mask) {
-        if (s->memo[i].index == index) return &s->memo[i];
-        if (s->memo[i].index < 0) return NULL;
-    }
+    if (index < 0 || index >= s->memo_cap || !(s->memo[index].value.depth & PRESENT)) return NULL;
+    return &s->memo[index];
 }
 
-static Slot *memo_insert(Slot *table, Py_ssize_t cap, int64_t index) {
-    size_t mask = (size_t)cap - 1;
-    size_t i = (size_t)(index * 0x9E3779B97F4A7C15ULL >> 17) & mask;
-    while (table[i].index >= 0 && table[i].index != index) i = (i + 1) & mask;
-    return &table[i];
+static Val slot_value(const Slot *slot) {
+    Val v = slot->value;
+    v.depth &= DEPTH_BITS;
+    return v;
 }
 
 static int memo_set(Scan *s, int64_t index, Val v) {
-    Slot *slot = memo_find(s, index);
-    if (!slot) {
-        if (2 * (s->memo_count + 1) > s->memo_cap) {
-            Py_ssize_t cap = s->memo_cap ? s->memo_cap * 2 : 1024;
-            Slot *table = malloc(cap * sizeof(Slot));
-            if (!table) return R_NO_MEMORY;
-            for (Py_ssize_t i = 0; i < cap; i++) table[i].index = -1;
-            for (Py_ssize_t i = 0; i < s->memo_cap; i++)
-                if (s->memo[i].index >= 0) *memo_insert(table, cap, s->memo[i].index) = s->memo[i];
-            free(s->memo);
-            s->memo = table;
-            s->memo_cap = cap;
-        }
-        slot = memo_insert(s->memo, s->memo_cap, index);
-        slot->index = index;
-        slot->fetched = 0;
+    if (index >= s->memo_cap) {
+        Py_ssize_t cap = s->memo_cap ? s->memo_cap : 1024;
+        while (cap <= index) cap *= 2;
+        Slot *table = realloc(s->memo, cap * sizeof(Slot));
+        if (!table) return R_NO_MEMORY;
+        memset(table + s->memo_cap, 0, (cap - s->memo_cap) * sizeof(Slot));
+        s->memo = table;
+        s->memo_cap = cap;
+    }
+    Slot *slot = &s->memo[index];
+    uint32_t flags = slot->value.depth & (PRESENT | FETCHED);
+    if (!(flags & PRESENT)) {
+        flags = PRESENT; /* a new entry: not fetched yet */
         s->memo_count++;
     }
-    slot->value = v;
+    slot->value.size = v.size;
+    slot->value.depth = v.depth | flags;
     return 0;
 }
 
@@ -167,9 +163,14 @@ static int fill(Scan *s, Py_ssize_t from) {
     s->stack[s->sp - 1] = updated;
     Py_ssize_t index = s->memo_at[s->sp - 1];
     Slot *slot = index >= 0 ? memo_find(s, index) : NULL;
-    if (slot && slot->value.depth == old.depth && slot->value.size == old.size) {
-        slot->value = updated;
-        s->inexact = s->inexact || slot->fetched;
+    if (slot) {
+        Val held = slot_value(slot);
+        if (held.depth == old.depth && held.size == old.size) {
+            uint32_t flags = slot->value.depth & (PRESENT | FETCHED);
+            slot->value.size = updated.size;
+            slot->value.depth = updated.depth | flags;
+            s->inexact = s->inexact || (flags & FETCHED);
+        }
     }
     return 0;
 }
@@ -207,9 +208,9 @@ static int64_t line_index(Scan *s, Py_ssize_t from, Py_ssize_t to, int64_t limit
 static int get_index(Scan *s, int64_t index) {
     Slot *slot = index >= 0 ? memo_find(s, index) : NULL;
     if (!slot) return R_MALFORMED; /* KeyError */
-    Val v = slot->value;
+    Val v = slot_value(slot);
     if (v.depth >= 1) {
-        slot->fetched = 1;
+        slot->value.depth |= FETCHED;
         int r = grow_stack(s);
         if (r) return r;
         s->memo_at[s->sp] = (Py_ssize_t)index;

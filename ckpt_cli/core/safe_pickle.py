@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import codecs
 import collections
+import contextlib
 import dataclasses
 import functools
+import gc
 import io
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -391,6 +393,20 @@ _TENSOR_PICKLES: dict[tuple[bytes, int], TensorRef] = {}  # data.pkl of a DCP ch
 _TENSOR_PICKLE_BYTES, _TENSOR_PICKLE_ENTRIES = 4096, 4096
 
 
+@contextlib.contextmanager
+def _collector_paused(pause: bool) -> Iterator[None]:
+    """No cyclic garbage collection while a large pickle is built: each of its hundreds of thousands of new
+    objects would otherwise count toward collections that walk every one of them and find nothing to free."""
+    if not pause or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def safe_loads(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None = None, trust: bool = False) -> Any:
     """Unpickle `data` with the allow list, within the bounds of core/pickle_guard.py; every failure becomes a
     one-line DataError naming `where`. A small pickle of one plain tensor (a DCP chunk's data.pkl: thousands per
@@ -400,8 +416,8 @@ def safe_loads(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None
         return _TENSOR_PICKLES[key]
     try:
         shared = pickle_guard.scan(data)
-        with pickle_guard.budget(len(data)):
-            value = SafeUnpickler(io.BytesIO(data), where, extra, trust).load()
+        with pickle_guard.budget(len(data)), _collector_paused(len(data) >= pickle_guard.LEAN_FROM):
+            value = SafeUnpickler(io.BytesIO(pickle_guard.lean(data)), where, extra, trust).load()
         if shared or trust:
             pickle_guard.bound_tree(value)
         if key is not None and type(value) is TensorRef and not value.attrs:

@@ -24,6 +24,7 @@ from ckpt_cli.core.model import (
     Box,
     Checkpoint,
     FileInfo,
+    LazyPieces,
     ObjectEntry,
     Opaque,
     Piece,
@@ -44,6 +45,7 @@ from ckpt_cli.formats.dcp_metadata import (
     MetadataRec,
     StorageInfoRec,
     TensorStorageRec,
+    as_tuple,
     load_metadata,
 )
 from ckpt_cli.formats.dcp_safetensors import Blobs
@@ -60,7 +62,8 @@ class DCPSource:
     the user's --trust-pickle setting (check() neither reads it again nor trusts it more)."""
 
     folder: Path
-    metadata: MetadataRec
+    metadata: MetadataRec  # its storage_data dropped once read: `storage` holds the same entries
+    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfoRec]  # by (fqn, chunk offsets); None for bytes
     safetensors: frozenset[tuple[str, int]] = frozenset()  # (file, offset) of the safetensors documents
     problems: tuple[str, ...] = ()  # what parsing them found that does not stop a read
 
@@ -164,11 +167,17 @@ def _chunks(
 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], StorageInfoRec]]:
     """Each chunk of a tensor: its offsets, sizes and storage entry (DataError for a chunk without one)."""
     for chunk in meta.chunks:
-        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        offsets, sizes = as_tuple(chunk.offsets), as_tuple(chunk.sizes)
         info = storage.get((fqn, offsets))
         if info is None:
             raise DataError(f"{folder / METADATA}: chunk {list(offsets)} of '{fqn}' has no storage entry")
         yield offsets, sizes, info
+
+
+def _check_stored(folder: Path, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec]) -> None:
+    """Every chunk has a storage entry (what _chunks checks, without making the pieces)."""
+    for _ in _chunks(folder, fqn, meta, storage):
+        pass
 
 
 def _layout_pieces(folder: Path, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec]) -> list[Piece]:
@@ -284,6 +293,7 @@ class DCPReader:
                 named.add(plain_component(relative, f"{path / METADATA}: storage_data relative_path"))
             _check_range(path / METADATA, index, info)
             storage[index.key()] = info
+        meta.storage_data = None  # its MetadataIndex records: one per chunk, no longer needed
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
         files = _Files(path)
         tensors: dict[str, TensorEntry] = {}
@@ -300,8 +310,10 @@ class DCPReader:
                 if isinstance(item, TensorStorageRec):
                     _check_tensor_metadata(path / METADATA, fqn, item)
                     size = tuple(item.size)
-                    if options.layout_only:
-                        pieces = _layout_pieces(path, fqn, item, storage)
+                    pieces: list[Piece] | LazyPieces
+                    if options.layout_only:  # made when asked for: inspect counts them, a check walks them
+                        _check_stored(path, fqn, item, storage)
+                        pieces = LazyPieces(functools.partial(_layout_pieces, path, fqn, item, storage), len(item.chunks))
                     else:
                         pieces = _tensor_pieces(files, fqn, item, storage, options)
                     tensors[fqn] = TensorEntry(fqn, item.properties.dtype, size, roles.tensor_role(key_path), pieces, key_path)
@@ -328,7 +340,9 @@ class DCPReader:
             world_size=world_size_of(storage),
             containers=containers,
             details=self._details(meta, tensors, data_files, planner, serialization),
-            source=DCPSource(path, meta, frozenset((Path(w).name, o) for w, o in files.blobs.parsed), tuple(files.blobs.problems())),
+            source=DCPSource(
+                path, meta, storage, frozenset((Path(w).name, o) for w, o in files.blobs.parsed), tuple(files.blobs.problems())
+            ),
         )
         ckpt.step = roles.find_step(ckpt)
         refused = {o.name: o.value.unsafe_global for o in ckpt.unsafe_values()}
@@ -357,13 +371,13 @@ class DCPReader:
         source = ckpt.source
         if not isinstance(source, DCPSource):
             raise TypeError(f"{ckpt.path}: DCPReader.check needs the checkpoint its read() returned")
-        folder, meta = source.folder, source.metadata
+        folder = source.folder
         problems = []
         leftovers = sorted(p.name for p in folder.iterdir() if p.name.endswith(".metadata.tmp"))
         if leftovers:
             problems.append(f"{folder / leftovers[0]}: leftover of a save that crashed before it committed")
         meta_path = folder / METADATA
-        referenced = {info.relative_path for info in meta.storage_data.values()}
+        referenced = {info.relative_path for info in source.storage.values()}
         for p in sorted(folder.glob("*.distcp")):
             if p.name not in referenced:
                 problems.append(f"{p}: not referenced by {METADATA} (a leftover of another save?)")
@@ -372,15 +386,14 @@ class DCPReader:
             data = folder / rel
             if data.exists() and rewritten_after(data, meta_path):  # by birth and modification: a copy passes
                 problems.append(
-                    f"{data}: rewritten after {METADATA} was committed; an interrupted re-save may have mixed old "
-                    "metadata with new data"
+                    f"{data}: rewritten after {METADATA} was committed; an interrupted re-save may have mixed old metadata with new data"
                 )
-        problems += _overlaps(folder, list(meta.storage_data.values()), source.safetensors)
+        problems += _overlaps(folder, list(source.storage.values()), source.safetensors)
         problems += list(source.problems)
         problems += _bounds(ckpt)
         problems += [unsafe_value_problem(o) for o in ckpt.unsafe_values()]
         if deep:
-            problems += _crc_problems(folder, meta, source.safetensors)
+            problems += _crc_problems(folder, source.storage, source.safetensors)
         return problems
 
 
@@ -416,17 +429,17 @@ def _bounds(ckpt: Checkpoint) -> list[str]:
     return problems
 
 
-def _crc_problems(folder: Path, meta: MetadataRec, safetensors: frozenset[tuple[str, int]]) -> list[str]:
+def _crc_problems(folder: Path, storage: dict[Any, StorageInfoRec], safetensors: frozenset[tuple[str, int]]) -> list[str]:
     """Every torch.save archive against its CRC32s (safetensors entries have none: docs/formats.md)."""
     files = _Files(folder)
     problems = []
     try:
-        for index, info in meta.storage_data.items():
+        for (fqn, _), info in storage.items():
             if (info.relative_path, info.offset) in safetensors:
                 continue
-            f, where = _archive(files, info, index.fqn)
+            f, where = _archive(files, info, fqn)
             for rec in zipio.read_records(f, where, info.offset, info.length).values():
-                problem = zipio.crc_problem(f, rec, f"{where} ('{index.fqn}')")
+                problem = zipio.crc_problem(f, rec, f"{where} ('{fqn}')")
                 if problem:
                     problems.append(problem)
     except DataError as exc:

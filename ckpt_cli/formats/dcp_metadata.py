@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.paths import read_regular_bytes
@@ -18,75 +18,135 @@ from ckpt_cli.errors import DataError
 
 
 # Inert stand-ins for the pickled classes of dcp/metadata.py and dcp/filesystem.py (Sealed: a pickle cannot
-# change the classes themselves; each instance is the pickle's own).
+# change the classes themselves; each instance is the pickle's own). Slots, not a __dict__ per record: a wide
+# checkpoint's `.metadata` holds three records per chunk (200,000 chunks at 64 ranks x 2,000 parameters).
 class _Record(metaclass=Sealed):
+    __slots__ = ("_more",)  # fields a newer torch adds (and a non-dict state, as `_state`), read by name
+    _DEFAULTS: ClassVar[dict[str, Any]] = {}
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.__dict__.update(kwargs)
+        for key, value in kwargs.items():
+            self._put(key, value)
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):  # (dict, slots)
             state = {**(state[0] or {}), **state[1]}
         if isinstance(state, dict):
             charge(len(state))
-            self.__dict__.update(state)
+            fields = type(self)._DEFAULTS
+            for key, value in state.items():
+                if type(key) is str and key in fields:
+                    object.__setattr__(self, key, value)
+                else:
+                    self._put(key, value)
         else:
-            self._state = state
+            self._put("_state", state)
+
+    def _put(self, key: Any, value: Any) -> None:
+        if type(key) is str and key in type(self)._DEFAULTS:
+            object.__setattr__(self, key, value)
+            return
+        try:
+            more = object.__getattribute__(self, "_more")
+        except AttributeError:
+            more = {}
+            object.__setattr__(self, "_more", more)
+        more[key] = value
+
+    def __getattr__(self, name: str) -> Any:  # a field the pickle did not set: its default, or one kept in _more
+        if name.startswith("__") or name == "_more":
+            raise AttributeError(name)
+        try:
+            return object.__getattribute__(self, "_more")[name]
+        except (AttributeError, KeyError):
+            pass
+        defaults = type(self)._DEFAULTS
+        if name in defaults and defaults[name] is not _REQUIRED:
+            return defaults[name]
+        raise AttributeError(name)
+
+
+_REQUIRED = object()  # a field without a default: reading it unset is an AttributeError (getattr(x, f, None) is None)
 
 
 class MetadataRec(_Record):
+    __slots__ = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+    _DEFAULTS: ClassVar[dict[str, Any]] = {
+        "state_dict_metadata": _REQUIRED, "planner_data": None, "storage_data": None, "storage_meta": None, "version": None
+    }  # fmt: skip
     state_dict_metadata: dict[str, Any]
-    planner_data: Any = None
-    storage_data: Any = None
-    storage_meta: Any = None
-    version: str | None = None
+    planner_data: Any
+    storage_data: Any
+    storage_meta: Any
+    version: str | None
 
 
 class TensorStorageRec(_Record):
+    __slots__ = ("properties", "size", "chunks")
+    _DEFAULTS: ClassVar[dict[str, Any]] = {"properties": _REQUIRED, "size": _REQUIRED, "chunks": _REQUIRED}
     properties: Any
     size: tuple[int, ...]
     chunks: list[Any]
 
 
 class BytesStorageRec(_Record):
-    pass
+    __slots__ = ()
 
 
 class ChunkRec(_Record):
+    __slots__ = ("offsets", "sizes")
+    _DEFAULTS: ClassVar[dict[str, Any]] = {"offsets": _REQUIRED, "sizes": _REQUIRED}
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
 
 
 class TensorPropertiesRec(_Record):
+    __slots__ = ("dtype",)
+    _DEFAULTS: ClassVar[dict[str, Any]] = {"dtype": _REQUIRED}
     dtype: DType
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and state and isinstance(state[0], DType):  # the 5-tuple __getstate__
-            self.dtype = state[0]
+            self._put("dtype", state[0])
         else:
             super().__setstate__(state)
 
 
 class IndexRec(_Record):
+    __slots__ = ("fqn", "offset", "index")
+    _DEFAULTS: ClassVar[dict[str, Any]] = {"fqn": _REQUIRED, "offset": None, "index": None}
     fqn: str
-    offset: tuple[int, ...] | None = None
-    index: int | None = None
+    offset: tuple[int, ...] | None
+    index: int | None
 
     def key(self) -> tuple[str, tuple[int, ...] | None]:
-        return self.fqn, None if self.offset is None else tuple(self.offset)
+        return self.fqn, as_tuple(self.offset)
+
+
+def as_tuple(values: Any) -> Any:
+    """Offsets or sizes as a tuple: the pickle's own (a torch.Size is one), a copy only of a list."""
+    return values if values is None or isinstance(values, tuple) else tuple(values)
 
 
 class StorageInfoRec(_Record):
+    __slots__ = ("relative_path", "offset", "length", "transform_descriptors")
+    _DEFAULTS: ClassVar[dict[str, Any]] = {
+        "relative_path": _REQUIRED, "offset": _REQUIRED, "length": _REQUIRED, "transform_descriptors": None
+    }  # fmt: skip
     relative_path: str
     offset: int
     length: int
-    transform_descriptors: Any = None
+    transform_descriptors: Any
 
 
 class StorageMetaRec(_Record):
-    checkpoint_id: Any = None
-    save_id: str | None = None
-    load_id: str | None = None
-    modules: list[str] = []  # noqa: RUF012 - absent before torch 2.7
+    __slots__ = ("checkpoint_id", "save_id", "load_id", "modules")
+    # modules: absent before torch 2.7
+    _DEFAULTS: ClassVar[dict[str, Any]] = {"checkpoint_id": None, "save_id": None, "load_id": None, "modules": ()}
+    checkpoint_id: Any
+    save_id: str | None
+    load_id: str | None
+    modules: Any
 
 
 def _metadata_globals() -> dict[tuple[str, str], Any]:

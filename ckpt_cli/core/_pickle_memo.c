@@ -1,0 +1,245 @@
+/* A pickle rewritten without the memo stores nothing reads back: the same value, built in far less memory.
+
+   The C unpickler keeps every memoized object alive until the load ends. Picklers memoize every container and
+   object they write (a DCP `.metadata` of 200,000 chunks: about three state dicts, tuples and records per chunk)
+   though only shared values are ever fetched again, so a large pickle's load peaks at several times the value it
+   builds. `lean` drops the stores (PUT, BINPUT, LONG_BINPUT, MEMOIZE) whose index no GET names, numbers the
+   ones that remain 0, 1, 2, ... (the unpickler's memo is an array as long as the largest index) and drops FRAME
+   hints (optional; their lengths would no longer hold). Nothing else changes: every other opcode is copied byte for byte, so the value is the
+   one the original builds, through the same allow list.
+
+   Called only on a pickle the guard's scan (core/_pickle_scan.c, pickle_guard.py) accepted; it still checks every
+   bound and answers None, "load the original", for anything it does not handle: text-form memo opcodes (protocol
+   0/1), PUT and MEMOIZE mixed, a GET of an index no store made, an opcode or argument past the end. The opcode
+   table (kind and argument size of each byte) is pickle_guard's, as for the scan. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* pickle_guard's K_* (the same numbering as _pickle_scan.c). */
+enum {
+    K_GET1, K_MEMOIZE, K_ATOM, K_TUPLE, K_MARK, K_ATOM_LEN, K_EMPTY, K_GET4, K_PUT1, K_PUT4, K_CALL, K_BUILD, K_FILL_MARK,
+    K_FILL, K_TO_MARK, K_ATOM_LINES, K_POP, K_POP_MARK, K_DUP, K_REPLACE, K_SKIP, K_STOP, K_BIGINT, K_PUT_LINE, K_GET_LINE,
+    K_INST, K_NONE = 255
+};
+
+#define FRAME 0x95
+#define BINGET 'h'
+#define LONG_BINGET 'j'
+#define BINPUT 'q'
+#define LONG_BINPUT 'r'
+
+typedef struct {
+    const unsigned char *data, *kinds, *ns;
+    Py_ssize_t end;
+} Ops;
+
+/* Little-endian integer of n bytes at pos (the caller checked they are there). */
+static int64_t le(const unsigned char *p, int n, int is_signed) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--) v = (v << 8) | p[i];
+    if (is_signed && n < 8 && (p[n - 1] & 0x80)) v |= ~(uint64_t)0 << (8 * n);
+    return (int64_t)v;
+}
+
+/* The position after `lines` newline-ended lines from pos, -1 past the end. */
+static Py_ssize_t after_lines(const Ops *o, Py_ssize_t pos, int64_t lines) {
+    for (int64_t i = 0; i < lines; i++) {
+        if (pos >= o->end) return -1;
+        const unsigned char *nl = memchr(o->data + pos, '\n', o->end - pos);
+        if (!nl) return -1;
+        pos = nl - o->data + 1;
+    }
+    return pos;
+}
+
+/* The position of the opcode after the one at pos, -1 when it is cut off or unknown. */
+static Py_ssize_t next_op(const Ops *o, Py_ssize_t pos) {
+    unsigned char op = o->data[pos], kind = o->kinds[op];
+    int64_t n = o->ns[op];
+    pos += 1;
+    switch (kind) {
+        case K_NONE:
+            return -1;
+        case K_GET1: case K_GET4: case K_ATOM: case K_PUT1: case K_PUT4: case K_SKIP:
+            pos += n;
+            break;
+        case K_ATOM_LEN: case K_BIGINT: {
+            if (pos + n > o->end) return -1;
+            int is_signed = (kind == K_ATOM_LEN && op == 0x54) || (kind == K_BIGINT && n == 4);
+            int64_t length = le(o->data + pos, (int)n, is_signed);
+            if (length < 0 || (uint64_t)length > (uint64_t)(o->end - pos - n)) return -1;
+            pos += n + length;
+            break;
+        }
+        case K_ATOM_LINES: case K_GET_LINE:
+            return after_lines(o, pos, n);
+        case K_PUT_LINE:
+            return after_lines(o, pos, 1);
+        case K_INST:
+            return after_lines(o, pos, 2);
+        default: /* no argument bytes: n counts stack items */
+            break;
+    }
+    return pos > o->end ? -1 : pos;
+}
+
+/* First pass: which memo indices a GET names (bit per index), and whether the pickle is one the rewrite handles. */
+typedef struct {
+    uint64_t *wanted; /* bitmap over [0, limit) */
+    int64_t limit;
+    int64_t memoizes, puts, max_put;
+} Uses;
+
+static int mark(Uses *u, int64_t index) {
+    if (index < 0 || index >= u->limit) return -1;
+    u->wanted[index >> 6] |= (uint64_t)1 << (index & 63);
+    return 0;
+}
+
+static int is_wanted(const Uses *u, int64_t index) {
+    return index >= 0 && index < u->limit && (u->wanted[index >> 6] >> (index & 63)) & 1;
+}
+
+static int survey(const Ops *o, Uses *u) {
+    Py_ssize_t pos = 0;
+    while (pos < o->end) {
+        unsigned char kind = o->kinds[o->data[pos]];
+        int64_t n = o->ns[o->data[pos]];
+        if (kind == K_PUT_LINE || kind == K_GET_LINE) return -1;
+        Py_ssize_t next = next_op(o, pos);
+        if (next < 0) return -1;
+        /* a frame longer than what follows is the unpickler's "truncated" error: kept, by loading the original */
+        if (o->data[pos] == FRAME && (uint64_t)le(o->data + pos + 1, 8, 0) > (uint64_t)(o->end - next)) return -1;
+        if (kind == K_MEMOIZE) u->memoizes++;
+        if (kind == K_PUT1 || kind == K_PUT4) u->puts++;
+        if (kind == K_GET1 || kind == K_GET4) {
+            /* an index past every store so far is one no store made (the scan refused it): not handled */
+            int64_t index = le(o->data + pos + 1, (int)n, 0);
+            if (mark(u, index)) return -1;
+        }
+        if (kind == K_STOP) return 0;
+        pos = next;
+    }
+    return -1;
+}
+
+/* The new index of a kept store: how many wanted indices lie below it (a prefix count per 64 indices). */
+static uint32_t rank_of(const Uses *u, const uint32_t *prefix, int64_t index) {
+    uint64_t below = u->wanted[index >> 6] & (((uint64_t)1 << (index & 63)) - 1);
+    return prefix[index >> 6] + (uint32_t)__builtin_popcountll(below);
+}
+
+static Py_ssize_t emit_index(unsigned char *out, Py_ssize_t w, unsigned char short_op, unsigned char long_op, uint32_t index) {
+    if (index < 256) {
+        out[w++] = short_op;
+        out[w++] = (unsigned char)index;
+    } else {
+        out[w++] = long_op;
+        for (int i = 0; i < 4; i++) out[w++] = (unsigned char)(index >> (8 * i));
+    }
+    return w;
+}
+
+/* Second pass: copy every opcode except the unread stores and FRAMEs; the kept stores and their GETs numbered
+   0, 1, 2, ... in the order of their original indices (never larger, so never a longer opcode). */
+static Py_ssize_t rewrite(const Ops *o, const Uses *u, const uint32_t *prefix, unsigned char *out) {
+    Py_ssize_t pos = 0, w = 0;
+    int64_t memoized = 0;
+    while (pos < o->end) {
+        unsigned char op = o->data[pos], kind = o->kinds[op];
+        int64_t n = o->ns[op];
+        Py_ssize_t next = next_op(o, pos);
+        if (next < 0) return -1;
+        if (op == FRAME) {
+            /* dropped */
+        } else if (kind == K_MEMOIZE) {
+            if (is_wanted(u, memoized)) out[w++] = op; /* numbered by count: its rank */
+            memoized++;
+        } else if (kind == K_PUT1 || kind == K_PUT4) {
+            int64_t index = le(o->data + pos + 1, (int)n, 0);
+            if (is_wanted(u, index)) w = emit_index(out, w, BINPUT, LONG_BINPUT, rank_of(u, prefix, index));
+        } else if (kind == K_GET1 || kind == K_GET4) {
+            int64_t index = le(o->data + pos + 1, (int)n, 0);
+            if (u->memoizes && index >= memoized) return -1; /* fetched before it was stored */
+            w = emit_index(out, w, BINGET, LONG_BINGET, rank_of(u, prefix, index));
+        } else {
+            memcpy(out + w, o->data + pos, next - pos);
+            w += next - pos;
+        }
+        if (kind == K_STOP) return w;
+        pos = next;
+    }
+    return -1;
+}
+
+static PyObject *lean(PyObject *self, PyObject *args) {
+    Py_buffer data, kinds, ns;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &data, &kinds, &ns)) return NULL;
+    PyObject *result = NULL;
+    Uses u = {NULL, 0, 0, 0, 0};
+    uint32_t *prefix = NULL;
+    if (kinds.len != 256 || ns.len != 256) {
+        PyErr_SetString(PyExc_ValueError, "the opcode table has 256 entries");
+        goto done;
+    }
+    Ops o = {data.buf, kinds.buf, ns.buf, data.len};
+    /* Indices a store can make: at most one per opcode, so fewer than the pickle's bytes. */
+    u.limit = data.len;
+    Py_ssize_t words = (Py_ssize_t)(u.limit >> 6) + 1;
+    u.wanted = calloc((size_t)words, sizeof(uint64_t));
+    if (!u.wanted) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = survey(&o, &u) == 0 && !(u.memoizes && u.puts);
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    prefix = malloc((size_t)words * sizeof(uint32_t));
+    if (!prefix) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint32_t count = 0;
+    for (Py_ssize_t i = 0; i < words; i++) {
+        prefix[i] = count;
+        count += (uint32_t)__builtin_popcountll(u.wanted[i]);
+    }
+    /* The rewrite never grows: stores and FRAMEs only go, a new index is at most the original. */
+    PyObject *out = PyBytes_FromStringAndSize(NULL, data.len);
+    if (!out) goto done;
+    Py_ssize_t written;
+    Py_BEGIN_ALLOW_THREADS
+    written = rewrite(&o, &u, prefix, (unsigned char *)PyBytes_AS_STRING(out));
+    Py_END_ALLOW_THREADS
+    if (written < 0) {
+        Py_DECREF(out);
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (_PyBytes_Resize(&out, written) == 0) result = out;
+done:
+    free(u.wanted);
+    free(prefix);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&kinds);
+    PyBuffer_Release(&ns);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"lean", lean, METH_VARARGS, "lean(data, kinds, ns) -> the pickle without unread memo stores, or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pickle_memo", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__pickle_memo(void) { return PyModule_Create(&module); }

@@ -1,0 +1,139 @@
+"""core/_pickle_memo.c: a large pickle loaded without the memo stores nothing reads back gives the same value.
+
+The rewrite must never change what a pickle builds (sharing included), never read outside the pickle, and leave
+alone what it does not handle; the allow list and the scan see the same opcodes either way."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+from conftest import ckpt_quiet
+from test_hostile_pickles import HOSTILE
+
+from ckpt_cli.core import pickle_guard
+from ckpt_cli.core.safe_pickle import safe_loads
+from ckpt_cli.errors import DataError
+from ckpt_cli.formats.dcp_metadata import METADATA_GLOBALS, load_metadata
+
+pytestmark = pytest.mark.skipif(pickle_guard._pickle_memo is None, reason="the C extension is not built")
+
+
+def lean(data: bytes) -> bytes:
+    return pickle_guard.lean(data, at_least=0)
+
+
+def random_value(rng: random.Random, depth: int = 0) -> object:
+    r = rng.random()
+    if depth > 4 or r < 0.3:
+        return rng.choice([1, 2**40, -5, 10**30, 1.5, None, True, "s" * rng.randint(0, 300), b"x" * rng.randint(0, 3)])
+    if r < 0.5:
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 5))]
+    if r < 0.7:
+        return tuple(random_value(rng, depth + 1) for _ in range(rng.randint(0, 5)))
+    if r < 0.9:
+        return {str(i): random_value(rng, depth + 1) for i in range(rng.randint(0, 5))}
+    return {frozenset([1, 2]): {3, 4}}
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_same_value_at_every_protocol(protocol):
+    rng = random.Random(protocol)
+    rewritten = 0
+    for _ in range(200):
+        shared = random_value(rng)
+        value = [random_value(rng), shared, [shared, random_value(rng)], shared]
+        data = pickle.dumps(value, protocol=protocol)
+        out = lean(data)
+        assert len(out) <= len(data)
+        assert pickle.loads(out) == pickle.loads(data)
+        rewritten += out is not data
+    # protocol 0 stores by text lines, left alone; every binary protocol is rewritten
+    assert rewritten == (0 if protocol == 0 else 200)
+
+
+@pytest.mark.parametrize("protocol", [1, 2, 3, 4, 5])
+def test_sharing_kept_and_indices_past_255_renumbered(protocol):
+    rows = [[i] for i in range(1000)]
+    data = pickle.dumps([rows, rows[::-1], {"a": rows[300]}], protocol=protocol)
+    out = lean(data)
+    assert len(out) < len(data)
+    a, b, c = pickle.loads(out)
+    assert a == [[i] for i in range(1000)] and all(x is y for x, y in zip(a, b[::-1])) and c["a"] is a[300]
+    memo_ops = {"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"}
+    stores = sum(op.name in memo_ops for op, _, _ in pickle_guard.pickletools.genops(out))
+    assert stores == 1000  # the rows are fetched again; nothing else is stored
+
+
+def test_unread_stores_are_what_the_unpickler_kept():
+    """The point of it: a pickle of many records builds them without keeping each one's state in the memo."""
+    value = {f"k{i}": (i, [i, i + 1], {"x": i}) for i in range(20_000)}
+    data = pickle.dumps(value, protocol=2)
+    out = lean(data)
+    assert pickle.loads(out) == value
+    assert len(out) < 0.75 * len(data)
+    stores = sum(op.name in {"BINPUT", "LONG_BINPUT"} for op, _, _ in pickle_guard.pickletools.genops(out))
+    assert stores == 1  # the key "x", fetched by every record after the first
+
+
+def outcome(data: bytes) -> tuple[str, object]:
+    """What ckpt's own load makes of a pickle (the scan and the allow list first: some of these would hang or run
+    code in a plain pickle.loads)."""
+    try:
+        return "ok", safe_loads(data, "x")
+    except DataError as exc:
+        return "error", str(exc).split("(")[0]
+
+
+def test_left_alone_or_same_value_on_damaged_and_hostile_pickles():
+    rng = random.Random(7)
+    samples = [data for data, _ in HOSTILE.values()]
+    bases = [pickle.dumps([[i, str(i)] for i in range(300)] * 2, protocol=p) for p in (2, 4)]
+    for i in range(3000):  # cut short, bytes flipped: never a crash, never a read past the end
+        data = bytearray(bases[i % 2])
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        samples.append(bytes(data[: rng.randint(1, len(data))] if i % 3 == 0 else data))
+    rewritten = 0
+    for data in samples:
+        try:
+            pickle_guard.scan(data)
+        except pickle.UnpicklingError:
+            continue  # refused before any rewrite would run
+        out = lean(data)
+        assert isinstance(out, bytes) and len(out) <= len(data)
+        if out is not data:
+            rewritten += 1
+            expected, got = outcome(data), outcome(out)
+            assert got[0] == expected[0]
+            if expected[0] == "ok":
+                assert got == expected
+    assert rewritten > 100
+
+
+def shape_of(value: object) -> object:
+    """The records' fields as plain data, to compare two loads of one `.metadata`."""
+    if hasattr(type(value), "_DEFAULTS"):
+        fields = {k: shape_of(getattr(value, k, None)) for k in type(value)._DEFAULTS}
+        return (type(value).__name__, fields)
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else repr(shape_of(k)): shape_of(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [shape_of(v) for v in value]
+    return value
+
+
+def test_real_dcp_metadata_loads_the_same(fsdp2_saves, tmp_path):
+    """torch's own `.metadata` (protocol 4: MEMOIZE and FRAME), and ckpt's reshard of it (protocol 2: BINPUT)."""
+    resharded = tmp_path / "w5"
+    ckpt_quiet("reshard", fsdp2_saves[2] / "ckpt", resharded, "--world-size", "5", "--quiet")
+    for folder in (fsdp2_saves[2] / "ckpt", resharded):
+        data = (folder / ".metadata").read_bytes()
+        out = lean(data)
+        assert out is not data and len(out) < len(data)
+        plain = safe_loads(data, "x", METADATA_GLOBALS)
+        leaner = safe_loads(out, "x", METADATA_GLOBALS)
+        assert shape_of(leaner) == shape_of(plain)
+        assert shape_of(load_metadata(Path(folder) / ".metadata", False)) == shape_of(plain)
