@@ -14,7 +14,7 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -52,7 +52,7 @@ class Global:
         raise pickle.PicklingError(f"{self!r} reached the pickler outside its memo")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)  # slots: a wide `.metadata` is described by millions of these
 class Reduce:
     """`func(*args)`, written as REDUCE."""
 
@@ -60,7 +60,7 @@ class Reduce:
     args: tuple[Any, ...]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Instance:
     """`cls.__new__(cls)` then BUILD(state): how dataclasses pickle (state None: no BUILD)."""
 
@@ -152,14 +152,27 @@ def _preamble(globals_: list[Global]) -> bytes:
     return b"".join(out)
 
 
-def dumps(obj: Any, persistent_id: Callable[[Any], Any] | None = None) -> bytes:
-    """Protocol-2 pickle of `obj`, where Global/Reduce/Instance/DType stand for torch objects."""
+def dumps(
+    obj: Any, persistent_id: Callable[[Any], Any] | None = None, expected: Iterable[Global | DType] = (), shared: bool = True
+) -> bytes:
+    """Protocol-2 pickle of `obj`, where Global/Reduce/Instance/DType stand for torch objects. `expected`: globals
+    the caller knows `obj` names, written first so that no dump restarts for them (a restart pickles again all that
+    came before: `.metadata` meets MetadataIndex only after every tensor's chunks). `shared=False`: a value that
+    needs no object written twice to be the same object when loaded (no cycles either), pickled without memoizing
+    each object (the pickler's "fast" mode: it would otherwise keep every object it wrote, and each tuple it made
+    for one, alive until the end; the globals still come from the memo)."""
     known: dict[int, tuple[Any, Global]] = {}  # id(object) -> (object, the global it is written as)
+    for item in expected:
+        glob = torch_dtype(item) if isinstance(item, DType) else item
+        known[id(item)] = (item, glob)
+        if isinstance(item, Global):  # as a REDUCE function and as an Instance's class
+            known[id(_placeholder(item))] = (_placeholder(item), item)
     while True:
         order = list(dict.fromkeys(glob for _, glob in known.values()))
         index = {glob: i for i, glob in enumerate(order)}
         buf = io.BytesIO()
         pickler = _Pickler(buf, known, persistent_id)
+        pickler.fast = not shared
         pickler.memo = {key: (index[glob], o) for key, (o, glob) in known.items()}
         try:
             pickler.dump(obj)

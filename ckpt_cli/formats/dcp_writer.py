@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import pickler, zipio
+from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import (
     Box,
@@ -36,8 +37,9 @@ from ckpt_cli.core.model import (
     unsafe_value_problem,
 )
 from ckpt_cli.core.paths import open_regular
-from ckpt_cli.core.pickler import Global, Instance, Reduce, size
+from ckpt_cli.core.pickler import Global, Instance, Reduce
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
+from ckpt_cli.core.safe_pickle import TorchSize
 from ckpt_cli.core.training import apply_per_rank_rule
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import torch_save
@@ -398,21 +400,25 @@ def metadata_bytes(
             _cls("_StorageInfo", "torch.distributed.checkpoint.filesystem"), {"relative_path": path, "offset": offset, "length": length}
         )
 
-    for fqn, (entry, listed) in chunks.items():
-        chunk_list = [Instance(_cls("ChunkStorageMetadata"), {"offsets": size(o), "sizes": size(s)}) for o, s in listed]
+    dtypes: dict[DType, None] = {}
+    for fqn, (entry, listed) in chunks.items():  # sizes as TorchSize: torch.Size(dims) when pickled, a tuple here
+        chunk_list = [Instance(_cls("ChunkStorageMetadata"), {"offsets": TorchSize(o), "sizes": TorchSize(s)}) for o, s in listed]
         sdm[fqn] = Instance(
-            _cls("TensorStorageMetadata"), {"properties": _properties(entry), "size": size(entry.shape), "chunks": chunk_list}
+            _cls("TensorStorageMetadata"), {"properties": _properties(entry), "size": TorchSize(entry.shape), "chunks": chunk_list}
         )
+        dtypes[entry.dtype] = None
         for i, (offsets, _) in enumerate(listed):
-            index = Instance(_cls("MetadataIndex"), {"fqn": fqn, "index": i, "offset": size(offsets)})
+            index = Instance(_cls("MetadataIndex"), {"fqn": fqn, "index": i, "offset": TorchSize(offsets)})
             storage_data[index] = storage_info((fqn, offsets))
     for obj in objects:
         sdm[obj.name] = Instance(_cls("BytesStorageMetadata"))
         storage_data[Instance(_cls("MetadataIndex"), {"fqn": obj.name, "index": None})] = storage_info((obj.name, None))
     if order:
         sdm = {key: sdm[key] for key in order if key in sdm} | sdm
-    body = repr((sorted(storage.items()), sorted(planner))).encode()
-    save_id = str(uuid.UUID(bytes=hashlib.sha256(body).digest()[:16], version=4))  # reproducible, unlike uuid4()
+    body = hashlib.sha256()  # item by item: the repr of 200,000 entries at once is tens of MB
+    for item in [*sorted(storage.items()), *sorted(planner)]:
+        body.update(repr(item).encode())
+    save_id = str(uuid.UUID(bytes=body.digest()[:16], version=4))  # reproducible, unlike uuid4()
     storage_meta = Instance(
         _cls("StorageMeta"),
         {"checkpoint_id": Reduce(Global("pathlib", "PosixPath"), (str(dest),)), "save_id": save_id, "load_id": None, "modules": []},
@@ -424,7 +430,13 @@ def metadata_bytes(
         "storage_meta": storage_meta,
         "version": "1.0.0",
     }
-    return pickler.dumps(Instance(_cls("Metadata"), meta))
+    expected: list[Global | DType] = [_cls("Metadata")]
+    if chunks:
+        expected += [_cls(n) for n in ("TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata")]
+        expected += [Global("torch.serialization", "_get_layout"), _cls("_MEM_FORMAT_ENCODING"), Global("torch", "Size"), *dtypes]
+    if storage_data:
+        expected += [_cls("MetadataIndex"), _cls("_StorageInfo", "torch.distributed.checkpoint.filesystem")]
+    return pickler.dumps(Instance(_cls("Metadata"), meta), expected=expected, shared=False)
 
 
 WRITER = DCPWriter()
