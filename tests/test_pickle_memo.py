@@ -126,14 +126,36 @@ def shape_of(value: object) -> object:
 
 
 def test_real_dcp_metadata_loads_the_same(fsdp2_saves, tmp_path):
-    """torch's own `.metadata` (protocol 4: MEMOIZE and FRAME), and ckpt's reshard of it (protocol 2: BINPUT)."""
+    """torch's own `.metadata` (protocol 4: MEMOIZE and FRAME), and ckpt's reshard of it (protocol 2: BINPUT, only for
+    the globals and strings it refers to again, so nothing to drop: loaded as written)."""
     resharded = tmp_path / "w5"
     ckpt_quiet("reshard", fsdp2_saves[2] / "ckpt", resharded, "--world-size", "5", "--quiet")
     for folder in (fsdp2_saves[2] / "ckpt", resharded):
         data = (folder / ".metadata").read_bytes()
         out = lean(data)
-        assert out is not data and len(out) < len(data)
+        assert (out is data) == (folder == resharded) and len(out) <= len(data)
         plain = safe_loads(data, "x", METADATA_GLOBALS)
         leaner = safe_loads(out, "x", METADATA_GLOBALS)
         assert shape_of(leaner) == shape_of(plain)
         assert shape_of(load_metadata(Path(folder) / ".metadata", False)) == shape_of(plain)
+
+
+def test_pickler_without_memo_still_shares_globals_and_named_strings():
+    """ckpt's pickler for `.metadata` (shared=False): objects are not memoized, but the globals and the strings it is
+    given are written once and fetched; the value reads back the same through torch's own unpickler."""
+    import torch  # noqa: F401 - torch.Size for pickle.loads
+
+    from ckpt_cli.core import pickler
+    from ckpt_cli.core.safe_pickle import TorchSize
+
+    names = [f"layers.{i}.weight" for i in range(300)]
+    path = "__0_0.distcp"
+    value = {n: [(path, TorchSize((i, 0)), TorchSize((1, 4))) for i in range(3)] for n in names}
+    plain = pickler.dumps(value, expected=[pickler.Global("torch", "Size")], shared=False)
+    named = pickler.dumps(value, expected=[pickler.Global("torch", "Size")], shared=False, strings=[*names, path])
+    expected = {n: [(path, torch.Size((i, 0)), torch.Size((1, 4))) for i in range(3)] for n in names}
+    assert pickle.loads(plain) == pickle.loads(named) == expected
+    assert named.count(path.encode()) == 1 and plain.count(path.encode()) == 900
+    assert named.count(b"layers.7.weight") == 1 and len(named) < len(plain)
+    stores = sum(op.name in {"BINPUT", "LONG_BINPUT"} for op, _, _ in pickle_guard.pickletools.genops(named))
+    assert stores == 1 + 301  # torch.Size, then the strings; nothing else is memoized

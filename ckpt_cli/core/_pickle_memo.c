@@ -220,7 +220,7 @@ static PyObject *lean(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     written = rewrite(&o, &u, prefix, (unsigned char *)PyBytes_AS_STRING(out));
     Py_END_ALLOW_THREADS
-    if (written < 0) {
+    if (written < 0 || written == data.len) { /* nothing dropped: the original is as lean */
         Py_DECREF(out);
         result = Py_NewRef(Py_None);
         goto done;

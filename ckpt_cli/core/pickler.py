@@ -142,25 +142,38 @@ def register(cls: type, describe: Callable[[Any], Any]) -> None:
     _REGISTERED[cls] = describe
 
 
-def _preamble(globals_: list[Global]) -> bytes:
-    """PROTO 2, then each global: GLOBAL, memoized at its position. They stay on the stack under the value, where
-    STOP leaves them (torch's weights_only unpickler has no POP)."""
+def _put(i: int) -> bytes:
+    return pickle.BINPUT + bytes([i]) if i < 256 else pickle.LONG_BINPUT + i.to_bytes(4, "little")
+
+
+def _preamble(globals_: list[Global], strings: list[str]) -> bytes:
+    """PROTO 2, then each global (GLOBAL) and each shared string (BINUNICODE), memoized at its position. They stay
+    on the stack under the value, where STOP leaves them (torch's weights_only unpickler has no POP)."""
     out = [pickle.PROTO + b"\x02"]
     for i, glob in enumerate(globals_):
-        put = pickle.BINPUT + bytes([i]) if i < 256 else pickle.LONG_BINPUT + i.to_bytes(4, "little")
-        out.append(pickle.GLOBAL + f"{glob.module}\n{glob.name}\n".encode() + put)
+        out.append(pickle.GLOBAL + f"{glob.module}\n{glob.name}\n".encode() + _put(i))
+    for i, text in enumerate(strings, len(globals_)):
+        data = text.encode("utf-8", "surrogatepass")
+        out.append(pickle.BINUNICODE + len(data).to_bytes(4, "little") + data + _put(i))
     return b"".join(out)
 
 
 def dumps(
-    obj: Any, persistent_id: Callable[[Any], Any] | None = None, expected: Iterable[Global | DType] = (), shared: bool = True
+    obj: Any,
+    persistent_id: Callable[[Any], Any] | None = None,
+    expected: Iterable[Global | DType] = (),
+    shared: bool = True,
+    strings: Iterable[str] = (),
 ) -> bytes:
     """Protocol-2 pickle of `obj`, where Global/Reduce/Instance/DType stand for torch objects. `expected`: globals
     the caller knows `obj` names, written first so that no dump restarts for them (a restart pickles again all that
     came before: `.metadata` meets MetadataIndex only after every tensor's chunks). `shared=False`: a value that
     needs no object written twice to be the same object when loaded (no cycles either), pickled without memoizing
     each object (the pickler's "fast" mode: it would otherwise keep every object it wrote, and each tuple it made
-    for one, alive until the end; the globals still come from the memo)."""
+    for one, alive until the end; the globals still come from the memo). `strings`: text objects `obj` holds many
+    times (a `.metadata`'s keys and file names, once per chunk), written once and then fetched from the memo, even
+    with shared=False."""
+    texts = list({id(t): t for t in strings}.values())  # by identity: the memo finds the very objects `obj` holds
     known: dict[int, tuple[Any, Global]] = {}  # id(object) -> (object, the global it is written as)
     for item in expected:
         glob = torch_dtype(item) if isinstance(item, DType) else item
@@ -173,10 +186,12 @@ def dumps(
         buf = io.BytesIO()
         pickler = _Pickler(buf, known, persistent_id)
         pickler.fast = not shared
-        pickler.memo = {key: (index[glob], o) for key, (o, glob) in known.items()}
+        memo = {key: (index[glob], o) for key, (o, glob) in known.items()}
+        memo.update({id(t): (len(order) + i, t) for i, t in enumerate(texts)})
+        pickler.memo = memo
         try:
             pickler.dump(obj)
         except _Unknown as missing:
             known[id(missing.obj)] = (missing.obj, missing.glob)
             continue
-        return _preamble(order) + buf.getvalue()[2:]  # the pickler's own PROTO 2 dropped: the preamble has it
+        return _preamble(order, texts) + buf.getvalue()[2:]  # the pickler's own PROTO 2 dropped: the preamble has it

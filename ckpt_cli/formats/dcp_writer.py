@@ -436,7 +436,10 @@ def metadata_bytes(
         expected += [Global("torch.serialization", "_get_layout"), _cls("_MEM_FORMAT_ENCODING"), Global("torch", "Size"), *dtypes]
     if storage_data:
         expected += [_cls("MetadataIndex"), _cls("_StorageInfo", "torch.distributed.checkpoint.filesystem")]
-    return pickler.dumps(Instance(_cls("Metadata"), meta), expected=expected, shared=False)
+    # keys and file names written once each: without the memo every chunk would repeat them (torch's own `.metadata`
+    # refers to them; so the file and whatever reads it stay as small)
+    texts = [*sdm, *{path: None for path, _, _ in storage.values()}]
+    return pickler.dumps(Instance(_cls("Metadata"), meta), expected=expected, shared=False, strings=texts)
 
 
 WRITER = DCPWriter()
