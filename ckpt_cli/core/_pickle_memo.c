@@ -91,7 +91,8 @@ static Py_ssize_t next_op(const Ops *o, Py_ssize_t pos) {
 typedef struct {
     uint64_t *wanted; /* bitmap over [0, limit) */
     int64_t limit;
-    int64_t memoizes, puts, max_put;
+    int64_t memoizes, puts;
+    int64_t droppable; /* FRAMEs, and stores no GET names */
 } Uses;
 
 static int mark(Uses *u, int64_t index) {
@@ -116,6 +117,7 @@ static int survey(const Ops *o, Uses *u) {
         if (o->data[pos] == FRAME && (uint64_t)le(o->data + pos + 1, 8, 0) > (uint64_t)(o->end - next)) return -1;
         if (kind == K_MEMOIZE) u->memoizes++;
         if (kind == K_PUT1 || kind == K_PUT4) u->puts++;
+        if (o->data[pos] == FRAME) u->droppable++;
         if (kind == K_GET1 || kind == K_GET4) {
             /* an index past every store so far is one no store made (the scan refused it): not handled */
             int64_t index = le(o->data + pos + 1, (int)n, 0);
@@ -198,6 +200,11 @@ static PyObject *lean(PyObject *self, PyObject *args) {
     int ok;
     Py_BEGIN_ALLOW_THREADS
     ok = survey(&o, &u) == 0 && !(u.memoizes && u.puts);
+    if (ok) { /* a store is droppable unless a GET names its index: fewer wanted indices than stores */
+        int64_t wanted = 0;
+        for (int64_t i = 0; i <= (u.limit >> 6); i++) wanted += __builtin_popcountll(u.wanted[i]);
+        ok = u.droppable || wanted < u.memoizes + u.puts;
+    }
     Py_END_ALLOW_THREADS
     if (!ok) {
         result = Py_NewRef(Py_None);

@@ -398,23 +398,28 @@ class DCPReader:
 
 
 def _overlaps(folder: Path, infos: list[StorageInfoRec], safetensors: frozenset[tuple[str, int]]) -> list[str]:
-    """Byte ranges that overlap; the tensor items of one safetensors document share its offset and count once."""
-    by_file: dict[str, list[tuple[int, int]]] = {}
+    """Byte ranges that overlap; the tensor items of one safetensors document share its offset and count once.
+    Sorted as references to the entries (200,000 at 64 ranks), not as a tuple per range."""
+    by_file: dict[str, list[StorageInfoRec]] = {}
     seen: set[tuple[str, int]] = set()
     for info in infos:
-        if (info.relative_path, info.offset) in safetensors:
+        if safetensors and (info.relative_path, info.offset) in safetensors:
             if (info.relative_path, info.offset) in seen:
                 continue
             seen.add((info.relative_path, info.offset))
-        by_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+        by_file.setdefault(info.relative_path, []).append(info)
     problems = []
     for rel, spans in by_file.items():
-        spans.sort()
-        for (a0, a1), (b0, _) in zip(spans, spans[1:]):
-            if b0 < a1:
-                problems.append(f"{folder / rel}: byte ranges {a0}..{a1} and {b0}.. overlap")
+        spans.sort(key=_span_order)
+        for a, b in zip(spans, spans[1:]):
+            if b.offset < a.offset + a.length:
+                problems.append(f"{folder / rel}: byte ranges {a.offset}..{a.offset + a.length} and {b.offset}.. overlap")
                 break
     return problems
+
+
+def _span_order(info: StorageInfoRec) -> tuple[int, int]:
+    return info.offset, info.offset + info.length
 
 
 def _bounds(ckpt: Checkpoint) -> list[str]:
