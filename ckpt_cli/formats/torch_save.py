@@ -213,14 +213,34 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
             data = tensors[part.index]
             segments.append(TensorData(data.tensor, data.dtype, crc_key=f"{scope}/{part.name}"))
         else:
-            key = f"{scope}/{part.name}"
-            segments.append(Deferred(part.descriptor_size, lambda got, e=part, k=key: zipio.data_descriptor(e, got[k])))
-
-    def directory(got: dict[str, int]) -> bytes:
-        return zipio.central_directory(layouts, {**crcs, **{e.name: got[f"{scope}/{e.name}"] for e in layouts if e.name not in crcs}})
-
-    segments.append(Deferred(zipio.central_directory_size(layouts), directory))
+            segments.append(Deferred(part.descriptor_size, _Descriptor(part, f"{scope}/{part.name}")))
+    segments.append(Deferred(zipio.central_directory_size(layouts), _Directory(layouts, crcs, scope)))
     return segments
+
+
+class _Descriptor:
+    """A tensor record's data descriptor, once its CRC is known (a small object, not a closure: one per DCP chunk)."""
+
+    __slots__ = ("entry", "key")
+
+    def __init__(self, entry: zipio.ZipEntryLayout, key: str) -> None:
+        self.entry, self.key = entry, key
+
+    def __call__(self, got: dict[str, int]) -> bytes:
+        return zipio.data_descriptor(self.entry, got[self.key])
+
+
+class _Directory:
+    """The archive's central directory, once its tensors' CRCs are known (`crcs`: the literal records')."""
+
+    __slots__ = ("layouts", "crcs", "scope")
+
+    def __init__(self, layouts: list[zipio.ZipEntryLayout], crcs: dict[str, int], scope: str) -> None:
+        self.layouts, self.crcs, self.scope = layouts, crcs, scope
+
+    def __call__(self, got: dict[str, int]) -> bytes:
+        computed = {e.name: got[f"{self.scope}/{e.name}"] for e in self.layouts if e.name not in self.crcs}
+        return zipio.central_directory(self.layouts, {**self.crcs, **computed})
 
 
 TEMPLATE_CACHE_BYTES = 1 << 16  # archives with more literal bytes (a whole state dict's data.pkl) are laid out uncached
