@@ -92,7 +92,7 @@ typedef struct {
     uint64_t *wanted; /* bitmap over [0, limit) */
     int64_t limit;
     int64_t memoizes, puts;
-    int64_t droppable; /* FRAMEs, and stores no GET names */
+    int64_t frames; /* dropped whatever else happens */
 } Uses;
 
 static int mark(Uses *u, int64_t index) {
@@ -113,11 +113,13 @@ static int survey(const Ops *o, Uses *u) {
         if (kind == K_PUT_LINE || kind == K_GET_LINE) return -1;
         Py_ssize_t next = next_op(o, pos);
         if (next < 0) return -1;
-        /* a frame longer than what follows is the unpickler's "truncated" error: kept, by loading the original */
-        if (o->data[pos] == FRAME && (uint64_t)le(o->data + pos + 1, 8, 0) > (uint64_t)(o->end - next)) return -1;
+        if (o->data[pos] == FRAME) {
+            /* a frame longer than what follows is the unpickler's "truncated" error: kept, by loading the original */
+            if ((uint64_t)le(o->data + pos + 1, 8, 0) > (uint64_t)(o->end - next)) return -1;
+            u->frames++;
+        }
         if (kind == K_MEMOIZE) u->memoizes++;
         if (kind == K_PUT1 || kind == K_PUT4) u->puts++;
-        if (o->data[pos] == FRAME) u->droppable++;
         if (kind == K_GET1 || kind == K_GET4) {
             /* an index past every store so far is one no store made (the scan refused it): not handled */
             int64_t index = le(o->data + pos + 1, (int)n, 0);
@@ -200,11 +202,6 @@ static PyObject *lean(PyObject *self, PyObject *args) {
     int ok;
     Py_BEGIN_ALLOW_THREADS
     ok = survey(&o, &u) == 0 && !(u.memoizes && u.puts);
-    if (ok) { /* a store is droppable unless a GET names its index: fewer wanted indices than stores */
-        int64_t wanted = 0;
-        for (int64_t i = 0; i <= (u.limit >> 6); i++) wanted += __builtin_popcountll(u.wanted[i]);
-        ok = u.droppable || wanted < u.memoizes + u.puts;
-    }
     Py_END_ALLOW_THREADS
     if (!ok) {
         result = Py_NewRef(Py_None);
@@ -215,10 +212,14 @@ static PyObject *lean(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    uint32_t count = 0;
+    uint32_t wanted = 0; /* indices a GET names: before word i, prefix[i] of them */
     for (Py_ssize_t i = 0; i < words; i++) {
-        prefix[i] = count;
-        count += (uint32_t)__builtin_popcountll(u.wanted[i]);
+        prefix[i] = wanted;
+        wanted += (uint32_t)__builtin_popcountll(u.wanted[i]);
+    }
+    if (!u.frames && wanted >= u.memoizes + u.puts) { /* every store is read back: nothing to drop */
+        result = Py_NewRef(Py_None);
+        goto done;
     }
     /* The rewrite never grows: stores and FRAMEs only go, a new index is at most the original. */
     PyObject *out = PyBytes_FromStringAndSize(NULL, data.len);

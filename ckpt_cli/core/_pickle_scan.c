@@ -95,6 +95,12 @@ static Val slot_value(const Slot *slot) {
     return v;
 }
 
+/* A new value for a slot, its PRESENT and FETCHED flags kept. */
+static void slot_store(Slot *slot, Val v) {
+    slot->value.size = v.size;
+    slot->value.depth = v.depth | (slot->value.depth & (PRESENT | FETCHED));
+}
+
 static int memo_set(Scan *s, int64_t index, Val v) {
     if (index >= s->memo_cap) {
         Py_ssize_t cap = s->memo_cap ? s->memo_cap : 1024;
@@ -106,13 +112,11 @@ static int memo_set(Scan *s, int64_t index, Val v) {
         s->memo_cap = cap;
     }
     Slot *slot = &s->memo[index];
-    uint32_t flags = slot->value.depth & (PRESENT | FETCHED);
-    if (!(flags & PRESENT)) {
-        flags = PRESENT; /* a new entry: not fetched yet */
+    if (!(slot->value.depth & PRESENT)) {
+        slot->value.depth = PRESENT; /* a new entry: not fetched yet */
         s->memo_count++;
     }
-    slot->value.size = v.size;
-    slot->value.depth = v.depth | flags;
+    slot_store(slot, v);
     return 0;
 }
 
@@ -166,10 +170,8 @@ static int fill(Scan *s, Py_ssize_t from) {
     if (slot) {
         Val held = slot_value(slot);
         if (held.depth == old.depth && held.size == old.size) {
-            uint32_t flags = slot->value.depth & (PRESENT | FETCHED);
-            slot->value.size = updated.size;
-            slot->value.depth = updated.depth | flags;
-            s->inexact = s->inexact || (flags & FETCHED);
+            slot_store(slot, updated);
+            s->inexact = s->inexact || (slot->value.depth & FETCHED);
         }
     }
     return 0;

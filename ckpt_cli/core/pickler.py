@@ -87,11 +87,6 @@ def torch_dtype(dtype: DType) -> Global:
     return Global("torch", dtype.name)
 
 
-def size(dims: tuple[int, ...]) -> Reduce:
-    """torch.Size(dims), as torch pickles it."""
-    return Reduce(Global("torch", "Size"), (tuple(dims),))
-
-
 _REGISTERED: dict[type, Callable[[Any], Any]] = {}
 
 
