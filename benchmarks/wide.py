@@ -69,7 +69,7 @@ class Row:
     wall_s: float
     peak_rss_bytes: int
     input_bytes: int
-    metadata_bytes: int  # the largest metadata file of the input: `.metadata`, or one rank's model-states file
+    metadata_bytes: int  # the largest metadata file read or written: `.metadata`, or one rank's model-states file
     note: str = ""
 
 
@@ -162,7 +162,8 @@ def bench_source(name: str, work: Path, ranks: list[int], peer_ranks: set[int], 
     for w in ranks:
         src = work / f"{name}-w{w}"
         wall, rss = timed([*CKPT, "reshard", str(base), str(src), "--world-size", str(w), "-q", "--overwrite"], None, env)
-        rows.append(Row(name, w, "reshard_from_2", f"ckpt reshard 2->{w}", wall, rss, du(base), metadata_bytes(base)))
+        written = max(metadata_bytes(base), metadata_bytes(src))  # the largest metadata file a reshard meets is the one it writes
+        rows.append(Row(name, w, "reshard_from_2", f"ckpt reshard 2->{w}", wall, rss, du(base), written))
         print(f"{name} W={w}: reshard 2->{w} {wall:.1f} s, {rss / 1e6:.0f} MB", file=sys.stderr, flush=True)
         out = work / f"out-{name}-w{w}"
         remove(out)

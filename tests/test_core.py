@@ -170,7 +170,8 @@ def test_crc32_combine_and_split_runs():
     import os
     import zlib
 
-    from ckpt_cli.core.executor import crc32_combine, split_runs
+    from ckpt_cli.core.crc import crc32_combine
+    from ckpt_cli.core.sinks import split_runs
 
     for a, b in [(b"", b"x"), (b"hello ", b"world"), (os.urandom(1000), os.urandom(77777)), (os.urandom(5), b"")]:
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)

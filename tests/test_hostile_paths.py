@@ -23,7 +23,7 @@ import torch
 from conftest import Result, mixed_state_dict
 from safetensors.torch import save_file
 
-from ckpt_cli.core import atomic, executor
+from ckpt_cli.core import atomic, executor, sinks
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.paths import plain_component
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
@@ -395,13 +395,13 @@ def test_a_file_commits_with_one_replace_and_a_folder_by_one_swap(tmp_path, monk
 def test_sigterm_mid_write_stops_at_the_next_block_even_where_a_raise_would_be_lost(ckpt, project, tmp_path, monkeypatch):
     """While a write runs, the handler only records SIGTERM (an exception raised inside a lazy numpy or torch
     import can be swallowed or abort the process); the engine stops at its next block and removes its output."""
-    original = executor.stream_tensor
+    original = sinks.stream_tensor
 
     def signalled(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # handled at once, in this (the main) thread
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(executor, "stream_tensor", signalled)
+    monkeypatch.setattr(sinks, "stream_tensor", signalled)  # what write_segments calls for each tensor
     before = snapshot(tmp_path)
     res = ckpt("convert", project / "weights" / "model.safetensors", tmp_path / "out.pt", "--to", "torch", "--workers", "1")
     refused(res, 143, "terminated (SIGTERM)")

@@ -72,7 +72,7 @@ class Output:
 
 def plan_text(report: api.WriteReport) -> str:
     """What --dry-run prints: the files, their sizes and the notes."""
-    lines = [f"plan: write {report.format} to {report.destination} ({len(report.files)} files, {human_bytes(report.total_bytes)})"]
+    lines = [f"plan: write {report.format} to {report.destination} ({report.file_count} files, {human_bytes(report.total_bytes)})"]
     lines += [f"  {f['path']}  {human_bytes(f['bytes'])}  {f['tensors']} tensors" for f in report.files]
     lines.append(
         f"estimated peak memory: {human_bytes(report.estimated_peak_rss)} "
@@ -103,7 +103,7 @@ def _run(request: api.Request, out: Output) -> None:
             terminated = isinstance(exc, Terminated)
             what = "terminated (SIGTERM)" if terminated else "interrupted"
             raise Interrupted(f"{what}; nothing was written to {dest}", terminated) from None
-    output.info(f"wrote {report.format} {dest} ({len(report.files)} files, {human_bytes(report.total_bytes)})", quiet)
+    output.info(f"wrote {report.format} {dest} ({report.file_count} files, {human_bytes(report.total_bytes)})", quiet)
     if out.manifest is not None and is_main_process():
         checked = _api().verify(dest, write_manifest=out.manifest, overwrite=out.overwrite)
         if not checked.ok:  # the output fails its own structural check: a bug, said as one

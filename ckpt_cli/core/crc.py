@@ -94,29 +94,41 @@ class _Pieces:
 class RecordCheck:
     """Checks the CRC32 of the source records a write copies (the records of its plan's stored arrays).
 
-    Shared by the threads of one write: `wants`, `add` and `whole` may be called from any of them.
+    Shared by the threads of one write: `wants`, `add`, `whole` and `learn` may be called from any of them.
     """
 
-    def __init__(self, records: Iterable[tuple[str, Record]]) -> None:
-        by_path: dict[str, dict[int, Record]] = {}
-        for path, rec in records:
-            if rec.crc:  # 0: not recorded (torch.serialization.skip_data skeletons)
-                by_path.setdefault(path, {})[rec.data_offset] = rec
-        self._records = {path: sorted(recs.values(), key=lambda r: r.data_offset) for path, recs in by_path.items()}
-        self._starts = {path: [r.data_offset for r in recs] for path, recs in self._records.items()}
+    def __init__(self, records: Iterable[tuple[str, Record]] = ()) -> None:
+        # Per path: (record starts, records) sorted by start, replaced as one tuple when records are learnt, so that
+        # a thread looking one up never sees the two lists out of step.
+        self._sorted: dict[str, tuple[list[int], list[Record]]] = {}
         self._pieces: dict[tuple[str, int], _Pieces] = {}
         self._verified: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
+        self.learn(records)
+
+    def learn(self, records: Iterable[tuple[str, Record]]) -> None:
+        """Check these records too (a file whose segments are made only when it is written names its records then)."""
+        new: dict[str, dict[int, Record]] = {}
+        for path, rec in records:
+            if rec.crc:  # 0: not recorded (torch.serialization.skip_data skeletons)
+                new.setdefault(path, {})[rec.data_offset] = rec
+        with self._lock:
+            for path, recs in new.items():
+                merged = dict(zip(*self._sorted.get(path, ([], []))))
+                count = len(merged)
+                merged.update((start, rec) for start, rec in recs.items() if start not in merged)
+                if len(merged) == count:
+                    continue  # known already
+                ordered = [merged[start] for start in sorted(merged)]
+                self._sorted[path] = ([r.data_offset for r in ordered], ordered)
 
     def _record(self, path: str, offset: int, nbytes: int) -> Record | None:
         """The checked record that holds bytes [offset, offset + nbytes) of `path`."""
-        starts = self._starts.get(path)
-        if not starts:
-            return None
+        starts, records = self._sorted.get(path, ((), ()))
         i = bisect.bisect_right(starts, offset) - 1
         if i < 0:
             return None
-        rec = self._records[path][i]
+        rec = records[i]
         return rec if offset + nbytes <= rec.data_offset + rec.size else None
 
     def wants(self, path: str, offset: int, nbytes: int) -> bool:
@@ -162,7 +174,7 @@ class RecordCheck:
         for (path, start), pieces in pending:
             if (path, start) in self._verified:
                 continue
-            rec = next(r for r in self._records[path] if r.data_offset == start)
+            rec = next(r for r in self._sorted[path][1] if r.data_offset == start)
             crc = self._joined(path, rec, pieces.parts)
             with self._lock:
                 self._settle(path, rec, crc)

@@ -19,8 +19,9 @@ import os
 
 from ckpt_cli.core import interrupt, remote_write, storage
 from ckpt_cli.core.atomic import Guard, commit, partial_path, prepare_partial, remove
-from ckpt_cli.core.executor import Progress, default_guard, prepare_remote, targets, upload_files, worker_count, write_files
+from ckpt_cli.core.executor import default_guard, prepare_remote, targets, upload_files, worker_count, write_files
 from ckpt_cli.core.plan import WritePlan
+from ckpt_cli.core.sinks import Progress
 from ckpt_cli.errors import CkptError, DataError
 
 

@@ -1,10 +1,10 @@
 """The write engine: carries out a WritePlan in one process, with a bounded amount of tensor data in memory.
 
-Same-dtype contiguous data moves with copy_file_range (in the kernel, no user-space copy); data
-that needs a CRC or a cast goes through one reusable buffer of BLOCK_BYTES (reads: core/reading.py).
-So does data read from a zip record (torch file, DeepSpeed rank file, DCP chunk): its CRC32 is
-checked on the way (core/crc.py), so a damaged source fails the write instead of being copied.
-Writeback to disk starts every WRITEBACK_BYTES, so the final fsync finds little left to flush.
+Files are written up to `workers` at once, each through a sink (core/sinks.py: kernel copies where the bytes are
+what the output needs, one reusable buffer where a CRC or a cast is). Data read from a zip record (torch file,
+DeepSpeed rank file, DCP chunk) has its CRC32 checked on the way (core/crc.py), so a damaged source fails the write
+instead of being copied. A file the plan builds when it is written (a wide write's rank files) is made here, one at a
+time. Writeback to disk starts every WRITEBACK_BYTES, so the final fsync finds little left to flush.
 Under torchrun the caller uses core/distributed.py instead, which shares the files out over ranks.
 A destination in object storage (s3://) has no rename: each file streams in order into one multipart
 upload (core/remote_write.py), data objects first and the commit markers last (execute_remote).
@@ -14,161 +14,30 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from ckpt_cli.core import interrupt, remote_write, storage
 from ckpt_cli.core.atomic import Guard, check_destination, staged
 from ckpt_cli.core.crc import RecordCheck, crc32_combine
-from ckpt_cli.core.model import ZEROS
+from ckpt_cli.core.model import ZEROS, TensorEntry
 from ckpt_cli.core.paths import inside
-from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
-from ckpt_cli.core.reading import BLOCK_BYTES, ByteRun, SourceFiles, as_bytes, byte_runs, element_windows, read_elements, read_runs
+from ckpt_cli.core.plan import Deferred, Literal, OutputFile, Segment, TensorData, WritePlan
+from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
 from ckpt_cli.core.remote_write import ObjectWriter
+from ckpt_cli.core.sinks import (
+    WRITEBACK_BYTES,
+    FileSink,
+    Progress,
+    copy_runs,
+    split_runs,
+    start_writeback,
+    stream_tensor,
+    write_segments,
+)
 from ckpt_cli.core.storage import RemotePath
-from ckpt_cli.errors import DataError
-
-COPY_BYTES = 64 << 20  # one copy_file_range call
-WRITEBACK_BYTES = 64 << 20
-Progress = Callable[[int], None]
-Sink = Any  # _Out (a local file, positional writes) or remote_write.ObjectWriter (an object, in order)
-
-
-def _sync_file_range() -> Callable[[int], None]:
-    """`sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)`: start writing a file's dirty pages back, without
-    waiting (Linux; Python's os module lacks it). A no-op where libc does not have it."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.sync_file_range
-        call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    except (OSError, AttributeError):
-        return lambda fd: None
-    return lambda fd: call(fd, 0, 0, 2)
-
-
-start_writeback = _sync_file_range()
-
-
-class _Out:
-    """Positional writes into one output file from `offset` on (threads may fill other ranges of it). `buffered`:
-    small writes are gathered into blocks of BLOCK_BYTES (a DCP rank file is thousands of small archives)."""
-
-    def __init__(self, fd: int, offset: int, progress: Progress | None, buffered: bool = False) -> None:
-        self.fd, self.offset, self.progress = fd, offset, progress
-        self.buffer = bytearray() if buffered else None
-
-    def write(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        if self.buffer is not None and len(view) < BLOCK_BYTES:
-            self.buffer += view
-            if len(self.buffer) >= BLOCK_BYTES:
-                self.flush()
-            return
-        self.flush()
-        self._pwrite(view)
-
-    def flush(self) -> None:
-        if self.buffer:
-            data, self.buffer = self.buffer, bytearray()
-            self._pwrite(memoryview(data))
-
-    def _pwrite(self, view: memoryview) -> None:
-        while view:
-            n = os.pwrite(self.fd, view, self.offset)
-            view = view[n:]
-            self.offset += n
-            if self.progress:
-                self.progress(n)
-
-    def copy(self, src_fd: int, offset: int, nbytes: int, path: str) -> None:
-        """`nbytes` of a source from `offset`, in the kernel (copy_file_range) where it can."""
-        self.flush()
-        while nbytes:
-            try:
-                n = os.copy_file_range(src_fd, self.fd, min(nbytes, COPY_BYTES), offset, self.offset)
-            except OSError:
-                n = -1
-            if n < 0:  # not supported here (other filesystems): fall back to read/write
-                chunk = os.pread(src_fd, min(nbytes, BLOCK_BYTES), offset)
-                if not chunk:
-                    raise DataError(f"{path}: truncated at offset {offset}")
-                self.write(chunk)
-                n = len(chunk)
-            elif n == 0:
-                raise DataError(f"{path}: truncated: expected {nbytes} more bytes at offset {offset}")
-            else:
-                self.offset += n
-                if self.progress:
-                    self.progress(n)
-            offset += n
-            nbytes -= n
-
-
-def copy_runs(runs: list[ByteRun], out: Sink, sources: SourceFiles, with_crc: bool) -> int:
-    """Copy byte runs to `out`: in the kernel when no CRC is wanted (by the output, or to check the source
-    record they come from) and both ends are local files, else through the reusable buffer. Returns the CRC32 of all runs (0 when not
-    wanted); each run's own CRC32 goes to the source check."""
-    crc, first = 0, True
-    check = sources.check
-    for path, offset, nbytes in runs:
-        checked = check is not None and check.wants(path, offset, nbytes)
-        if not with_crc and not checked and path != ZEROS and isinstance(out, _Out) and not storage.is_remote(path):
-            out.copy(sources.fd(path), offset, nbytes, path)
-            continue
-        run_crc = 0
-        for view in read_runs([(path, offset, nbytes)], sources):
-            run_crc = zlib.crc32(view, run_crc)
-            out.write(view)
-        if checked:
-            check.add(path, offset, nbytes, run_crc)  # type: ignore[union-attr]
-        if with_crc:  # a tensor of one run (most DCP chunks) needs no combining
-            crc = run_crc if first else crc32_combine(crc, run_crc, nbytes)
-            first = False
-    return crc
-
-
-def stream_tensor(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
-    """Write the tensor's elements in order; return their CRC32 (0 when not asked for).
-
-    Stored bytes that are already what the output needs are copied as bytes; anything else (casts,
-    strided pieces) goes through torch, one window at a time.
-    """
-    runs = byte_runs(seg.tensor, seg.dtype)
-    if runs is None:
-        return _stream_converted(seg, out, sources)
-    return copy_runs(runs, out, sources, seg.crc_key is not None)
-
-
-def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
-    entry, dst = seg.tensor, seg.dtype
-    crc = 0
-    for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
-        data = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
-        if seg.crc_key is not None:
-            crc = zlib.crc32(data, crc)
-        out.write(data)
-    return crc
-
-
-def split_runs(runs: list[ByteRun], size: int) -> list[list[ByteRun]]:
-    """Consecutive pieces of about `size` bytes (a run may be cut in two), for threads to copy at once."""
-    chunks: list[list[ByteRun]] = [[]]
-    room = size
-    for path, offset, nbytes in runs:
-        while nbytes:
-            take = min(nbytes, room)
-            chunks[-1].append((path, offset, take))
-            offset, nbytes, room = offset + take, nbytes - take, room - take
-            if not room:
-                chunks.append([])
-                room = size
-    return [c for c in chunks if c]
-
+from ckpt_cli.core.zipio import Record
 
 CHUNK_BYTES = 64 << 20  # a large tensor is cut into pieces of this size when threads share its file
 
@@ -185,6 +54,7 @@ def write_file(
     known offsets (large CRC-bearing tensors in CHUNK_BYTES pieces, their CRCs combined in order); the
     CRC-dependent trailers (Deferred) come last. `check` verifies the source records the copies read."""
     lock = threading.Lock()
+    segments = made(out, check)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     pending = 0
 
@@ -203,13 +73,15 @@ def write_file(
     if threads == 1:  # in order, through one buffered sink: each trailer right after the data it covers
 
         def in_order(sources: SourceFiles) -> int:
-            sink = _Out(fd, 0, advance, buffered=True)
-            write_segments(out, sink, sources)
+            sink = FileSink(fd, 0, advance, buffered=True)
+            write_segments(segments, sink, sources)
             sink.flush()
+            # A built file's size was planned without its segments (DCP: every chunk's offset in .metadata).
+            assert sink.offset == out.size, f"{out.relpath}: wrote {sink.offset} bytes, planned {out.size}"
             return 0
 
         try:
-            _run_jobs([(0, out.size, in_order)], 1, cancel, check, file_runs(out))
+            _run_jobs([(0, out.size, in_order)], 1, cancel, check, file_runs(segments))
         finally:
             os.close(fd)
         return
@@ -217,20 +89,21 @@ def write_file(
     deferred: list[tuple[int, Deferred]] = []
     pos = 0
     try:
-        for index, seg in enumerate(out.segments):
+        for index, seg in enumerate(segments):
             if isinstance(seg, Literal):
-                _Out(fd, pos, None).write(seg.data)
+                FileSink(fd, pos, None).write(seg.data)
             elif isinstance(seg, TensorData):
                 jobs += _tensor_jobs(index, seg, fd, pos, advance, threads)
             elif isinstance(seg, Deferred):
                 deferred.append((pos, seg))
             pos += seg.size
+        assert pos == out.size, f"{out.relpath}: {pos} bytes of segments, planned {out.size}"
         crcs = _run_jobs(jobs, threads, cancel, check)
-        by_key = {out.segments[i].crc_key: crc for i, crc in crcs.items()}  # type: ignore[union-attr]
+        by_key = {segments[i].crc_key: crc for i, crc in crcs.items()}  # type: ignore[union-attr]
         for offset, seg in deferred:
             data = seg.build(by_key)
             assert len(data) == seg.size, "deferred segment size differs from its plan"
-            _Out(fd, offset, None).write(data)
+            FileSink(fd, offset, None).write(data)
     finally:
         os.close(fd)
 
@@ -245,7 +118,7 @@ def _tensor_jobs(
     if runs is None:  # one job: the whole segment in order, its small pieces gathered (a tensor of 64 ranks' slivers)
 
         def whole(sources: SourceFiles) -> int:
-            crc = stream_tensor(seg, sink := _Out(fd, pos, advance, buffered=True), sources)
+            crc = stream_tensor(seg, sink := FileSink(fd, pos, advance, buffered=True), sources)
             sink.flush()
             return crc
 
@@ -253,7 +126,9 @@ def _tensor_jobs(
     jobs = []
     for chunk in split_runs(runs, CHUNK_BYTES):
         size = sum(n for _, _, n in chunk)
-        jobs.append((index, size, lambda sources, c=chunk, at=pos: copy_runs(c, _Out(fd, at, advance), sources, seg.crc_key is not None)))
+        jobs.append(
+            (index, size, lambda sources, c=chunk, at=pos: copy_runs(c, FileSink(fd, at, advance), sources, seg.crc_key is not None))
+        )
         pos += size
     return jobs
 
@@ -319,16 +194,26 @@ class _Cancelled(Exception):
     pass
 
 
+def records(tensors: Iterable[TensorEntry]) -> Iterator[tuple[str, Record]]:
+    """The zip records (with their CRC32) the tensors' data is read from."""
+    return ((p.data.path, p.data.record) for tensor in tensors for p in tensor.pieces if p.data.record is not None)
+
+
 def source_records(files: list[tuple[Path, OutputFile]]) -> RecordCheck:
-    """The check of the zip records (with their CRC32) that the files' tensor data is read from."""
-    return RecordCheck(
-        (p.data.path, p.data.record)
-        for _, out in files
-        for s in out.segments
-        if isinstance(s, TensorData)
-        for p in s.tensor.pieces
-        if p.data.record is not None
-    )
+    """The check of the zip records the files' tensor data is read from (a built file's are learnt as it is made)."""
+    return RecordCheck(records(tensor for _, out in files for tensor in out.tensors()))
+
+
+def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
+    """The file's segments; a built file's made now (held only while it is written), its source records learnt."""
+    segments = out.parts()
+    if out.build is not None:
+        tensors = [s.tensor for s in segments if isinstance(s, TensorData)]
+        if check is not None:
+            check.learn(records(tensors))
+        if out.names is None:  # what the write report lists, without making the segments again
+            out.names = [t.name for t in tensors]
+    return segments
 
 
 def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None) -> None:
@@ -394,7 +279,8 @@ def targets(plan: WritePlan, tmp: Path) -> tuple[list[tuple[Path, OutputFile]], 
 
 def plan_sources(plan: WritePlan) -> tuple[str, ...]:
     """The files the plan reads tensor data from (what --overwrite must never replace)."""
-    paths = {p.data.path for f in plan.files for s in f.segments if isinstance(s, TensorData) for p in s.tensor.pieces}
+    paths = {p.data.path for f in plan.files for tensor in f.tensors() for p in tensor.pieces}
+    paths.update(path for f in plan.files for path in f.reads)
     return tuple(sorted(paths - {ZEROS}))
 
 
@@ -457,7 +343,7 @@ def upload_files(files: list[tuple[Path, OutputFile]], workers: int, progress: P
 
     def upload_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
         with ObjectWriter(target, out.size, tick) as sink:  # type: ignore[arg-type]
-            upload_segments(out, sink, check)
+            upload_segments(made(out, check), sink, check)
             interrupt.check()  # a SIGTERM during the last blocks: complete nothing
             sink.commit()
         cleanup.add(target)  # type: ignore[arg-type]
@@ -465,36 +351,20 @@ def upload_files(files: list[tuple[Path, OutputFile]], workers: int, progress: P
     _write_all(files, workers, progress, upload_one)
 
 
-def file_runs(out: OutputFile) -> list[ByteRun]:
-    """The stored bytes the file's tensor data is copied from, in order, when some are in object storage (read
+def file_runs(segments: list[Segment]) -> list[ByteRun]:
+    """The stored bytes a file's tensor data is copied from, in order, when some are in object storage (read
     ahead: core/remote_read.py); [] otherwise, and for data that needs torch (casts, strided pieces)."""
-    segments = [s for s in out.segments if isinstance(s, TensorData)]
-    if not any(storage.is_remote(p.data.path) for s in segments for p in s.tensor.pieces):
+    data = [s for s in segments if isinstance(s, TensorData)]
+    if not any(storage.is_remote(p.data.path) for s in data for p in s.tensor.pieces):
         return []
-    return [run for s in segments for run in byte_runs(s.tensor, s.dtype) or []]
+    return [run for s in data for run in byte_runs(s.tensor, s.dtype) or []]
 
 
-def upload_segments(out: OutputFile, sink: ObjectWriter, check: RecordCheck) -> None:
-    """The file's bytes in order into an object (see write_segments)."""
+def upload_segments(segments: list[Segment], sink: ObjectWriter, check: RecordCheck) -> None:
+    """A file's bytes in order into an object (see write_segments)."""
     sources = SourceFiles(check)
-    sources.expect(file_runs(out))
+    sources.expect(file_runs(segments))
     try:
-        write_segments(out, sink, sources)
+        write_segments(segments, sink, sources)
     finally:
         sources.close()
-
-
-def write_segments(out: OutputFile, sink: Sink, sources: SourceFiles) -> None:
-    """The file's bytes in order: CRC-dependent trailers (Deferred) follow the data they cover."""
-    crcs: dict[str, int] = {}
-    for seg in out.segments:
-        if isinstance(seg, Literal):
-            sink.write(seg.data)
-        elif isinstance(seg, TensorData):
-            crc = stream_tensor(seg, sink, sources)
-            if seg.crc_key is not None:
-                crcs[seg.crc_key] = crc
-        else:
-            data = seg.build(crcs)
-            assert len(data) == seg.size, "deferred segment size differs from its plan"
-            sink.write(data)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,17 +106,29 @@ class Piece:
     data: StoredArray
     data_start: int = 0
 
-    def runs(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    def runs(self, shape: tuple[int, ...]) -> Iterable[tuple[int, int, int]]:
         """Contiguous runs (global flat start, length, local flat start) this piece covers, in order."""
-        if isinstance(self.region, FlatRange):
-            if self.region.length:
-                yield self.region.start, self.region.length, self.data_start
-            return
-        yield from box_runs(self.region.offsets, self.region.sizes, shape)
+        region = self.region
+        if type(region) is FlatRange:
+            return ((region.start, region.length, self.data_start),) if region.length else ()
+        return box_runs(region.offsets, region.sizes, shape)
 
 
-def box_runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
-    """Row-major runs of a box: one run when the box spans whole trailing dims (FSDP row shards)."""
+def box_runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> Iterable[tuple[int, int, int]]:
+    """Row-major runs of a box: one run when the box spans whole trailing dims (FSDP row shards). Boxes of a few runs
+    are remembered: a wide write cuts the same few boxes out of thousands of tensors, once per output chunk."""
+    few = _few_runs(offsets, sizes, shape)
+    return few if few is not None else _box_runs(offsets, sizes, shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _few_runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int, int], ...] | None:
+    """The box's runs when there are at most 8 (None: more; a column split of a large matrix has one per row)."""
+    runs = tuple(itertools.islice(_box_runs(offsets, sizes, shape), 9))
+    return runs if len(runs) <= 8 else None
+
+
+def _box_runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
     ndim = len(shape)
     if ndim == 0:
         yield 0, 1, 0
@@ -181,14 +193,14 @@ class TensorEntry:
     pieces: list[Piece] | LazyPieces
     path: PathKey = ()  # key path in the source's nesting (state-dict keys), for nested writers
     copy_of: str | None = None  # another tensor this one is a lower-precision or duplicate copy of (written once)
+    # Set once: a write plan asks for every segment's size many times, and shapes do not change (not a cached_property:
+    # Python 3.11's takes one lock for all instances, which the writing threads then queue on).
+    numel: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.path:
             self.path = (self.name,)
-
-    @functools.cached_property
-    def numel(self) -> int:  # cached: a write plan asks for every segment's size many times (shapes do not change)
-        return math.prod(self.shape)
+        self.numel = math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +209,8 @@ class TensorEntry:
     def runs(self) -> list[Run]:
         """All (global start, length, piece, local start) runs sorted by global position."""
         out = [(g, n, p, loc) for p in self.pieces for g, n, loc in p.runs(self.shape)]
-        out.sort(key=lambda r: (r[0], r[1]))
+        if len(out) > 1:
+            out.sort(key=lambda r: (r[0], r[1]))
         return out
 
     def tiling_problem(self) -> str | None:

@@ -159,6 +159,7 @@ def dumps(
     expected: Iterable[Global | DType] = (),
     shared: bool = True,
     strings: Iterable[str] = (),
+    stand_ins: Iterable[tuple[type, Global]] = (),
 ) -> bytes:
     """Protocol-2 pickle of `obj`, where Global/Reduce/Instance/DType stand for torch objects. `expected`: globals
     the caller knows `obj` names, written first so that no dump restarts for them (a restart pickles again all that
@@ -167,7 +168,8 @@ def dumps(
     each object (the pickler's "fast" mode: it would otherwise keep every object it wrote, and each tuple it made
     for one, alive until the end; the globals still come from the memo). `strings`: text objects `obj` holds many
     times (a `.metadata`'s keys and file names, once per chunk), written once and then fetched from the memo, even
-    with shared=False."""
+    with shared=False. `stand_ins`: registered classes `obj` holds and the global each is written as (known up front
+    too)."""
     texts = list({id(t): t for t in strings}.values())  # by identity: the memo finds the very objects `obj` holds
     known: dict[int, tuple[Any, Global]] = {}  # id(object) -> (object, the global it is written as)
     for item in expected:
@@ -175,6 +177,8 @@ def dumps(
         known[id(item)] = (item, glob)
         if isinstance(item, Global):  # as a REDUCE function and as an Instance's class
             known[id(_placeholder(item))] = (_placeholder(item), item)
+    for cls, glob in stand_ins:
+        known[id(cls)] = (cls, glob)
     while True:
         order = list(dict.fromkeys(glob for _, glob in known.values()))
         index = {glob: i for i, glob in enumerate(order)}

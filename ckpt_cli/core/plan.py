@@ -8,7 +8,7 @@ checksums of earlier segments (zip descriptors and directories). The executor st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,19 +49,58 @@ class Deferred:
 Segment = Literal | TensorData | Deferred
 
 
+@dataclass(frozen=True, slots=True)
+class FileSizes:
+    total: int  # every byte of the file
+    data: int  # tensor data alone
+    largest: int  # the largest tensor's data
+
+
+def sizes_of(segments: list[Segment]) -> FileSizes:
+    data = [s.size for s in segments if isinstance(s, TensorData)]
+    return FileSizes(sum(s.size for s in segments), sum(data), max(data, default=0))
+
+
 @dataclass
 class OutputFile:
+    """One output file: its `segments`, or a `build` that makes them each time they are needed, so that a wide write
+    holds one file's segments at a time, not every file's (`sizes` then says what the file holds, `reads` which
+    files its data is read from: what --overwrite must never replace)."""
+
     relpath: str  # relative to the destination ("" when the destination is itself the file)
     segments: list[Segment] = field(default_factory=list)
     commit_marker: bool = False  # written after every other file (DCP .metadata, an index)
+    build: Callable[[], list[Segment]] | None = None
+    sizes: FileSizes | None = None  # given with `build` when known without building (else measured once)
+    reads: Sequence[str] = ()  # with `build`: the files its tensor data is read from
+    names: list[str] | None = None  # with `build`: its tensors' names, once known
+
+    def parts(self) -> list[Segment]:
+        """The file's segments (made now for a built file: hold them only while writing it)."""
+        return self.segments if self.build is None else self.build()
+
+    def measured(self) -> FileSizes:
+        if self.build is None:
+            return sizes_of(self.segments)
+        if self.sizes is None:
+            self.sizes = sizes_of(self.build())
+        return self.sizes
 
     @property
     def size(self) -> int:
-        return sum(s.size for s in self.segments)
+        return self.measured().total
 
-    @property
+    def tensors(self) -> Iterable[TensorEntry]:
+        """The tensors the file's segments hold (none listed for a built file: see `reads`)."""
+        return (s.tensor for s in self.segments if isinstance(s, TensorData))
+
     def tensor_names(self) -> list[str]:
-        return [s.tensor.name for s in self.segments if isinstance(s, TensorData)]
+        if self.build is None:
+            return [s.tensor.name for s in self.segments if isinstance(s, TensorData)]
+        if self.names is None:
+            told = getattr(self.build, "tensor_names", None)  # a builder that knows them without making the segments
+            self.names = told() if told is not None else [s.tensor.name for s in self.build() if isinstance(s, TensorData)]
+        return self.names
 
 
 @dataclass
@@ -80,8 +119,7 @@ class WritePlan:
 
     @property
     def data_bytes(self) -> int:
-        return sum(s.size for f in self.files for s in f.segments if isinstance(s, TensorData))
+        return sum(f.measured().data for f in self.files)
 
     def largest_tensor_bytes(self) -> int:
-        sizes = [s.size for f in self.files for s in f.segments if isinstance(s, TensorData)]
-        return max(sizes, default=0)
+        return max((f.measured().largest for f in self.files), default=0)

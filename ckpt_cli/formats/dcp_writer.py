@@ -13,15 +13,13 @@ Facts: docs/formats.md §1.5-1.9, §1.13.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
-import uuid
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import pickler, zipio
-from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import (
     Box,
@@ -37,14 +35,13 @@ from ckpt_cli.core.model import (
     unsafe_value_problem,
 )
 from ckpt_cli.core.paths import open_regular
-from ckpt_cli.core.pickler import Global, Instance, Reduce
-from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
-from ckpt_cli.core.safe_pickle import TorchSize
+from ckpt_cli.core.plan import FileSizes, Literal, OutputFile, WritePlan
 from ckpt_cli.core.training import apply_per_rank_rule
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import torch_save
 from ckpt_cli.formats.dcp import DATA_FILE
 from ckpt_cli.formats.dcp_mesh import Saved, SourceMesh, Split, chunk_of, parse_mesh, source_mesh
+from ckpt_cli.formats.dcp_metadata_writer import chunk_metadata, metadata_bytes
 
 
 def is_sharded(entry: TensorEntry, ckpt: Checkpoint) -> bool:
@@ -65,19 +62,38 @@ def dcp_path(path: PathKey, containers: dict[PathKey, str]) -> tuple[str | int, 
     return tuple(p if containers.get(path[:i]) in ("list", "tuple") and isinstance(p, int) else str(p) for i, p in enumerate(path))
 
 
-@dataclass
+@dataclass(slots=True)  # one per (tensor, rank) of a wide write: hundreds of thousands
 class Item:
-    """One write item of one rank's plan, as DCP's planner would make it."""
+    """One write item of one rank's plan, as DCP's planner would make it: a chunk of `entry` (its data is cut from the
+    source when the rank's file is written) or a non-tensor value `obj`."""
 
     fqn: str
     offsets: tuple[int, ...] | None  # None for BYTE_IO
     planned_bytes: int  # what dedup_save_plans counts: tensor bytes, or 1 for a non-tensor
-    tensor: TensorEntry | None = None
+    entry: TensorEntry | None = None  # the whole tensor the chunk is cut from
+    sizes: tuple[int, ...] | None = None  # the chunk's sizes; None: all of `entry`, not split
     obj: ObjectEntry | None = None
+    file: str = ""  # where the item is stored (once placed): the rank's file, byte offset and length
+    pos: int = 0
+    length: int = 0
 
     @property
     def key(self) -> tuple[str, tuple[int, ...] | None]:
         return self.fqn, self.offsets
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        assert self.entry is not None
+        return self.entry.shape if self.sizes is None else self.sizes
+
+    def archive_size(self) -> int:
+        assert self.entry is not None
+        return torch_save.tensor_archive_size(self.entry.dtype, self.shape)
+
+    def chunk(self) -> TensorEntry:
+        """The chunk as a tensor of its own, its pieces pointing into the source."""
+        assert self.entry is not None and self.offsets is not None
+        return self.entry if self.sizes is None else sub_box(self.entry, self.fqn, self.offsets, self.sizes)
 
 
 def _is_leaf(value: Any) -> bool:
@@ -230,20 +246,21 @@ def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[list[list[Item]], dict
     plans: list[list[Item]] = [[] for _ in range(world)]
     entries: dict[str, TensorEntry] = {}
     planner: dict[str, Any] = {}
+    same: dict[Any, Any] = {}
     for entry in ckpt.tensors.values():
         path = dcp_path(entry.path, ckpt.containers)
         fqn = ".".join(map(str, path))
         planner[fqn] = path
         entries[fqn] = entry
         split = layout.splits.get(entry.name)
-        runs = entry.runs() if split is not None and world > 1 else None  # cut into every rank's box
+        itemsize = entry.dtype.itemsize
         for r in range(world):
             if split is None:
-                offsets, part = (0,) * len(entry.shape), entry
+                plans[r].append(Item(fqn, (0,) * len(entry.shape), entry.nbytes, entry))
             else:
                 offsets, sizes = chunk_of(entry.shape, split, layout.mesh, r)
-                part = sub_box(entry, fqn, offsets, sizes, runs)
-            plans[r].append(Item(fqn, offsets, part.nbytes, tensor=part))
+                sizes = same.setdefault(sizes, sizes)  # most ranks' chunks of a tensor have one size: one tuple for all
+                plans[r].append(Item(fqn, offsets, same.setdefault(math.prod(sizes) * itemsize, math.prod(sizes) * itemsize), entry, sizes))
     objects = byte_items(ckpt)
     for obj in objects:
         planner[obj.name] = obj.path
@@ -262,32 +279,41 @@ def flat_order(ckpt: Checkpoint) -> dict[str, int]:
     return {str(fqn): i for i, fqn in enumerate(planner)} if isinstance(planner, dict) else {}
 
 
-def chunk_lists(entries: dict[str, TensorEntry], kept: list[list[Item]]) -> dict[str, Any]:
-    """Each tensor's chunks (offsets, sizes) in the order DCP's global plan lists them: the kept plans, rank by rank."""
-    listed: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {fqn: [] for fqn in entries}
+def chunk_lists(entries: dict[str, TensorEntry], kept: list[list[Item]]) -> dict[str, tuple[TensorEntry, list[Item]]]:
+    """Each tensor's chunks in the order DCP's global plan lists them: the kept plans, rank by rank."""
+    listed: dict[str, list[Item]] = {fqn: [] for fqn in entries}
     for items in kept:
         for item in items:
-            if item.tensor is not None and item.offsets is not None:
-                listed[item.fqn].append((item.offsets, item.tensor.shape))
+            if item.entry is not None:
+                listed[item.fqn].append(item)
     return {fqn: (entry, listed[fqn]) for fqn, entry in entries.items()}
 
 
 def dedup(plans: list[list[Item]]) -> list[list[Item]]:
     """Keep each item in one plan: the one with the fewest planned bytes so far, ties to the lowest rank
     (dcp/_dedup_save_plans.py)."""
-    holders: dict[Any, list[int]] = {}
-    first: dict[Any, Item] = {}
+    # By key (fqn, then offsets, which the items hold already): the rank holding it, or the ranks when several do;
+    # then the rank chosen. A wide write has hundreds of thousands of items, nearly all held by one rank.
+    holders: dict[str, dict[Any, Any]] = {}
+    first: list[Item] = []  # each key's first item, in the order keys are met
     for r, plan in enumerate(plans):
         for item in plan:
-            holders.setdefault(item.key, []).append(r)
-            first.setdefault(item.key, item)
+            by_offsets = holders.setdefault(item.fqn, {})
+            ranks = by_offsets.get(item.offsets)
+            if ranks is None:
+                by_offsets[item.offsets] = r
+                first.append(item)
+            elif isinstance(ranks, int):
+                by_offsets[item.offsets] = [ranks, r]
+            else:
+                ranks.append(r)
     sizes = [0] * len(plans)
-    chosen: dict[Any, int] = {}
-    for key, ranks in holders.items():
-        r = min(ranks, key=lambda i: (sizes[i], i))
-        chosen[key] = r
-        sizes[r] += first[key].planned_bytes
-    return [[item for item in plan if chosen[item.key] == r] for r, plan in enumerate(plans)]
+    for item in first:
+        ranks = holders[item.fqn][item.offsets]
+        r = ranks if isinstance(ranks, int) else min(ranks, key=lambda i: (sizes[i], i))
+        holders[item.fqn][item.offsets] = r
+        sizes[r] += item.planned_bytes
+    return [[item for item in plan if holders[item.fqn][item.offsets] == r] for r, plan in enumerate(plans)]
 
 
 def _object_bytes(obj: ObjectEntry) -> bytes:
@@ -319,6 +345,30 @@ def _per_rank_view(ckpt: Checkpoint, world: int, rule: str) -> tuple[Checkpoint,
     return dataclasses.replace(ckpt, tensors=tensors, objects=objects), note
 
 
+class RankFile:
+    """Makes a rank file's segments when the executor writes it (a wide write holds one rank's at a time): each item's
+    archive in order, at the offsets .metadata records (each archive's size depends on its dtype and shape alone:
+    tensor_archive_size; the executor checks the file's total)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[Item]) -> None:
+        self.items = items
+
+    def __call__(self) -> list[Any]:
+        segments: list[Any] = []
+        for item in self.items:
+            if item.obj is not None:
+                parts = [Literal(_object_bytes(item.obj))]
+            else:
+                parts = torch_save.tensor_archive(item.chunk(), f"{item.fqn}@{item.offsets}")
+            segments += parts
+        return segments
+
+    def tensor_names(self) -> list[str]:
+        return [item.fqn if item.sizes is not None else item.entry.name for item in self.items if item.entry is not None]
+
+
 class DCPWriter:
     name = "dcp"
     dest_is_dir = True
@@ -340,23 +390,24 @@ class DCPWriter:
         kept = dedup(plans)
         chunks = chunk_lists(entries, kept)
         order = list(dict.fromkeys(item.fqn for items in kept for item in items))
-        files, storage = [], {}
+        files = []
+        reads = tuple({p.data.path: None for entry in ckpt.tensors.values() for p in entry.pieces})
         for r, items in enumerate(kept):
             name = f"__{r}_0.distcp"
-            segments: list[Any] = []
-            pos = 0
             # BYTE_IO items first, then tensors, as FileSystemWriter orders a rank's file.
-            for item in [i for i in items if i.obj is not None] + [i for i in items if i.tensor is not None]:
-                if item.obj is not None:
-                    parts = [Literal(_object_bytes(item.obj))]
-                else:
-                    parts = torch_save.tensor_archive(item.tensor, f"{item.fqn}@{item.offsets}")  # type: ignore[arg-type]
-                length = sum(p.size for p in parts)
-                storage[item.key] = (name, pos, length)
-                segments += parts
-                pos += length
-            files.append(OutputFile(name, segments))
-        files.append(OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, storage, objects, dest, order))], commit_marker=True))
+            items[:] = [i for i in items if i.obj is not None] + [i for i in items if i.entry is not None]
+            pos = 0
+            for item in items:
+                item.length = len(_object_bytes(item.obj)) if item.obj is not None else item.archive_size()
+                item.file, item.pos = name, pos
+                pos += item.length
+            data = [i.planned_bytes for i in items if i.entry is not None]
+            files.append(OutputFile(name, build=RankFile(items), sizes=FileSizes(pos, sum(data), max(data, default=0)), reads=reads))
+        placed = {item.fqn: item for items in kept for item in items if item.obj is not None}
+        values = [placed[obj.name] for obj in objects]
+        files.append(
+            OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, values, dest, order, chunk_class=Item))], commit_marker=True)
+        )
         notes += layout.notes
         if layout.mesh[1] == 1 and not any(n.startswith("layout:") for n in layout.notes):
             sharded = sum(1 for entry, listed in chunks.values() if len(listed) > 1 or is_sharded(entry, ckpt))
@@ -367,79 +418,6 @@ class DCPWriter:
         return WritePlan(self.name, dest, True, files, notes)
 
 
-_META = "torch.distributed.checkpoint.metadata"
-
-
-def _cls(name: str, module: str = _META) -> Global:
-    return Global(module, name)
-
-
-def _properties(entry: TensorEntry) -> Instance:
-    """TensorProperties as its __getstate__ pickles it: (dtype, layout, requires_grad, memory format, pinned)."""
-    layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))
-    contiguous = Reduce(_cls("_MEM_FORMAT_ENCODING"), (0,))
-    return Instance(_cls("TensorProperties"), (entry.dtype, layout, False, contiguous, False))
-
-
-def metadata_bytes(
-    chunks: dict[str, Any],
-    planner: dict[str, Any],
-    storage: dict[Any, tuple[str, int, int]],
-    objects: list[ObjectEntry],
-    dest: Path,
-    order: list[str] | None = None,
-) -> bytes:
-    """`.metadata` as FileSystemWriter.finish pickles DCP's dataclasses (written without importing torch); `order`: the
-    keys in the order the global plan first meets them (state_dict_metadata's order in a real save)."""
-    sdm: dict[str, Any] = {}
-    storage_data: dict[Any, Any] = {}
-
-    def storage_info(key: Any) -> Instance:
-        path, offset, length = storage[key]
-        return Instance(
-            _cls("_StorageInfo", "torch.distributed.checkpoint.filesystem"), {"relative_path": path, "offset": offset, "length": length}
-        )
-
-    dtypes: dict[DType, None] = {}
-    for fqn, (entry, listed) in chunks.items():  # sizes as TorchSize: torch.Size(dims) when pickled, a tuple here
-        chunk_list = [Instance(_cls("ChunkStorageMetadata"), {"offsets": TorchSize(o), "sizes": TorchSize(s)}) for o, s in listed]
-        sdm[fqn] = Instance(
-            _cls("TensorStorageMetadata"), {"properties": _properties(entry), "size": TorchSize(entry.shape), "chunks": chunk_list}
-        )
-        dtypes[entry.dtype] = None
-        for i, (offsets, _) in enumerate(listed):
-            index = Instance(_cls("MetadataIndex"), {"fqn": fqn, "index": i, "offset": TorchSize(offsets)})
-            storage_data[index] = storage_info((fqn, offsets))
-    for obj in objects:
-        sdm[obj.name] = Instance(_cls("BytesStorageMetadata"))
-        storage_data[Instance(_cls("MetadataIndex"), {"fqn": obj.name, "index": None})] = storage_info((obj.name, None))
-    if order:
-        sdm = {key: sdm[key] for key in order if key in sdm} | sdm
-    body = hashlib.sha256()  # item by item: the repr of 200,000 entries at once is tens of MB
-    for item in [*sorted(storage.items()), *sorted(planner)]:
-        body.update(repr(item).encode())
-    save_id = str(uuid.UUID(bytes=body.digest()[:16], version=4))  # reproducible, unlike uuid4()
-    storage_meta = Instance(
-        _cls("StorageMeta"),
-        {"checkpoint_id": Reduce(Global("pathlib", "PosixPath"), (str(dest),)), "save_id": save_id, "load_id": None, "modules": []},
-    )
-    meta = {
-        "state_dict_metadata": sdm,
-        "planner_data": planner,
-        "storage_data": storage_data,
-        "storage_meta": storage_meta,
-        "version": "1.0.0",
-    }
-    expected: list[Global | DType] = [_cls("Metadata")]
-    if chunks:
-        expected += [_cls(n) for n in ("TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata")]
-        expected += [Global("torch.serialization", "_get_layout"), _cls("_MEM_FORMAT_ENCODING"), Global("torch", "Size"), *dtypes]
-    if storage_data:
-        expected += [_cls("MetadataIndex"), _cls("_StorageInfo", "torch.distributed.checkpoint.filesystem")]
-    # keys and file names written once each: without the memo every chunk would repeat them (torch's own `.metadata`
-    # refers to them; so the file and whatever reads it stay as small)
-    texts = [*sdm, *{path: None for path, _, _ in storage.values()}]
-    return pickler.dumps(Instance(_cls("Metadata"), meta), expected=expected, shared=False, strings=texts)
-
+pickler.register(Item, chunk_metadata)  # an Item in a tensor's chunk list is its ChunkStorageMetadata
 
 WRITER = DCPWriter()

@@ -73,6 +73,11 @@ def file_segments(tree: Any, where: str) -> list[Any]:
     return torch_file_segments(Checkpoint("deepspeed", where, tensors, objects, containers=containers))
 
 
+def built(name: str, make: Callable[[], list[Any]], ckpt: Checkpoint) -> OutputFile:
+    """A rank file whose segments are made when it is written: a reshard to many ranks holds one at a time."""
+    return OutputFile(name, build=make, reads=tuple(str(f.path) for f in ckpt.files))
+
+
 def rekey_client_state(tree: dict[str, Any], world: int, rule: str) -> str | None:
     """Apply the per-rank rule (core/training.py) to the client state of a model-states tree in place."""
     client = {k: v for k, v in tree.items() if k not in LAYOUT_KEYS and k not in ENGINE_KEYS}
@@ -184,7 +189,7 @@ class Stage12Reshard:
         out = [OutputFile(name, self._model_states(name))]
         for rank in range(self.world):
             name = f"{tag}/{self.src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-            out.append(OutputFile(name, self._optimizer_file(rank, name)))
+            out.append(built(name, functools.partial(self._optimizer_file, rank, name), self.ckpt))
         return out
 
     def partitioning(self, g: int, rank: int) -> tuple[int, int, Callable[[str], str]]:
@@ -291,10 +296,15 @@ class Stage3Reshard:
         out = []
         for rank in range(self.world):
             name = f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-            out.append(OutputFile(name, file_segments(self._model_states(rank), name)))
+            model = functools.partial(self._rank_file, self._model_states, rank, name)
+            out.append(OutputFile(name, model()) if rank == 0 else built(name, model, self.ckpt))  # rank 0's now: it sets the notes
             name = f"{tag}/{self.src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-            out.append(OutputFile(name, file_segments(self._optimizer(rank), name)))
+            out.append(built(name, functools.partial(self._rank_file, self._optimizer, rank, name), self.ckpt))
         return out
+
+    @staticmethod
+    def _rank_file(tree_of: Callable[[int], Any], rank: int, name: str) -> list[Any]:
+        return file_segments(tree_of(rank), name)
 
     def _model_states(self, rank: int) -> Any:
         # Every rank saves its own model states at stage 3, client state included (a per-rank RNG, say), and loads

@@ -203,7 +203,7 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
     """
     shape = tuple((name, payload if isinstance(payload, bytes) else payload.size) for name, payload in records)
     small = sum(len(p) for _, p in shape if isinstance(p, bytes)) <= TEMPLATE_CACHE_BYTES
-    template, layouts, crcs = (_archive_template if small else _archive_template.__wrapped__)(shape, prefix)
+    template, layouts, crcs, directory = (_archive_template if small else _archive_template.__wrapped__)(shape, prefix)
     tensors = [payload for _, payload in records if not isinstance(payload, bytes)]
     segments: list[Any] = []
     for part in template:
@@ -214,7 +214,7 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
             segments.append(TensorData(data.tensor, data.dtype, crc_key=f"{scope}/{part.name}"))
         else:
             segments.append(Deferred(part.descriptor_size, _Descriptor(part, f"{scope}/{part.name}")))
-    segments.append(Deferred(zipio.central_directory_size(layouts), _Directory(layouts, crcs, scope)))
+    segments.append(Deferred(directory, _Directory(layouts, crcs, scope)))
     return segments
 
 
@@ -253,14 +253,15 @@ class _Slot(NamedTuple):
     name: str
 
 
-Template = tuple[list[Any], list[zipio.ZipEntryLayout], dict[str, int]]
+Template = tuple[list[Any], list[zipio.ZipEntryLayout], dict[str, int], int]
 
 
 @functools.lru_cache(maxsize=1024)
 def _archive_template(records: tuple[tuple[str, bytes | int], ...], prefix: str) -> Template:
     """The layout of an archive whose records are bytes or tensor data of a size: its literal segments (shared by
-    every archive of that shape: a DCP file holds thousands of chunk archives of a few shapes), each tensor's data as a
-    _Slot and its data descriptor as its ZipEntryLayout; the entries and the literal records' CRCs."""
+    every archive of that shape: a DCP file holds thousands of chunk archives of a few shapes; the bytes between two
+    tensors joined in one), each tensor's data as a _Slot and its data descriptor as its ZipEntryLayout; the entries,
+    the literal records' CRCs and the size of the central directory."""
     template: list[Any] = []
     layouts: list[zipio.ZipEntryLayout] = []
     crcs: dict[str, int] = {}
@@ -277,7 +278,13 @@ def _archive_template(records: tuple[tuple[str, bytes | int], ...], prefix: str)
             template += [_Slot(tensors, full), entry]
             tensors += 1
         pos = entry.end
-    return template, layouts, crcs
+    joined: list[Any] = []
+    for part in template:  # one write for the ~20 headers and small records around a chunk's data, not one each
+        if isinstance(part, Literal) and joined and isinstance(joined[-1], Literal):
+            joined[-1] = Literal(joined[-1].data + part.data)
+        else:
+            joined.append(part)
+    return joined, layouts, crcs, zipio.central_directory_size(layouts)
 
 
 def _archive(data_pkl: bytes, storages: list[tuple[str, TensorEntry]], scope: str) -> list[Any]:
@@ -302,6 +309,12 @@ def torch_file_segments(ckpt: Checkpoint) -> list[Any]:
 def tensor_archive(entry: TensorEntry, scope: str) -> list[Any]:
     """The archive `torch.save(tensor)` writes for one contiguous tensor (a DCP chunk)."""
     return _archive(_tensor_pickle(entry.dtype, entry.shape), [("0", entry)], scope)
+
+
+@functools.lru_cache(maxsize=1024)
+def tensor_archive_size(dtype: DType, shape: tuple[int, ...]) -> int:
+    """The bytes of tensor_archive() for a chunk of this dtype and shape, without making its segments."""
+    return sum(s.size for s in tensor_archive(TensorEntry("", dtype, shape, "model", []), ""))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import atomic, distributed, executor, storage
-from ckpt_cli.core.executor import BLOCK_BYTES, Progress
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, unsafe_value_problem
 from ckpt_cli.core.plan import TensorData, WritePlan
+from ckpt_cli.core.reading import BLOCK_BYTES
+from ckpt_cli.core.sinks import Progress
 from ckpt_cli.core.training import StateOptions
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry, run_read
@@ -142,6 +143,9 @@ def estimate_peak(plan: WritePlan) -> int:
     """Peak resident memory the executor needs: the runtime plus bounded buffers."""
     buffers, needs_torch = 0, False
     for f in plan.files:
+        if f.build is not None:  # not made for an estimate: its largest tensor streamed through torch (DCP, DeepSpeed files)
+            buffers, needs_torch = max(buffers, 3 * min(BLOCK_BYTES, f.measured().largest)), True
+            continue
         for s in f.segments:
             if not isinstance(s, TensorData):
                 continue
@@ -155,20 +159,14 @@ def estimate_peak(plan: WritePlan) -> int:
     return (TORCH_RSS if needs_torch else BASE_RSS) + buffers
 
 
-def describe(job: Job) -> dict[str, Any]:
-    """The plan as data: what --dry-run prints."""
-    plan = job.plan
-    return {
-        "format": plan.format,
-        "destination": str(plan.dest),
-        "files": [{"path": f.relpath or plan.dest.name, "bytes": f.size, "tensors": len(f.tensor_names)} for f in plan.files],
-        "total_bytes": plan.total_bytes,
-        "tensor_bytes": plan.data_bytes,
-        "largest_tensor_bytes": plan.largest_tensor_bytes(),
-        "estimated_peak_rss": estimate_peak(plan),
-        "notes": job.notes,
-        "placement": {name: f.relpath or plan.dest.name for f in plan.files for name in f.tensor_names},
-    }
+def file_list(plan: WritePlan) -> list[dict[str, Any]]:
+    """Each output file: its path, bytes and tensor count."""
+    return [{"path": f.relpath or plan.dest.name, "bytes": f.size, "tensors": len(f.tensor_names())} for f in plan.files]
+
+
+def placement(plan: WritePlan) -> dict[str, str]:
+    """Which file each tensor goes to."""
+    return {name: f.relpath or plan.dest.name for f in plan.files for name in f.tensor_names()}
 
 
 def guard(job: Job) -> atomic.Guard:

@@ -7,8 +7,9 @@ and run them, so that both check, plan and word things the same way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,34 +75,55 @@ def cross_options(
 class WriteReport:
     """What a write wrote (or, for a dry run, would write): the target format, destination, files with their
     sizes and tensor counts, total bytes, the estimated peak memory and the notes (what was dropped, tied,
-    chosen). `written` is False for a dry run. `to_json()` is the document `--dry-run --json` prints."""
+    chosen). `written` is False for a dry run. `to_json()` is the document `--dry-run --json` prints.
+    The per-file lists are made when first asked for (a wide write's files are made again to list them)."""
 
-    format: str
-    destination: str
-    files: list[dict[str, Any]]
-    total_bytes: int
-    tensor_bytes: int
-    largest_tensor_bytes: int
-    estimated_peak_rss: int
-    notes: list[str]
-    placement: dict[str, str]  # tensor name -> file
+    job: Job = field(repr=False)
     written: bool = False
+
+    @property
+    def format(self) -> str:
+        return self.job.plan.format
+
+    @property
+    def destination(self) -> str:
+        return str(self.job.plan.dest)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.job.plan.total_bytes
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.job.plan.data_bytes
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return self.job.plan.largest_tensor_bytes()
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self.job.notes)
+
+    @property
+    def file_count(self) -> int:
+        return len(self.job.plan.files)
+
+    @functools.cached_property
+    def files(self) -> list[dict[str, Any]]:
+        return convert_op.file_list(self.job.plan)
+
+    @functools.cached_property
+    def placement(self) -> dict[str, str]:  # tensor name -> file
+        return convert_op.placement(self.job.plan)
+
+    @functools.cached_property
+    def estimated_peak_rss(self) -> int:
+        return convert_op.estimate_peak(self.job.plan)
 
     @classmethod
     def of(cls, job: Job, written: bool) -> WriteReport:
-        d = convert_op.describe(job)
-        return cls(
-            d["format"],
-            d["destination"],
-            d["files"],
-            d["total_bytes"],
-            d["tensor_bytes"],
-            d["largest_tensor_bytes"],
-            d["estimated_peak_rss"],
-            list(d["notes"]),
-            d["placement"],
-            written,
-        )
+        return cls(job, written)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,144 @@
+"""Writing a DCP `.metadata` as FileSystemWriter.finish pickles it (DCP's dataclasses, written without importing torch:
+core/pickler.py), from the writer's placed items: each knows its key (fqn, chunk offsets), its sizes and where it is
+stored (file, offset, length). The records DCP pickles per chunk (ChunkStorageMetadata, MetadataIndex, _StorageInfo)
+are made only as the pickler writes them. Facts: docs/formats.md §1.5-1.9.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from pathlib import Path
+from typing import Any, Protocol
+
+from ckpt_cli.core import pickler
+from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.model import TensorEntry
+from ckpt_cli.core.pickler import Global, Instance, Reduce
+from ckpt_cli.core.safe_pickle import TorchSize
+
+
+class Placed(Protocol):
+    """A write item once placed in a rank's file."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None
+    file: str
+    pos: int
+    length: int
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...] | None]: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+_META = "torch.distributed.checkpoint.metadata"
+
+
+def _cls(name: str, module: str = _META) -> Global:
+    return Global(module, name)
+
+
+def _properties(entry: TensorEntry) -> Instance:
+    """TensorProperties as its __getstate__ pickles it: (dtype, layout, requires_grad, memory format, pinned)."""
+    layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))
+    contiguous = Reduce(_cls("_MEM_FORMAT_ENCODING"), (0,))
+    return Instance(_cls("TensorProperties"), (entry.dtype, layout, False, contiguous, False))
+
+
+class _IndexOf:
+    """MetadataIndex(fqn, index, offset) of an item, made only as the pickler writes it (as are the two below): a wide
+    `.metadata` holds hundreds of thousands of each, which as DCP's dataclasses with their state dicts took ~1 KB a
+    chunk all at once."""
+
+    __slots__ = ("item", "index")
+
+    def __init__(self, item: Placed, index: int | None) -> None:
+        self.item, self.index = item, index
+
+
+class _StoredAt:
+    """_StorageInfo(relative_path, offset, length) of an item."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: Placed) -> None:
+        self.item = item
+
+
+def _index_state(key: _IndexOf) -> Instance:
+    if key.index is None:
+        return Instance(_cls("MetadataIndex"), {"fqn": key.item.fqn, "index": None})
+    return Instance(_cls("MetadataIndex"), {"fqn": key.item.fqn, "index": key.index, "offset": TorchSize(key.item.offsets)})
+
+
+def _stored_state(at: _StoredAt) -> Instance:
+    item = at.item
+    return Instance(_STORAGE_INFO, {"relative_path": item.file, "offset": item.pos, "length": item.length})
+
+
+def chunk_metadata(item: Placed) -> Instance:
+    """ChunkStorageMetadata(offsets, sizes) of a placed item (the writer registers its item class with this)."""
+    return Instance(_cls("ChunkStorageMetadata"), {"offsets": TorchSize(item.offsets), "sizes": TorchSize(item.shape)})
+
+
+_STORAGE_INFO = _cls("_StorageInfo", "torch.distributed.checkpoint.filesystem")
+pickler.register(_IndexOf, _index_state)
+pickler.register(_StoredAt, _stored_state)
+
+
+def metadata_bytes(
+    chunks: dict[str, tuple[TensorEntry, list[Any]]],
+    planner: dict[str, Any],
+    objects: list[Any],
+    dest: Path,
+    order: list[str] | None = None,
+    chunk_class: type = object,
+) -> bytes:
+    """`.metadata` as FileSystemWriter.finish pickles DCP's dataclasses (written without importing torch), from the
+    placed items (`objects`: the BYTE_IO ones); `order`: the keys in the order the global plan first meets them
+    (state_dict_metadata's order in a real save)."""
+    sdm: dict[str, Any] = {}
+    storage_data: dict[Any, Any] = {}
+    dtypes: dict[DType, None] = {}
+    for fqn, (entry, listed) in chunks.items():  # sizes as TorchSize: torch.Size(dims) when pickled, a tuple here
+        sdm[fqn] = Instance(
+            _cls("TensorStorageMetadata"), {"properties": _properties(entry), "size": TorchSize(entry.shape), "chunks": listed}
+        )
+        dtypes[entry.dtype] = None
+        for i, item in enumerate(listed):
+            storage_data[_IndexOf(item, i)] = _StoredAt(item)
+    for item in objects:
+        sdm[item.fqn] = Instance(_cls("BytesStorageMetadata"))
+        storage_data[_IndexOf(item, None)] = _StoredAt(item)
+    if order:
+        sdm = {key: sdm[key] for key in order if key in sdm} | sdm
+    body = hashlib.sha256()  # item by item: the repr of 200,000 entries at once is tens of MB
+    placed = sorted((key.item for key in storage_data), key=lambda item: item.key)
+    for value in [*((item.key, (item.file, item.pos, item.length)) for item in placed), *sorted(planner)]:
+        body.update(repr(value).encode())
+    save_id = str(uuid.UUID(bytes=body.digest()[:16], version=4))  # reproducible, unlike uuid4()
+    storage_meta = Instance(
+        _cls("StorageMeta"),
+        {"checkpoint_id": Reduce(Global("pathlib", "PosixPath"), (str(dest),)), "save_id": save_id, "load_id": None, "modules": []},
+    )
+    meta = {
+        "state_dict_metadata": sdm,
+        "planner_data": planner,
+        "storage_data": storage_data,
+        "storage_meta": storage_meta,
+        "version": "1.0.0",
+    }
+    expected: list[Global | DType] = [_cls("Metadata")]
+    if chunks:
+        expected += [_cls(n) for n in ("TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata")]
+        expected += [Global("torch.serialization", "_get_layout"), _cls("_MEM_FORMAT_ENCODING"), Global("torch", "Size"), *dtypes]
+    if storage_data:
+        expected += [_cls("MetadataIndex"), _STORAGE_INFO]
+    stand_ins = [(chunk_class, _cls("ChunkStorageMetadata")), (_IndexOf, _cls("MetadataIndex")), (_StoredAt, _STORAGE_INFO)]
+    # keys and file names written once each: without the memo every chunk would repeat them (torch's own `.metadata`
+    # refers to them; so the file and whatever reads it stay as small)
+    texts = [*sdm, *{key.item.file: None for key in storage_data}]
+    return pickler.dumps(Instance(_cls("Metadata"), meta), expected=expected, shared=False, strings=texts, stand_ins=stand_ins)

@@ -1,0 +1,148 @@
+"""Wide writes hold one output file's segments at a time: the DCP and DeepSpeed writers' rank files are made when the
+executor writes them (core/plan.py `OutputFile.build`), `.metadata` offsets are planned from sizes alone, and the
+source records those files read are still checked against their CRC32. Sources are real FSDP2 + dcp.save and
+DeepSpeed saves (conftest); outputs are loaded by torch's own dcp_to_torch_save and by zero_to_fp32's reader."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from conftest import assert_fails
+from test_dcp import assert_same_state, flat_state
+
+from ckpt_cli.core import zipio
+from ckpt_cli.core.crc import RecordCheck
+from ckpt_cli.core.model import box_runs
+from ckpt_cli.errors import DataError
+from ckpt_cli.formats import torch_save
+from ckpt_cli.ops import writes
+
+
+def _count_archives(monkeypatch) -> list[int]:
+    """Counts the chunk archives made for a file (tensor_archive_size makes unscoped stubs)."""
+    made = [0]
+    real = torch_save.tensor_archive
+
+    def counting(entry, scope):
+        if scope:
+            made[0] += 1
+        return real(entry, scope)
+
+    monkeypatch.setattr(torch_save, "tensor_archive", counting)
+    return made
+
+
+def test_dcp_rank_files_are_made_when_written(fsdp2_saves, tmp_path, monkeypatch):
+    made = _count_archives(monkeypatch)
+    dest = tmp_path / "w5"
+    prepared = writes.prepare(writes.reshard_request(fsdp2_saves[2] / "ckpt", dest, world_size=5))
+    rank_files = [f for f in prepared.job.plan.files if f.relpath.endswith(".distcp")]
+    assert len(rank_files) == 5 and all(f.build is not None and not f.segments for f in rank_files)
+    assert made[0] == 0  # planned from sizes: no chunk's segments exist yet
+    report = prepared.dry_run()
+    assert made[0] == 0 and sum(f["tensors"] for f in report.files) > 0  # the dry run lists chunks without making them
+    prepared.write()
+    with open(dest / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # our own output: trusted here
+    chunks = sum(len(m.chunks) for m in meta.state_dict_metadata.values() if hasattr(m, "chunks"))
+    assert made[0] == chunks  # each made once, when its file was written
+    for f in rank_files:  # the planned sizes (and so every offset in .metadata) are what was written
+        assert (dest / f.relpath).stat().st_size == f.size
+    assert_same_state(flat_state(dest), flat_state(fsdp2_saves[2] / "ckpt"))
+
+
+def _flip_inside_a_chunk(folder, fqn: str) -> str:
+    with open(folder / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # torch's own save: trusted here
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == fqn)
+    path = folder / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.length - 900] ^= 0x10  # inside the chunk's data record
+    path.write_bytes(bytes(data))
+    os.utime(folder / ".metadata")  # a damaged byte, not a re-save that died (verify's staleness check)
+    return info.relative_path
+
+
+def test_a_damaged_record_read_by_a_built_file_stops_the_write(ckpt, fsdp2_saves, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(fsdp2_saves[2] / "ckpt", src)
+    name = _flip_inside_a_chunk(src, "model.embed.weight")
+    dest = tmp_path / "out"
+    assert_fails(ckpt("reshard", src, dest, "--world-size", 5), name, "CRC32")
+    assert not dest.exists() and not list(tmp_path.glob("out*"))
+
+
+def test_deepspeed_stage3_files_are_made_when_written(ckpt, ds_saves, tmp_path, monkeypatch):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    src = ds_saves[2] / "stage3-fp32"
+    dest = tmp_path / "w5"
+    prepared = writes.prepare(writes.reshard_request(src, dest, world_size=5))
+    files = prepared.job.plan.files
+    built = [f for f in files if f.build is not None]
+    assert len(built) == 2 * 5 - 1  # every rank's model states but rank 0's (it sets the notes) and every optimizer file
+    prepared.write()
+    for f in files:
+        assert (dest / f.relpath).stat().st_size == f.size
+    want = get_fp32_state_dict_from_zero_checkpoint(str(src))
+    got = get_fp32_state_dict_from_zero_checkpoint(str(dest))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_deepspeed_damaged_partition_stops_a_built_file(ckpt, ds_saves, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(ds_saves[2] / "stage3-fp32", src)
+    optim = sorted(src.glob("*/*optim_states.pt"))[1]
+    with open(optim, "rb") as f:
+        records = zipio.read_records(f, str(optim))
+    rec = max(records.values(), key=lambda r: r.size)  # the flat fp32 partition
+    data = bytearray(optim.read_bytes())
+    data[rec.data_offset + rec.size // 2] ^= 0x10
+    optim.write_bytes(bytes(data))
+    dest = tmp_path / "out"
+    assert_fails(ckpt("reshard", src, dest, "--world-size", 3), optim.name, "CRC32")
+    assert not dest.exists()
+
+
+def test_record_check_learns_records_after_it_starts(tmp_path):
+    path = tmp_path / "f.bin"
+    payload = bytes(range(256)) * 4
+    path.write_bytes(payload)
+    import zlib
+
+    good = zipio.Record("a", 0, 512, zlib.crc32(payload[:512]))
+    bad = zipio.Record("b", 512, 512, zlib.crc32(payload[512:]) ^ 1)
+    check = RecordCheck()
+    assert not check.wants(str(path), 0, 512)
+    check.learn([(str(path), good)])
+    check.learn([(str(path), good)])  # learnt twice: one record
+    assert check.wants(str(path), 0, 100) and not check.wants(str(path), 512, 10)
+    check.add(str(path), 0, 256, zlib.crc32(payload[:256]))
+    check.add(str(path), 256, 256, zlib.crc32(payload[256:512]))
+    assert not check.wants(str(path), 0, 100)  # verified once covered
+    check.learn([(str(path), bad)])
+    check.add(str(path), 512, 100, zlib.crc32(payload[512:612]))
+    with pytest.raises(DataError, match="fails its CRC32"):
+        check.finish()  # the rest read and compared
+
+
+@pytest.mark.parametrize(
+    "offsets,sizes,shape",
+    [((0, 0), (3, 4), (6, 4)), ((1, 2), (2, 2), (4, 5)), ((0, 1), (20, 3), (20, 4)), ((0, 0, 1), (2, 9, 2), (2, 9, 4)), ((2,), (0,), (5,))],
+)
+def test_box_runs_remembered_or_not_are_the_plain_runs(offsets, sizes, shape):
+    import itertools
+
+    import numpy as np
+
+    index = np.arange(int(np.prod(shape))).reshape(shape)
+    box = index[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].reshape(-1)
+    for _ in range(2):  # the second call comes from the cache when the box has few runs
+        runs = list(box_runs(offsets, sizes, shape))
+        flat = list(itertools.chain.from_iterable(range(g, g + n) for g, n, _ in runs))
+        assert flat == box.tolist()
+        assert [loc for _, _, loc in runs] == list(itertools.accumulate([0] + [n for _, n, _ in runs[:-1]])) if runs else True
