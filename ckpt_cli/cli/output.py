@@ -33,9 +33,11 @@ def error(text: str) -> None:
 
 
 @contextmanager
-def progress(total: int, label: str, quiet: bool) -> Iterator[Callable[[int], None] | None]:
-    """A byte progress bar (done/total, rate, ETA) on stderr, only when stderr is a terminal."""
-    if quiet or not sys.stderr.isatty() or total <= 0:
+def progress(total_of: Callable[[], int], label: str, quiet: bool) -> Iterator[Callable[[int], None] | None]:
+    """A byte progress bar (done/total, rate, ETA) on stderr, only when stderr is a terminal. The total is asked for
+    only then (a wide write's files are made to be measured)."""
+    total = 0 if quiet or not sys.stderr.isatty() else total_of()
+    if total <= 0:
         yield None
         return
     from tqdm import tqdm

@@ -23,7 +23,7 @@ from ckpt_cli.core.atomic import Guard, check_destination, staged
 from ckpt_cli.core.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.model import ZEROS, TensorEntry
 from ckpt_cli.core.paths import inside
-from ckpt_cli.core.plan import Deferred, Literal, OutputFile, Segment, TensorData, WritePlan
+from ckpt_cli.core.plan import Deferred, Literal, OutputFile, Segment, TensorData, WritePlan, sizes_of
 from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
 from ckpt_cli.core.remote_write import ObjectWriter
 from ckpt_cli.core.sinks import (
@@ -213,6 +213,8 @@ def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
             check.learn(records(tensors))
         if out.names is None:  # what the write report lists, without making the segments again
             out.names = [t.name for t in tensors]
+        if out.sizes is None:
+            out.sizes = sizes_of(segments)
     return segments
 
 
@@ -342,8 +344,9 @@ def upload_files(files: list[tuple[Path, OutputFile]], workers: int, progress: P
     sent; `cleanup` learns every object completed (call inside interrupt.writing())."""
 
     def upload_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
+        segments = made(out, check)
         with ObjectWriter(target, out.size, tick) as sink:  # type: ignore[arg-type]
-            upload_segments(made(out, check), sink, check)
+            upload_segments(segments, sink, check)
             interrupt.check()  # a SIGTERM during the last blocks: complete nothing
             sink.commit()
         cleanup.add(target)  # type: ignore[arg-type]

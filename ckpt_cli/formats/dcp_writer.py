@@ -12,6 +12,7 @@ Facts: docs/formats.md §1.5-1.9, §1.13.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import io
 import math
@@ -241,31 +242,40 @@ def layout_for(ckpt: Checkpoint, world: int, tp: int | None) -> Layout:
 
 
 def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[list[list[Item]], dict[str, TensorEntry], dict[str, Any], list[ObjectEntry]]:
-    """Each rank's items, the tensors by flat key, planner_data and the BYTE_IO leaves."""
+    """Each rank's items, the tensors by flat key, planner_data and the BYTE_IO leaves. An item several ranks plan (a
+    replicated tensor, the empty chunk of every rank past a small tensor's end, a non-tensor value) is one object in
+    each of their plans: at 1,024 ranks most chunks of small tensors are that empty one."""
     world = layout.mesh[0] * layout.mesh[1]
     plans: list[list[Item]] = [[] for _ in range(world)]
     entries: dict[str, TensorEntry] = {}
     planner: dict[str, Any] = {}
-    same: dict[Any, Any] = {}
+    same: dict[Any, Any] = {}  # equal sizes and byte counts as one object
     for entry in ckpt.tensors.values():
         path = dcp_path(entry.path, ckpt.containers)
         fqn = ".".join(map(str, path))
         planner[fqn] = path
         entries[fqn] = entry
         split = layout.splits.get(entry.name)
-        itemsize = entry.dtype.itemsize
+        if split is None:
+            whole = Item(fqn, (0,) * len(entry.shape), entry.nbytes, entry)
+            for plan in plans:
+                plan.append(whole)
+            continue
+        made: dict[tuple[tuple[int, ...], tuple[int, ...]], Item] = {}
         for r in range(world):
-            if split is None:
-                plans[r].append(Item(fqn, (0,) * len(entry.shape), entry.nbytes, entry))
-            else:
-                offsets, sizes = chunk_of(entry.shape, split, layout.mesh, r)
-                sizes = same.setdefault(sizes, sizes)  # most ranks' chunks of a tensor have one size: one tuple for all
-                plans[r].append(Item(fqn, offsets, same.setdefault(math.prod(sizes) * itemsize, math.prod(sizes) * itemsize), entry, sizes))
+            offsets, sizes = chunk_of(entry.shape, split, layout.mesh, r)
+            item = made.get((offsets, sizes))
+            if item is None:
+                sizes = same.setdefault(sizes, sizes)
+                nbytes = math.prod(sizes) * entry.dtype.itemsize
+                item = made[(offsets, sizes)] = Item(fqn, offsets, same.setdefault(nbytes, nbytes), entry, sizes)
+            plans[r].append(item)
     objects = byte_items(ckpt)
     for obj in objects:
         planner[obj.name] = obj.path
-        for r in range(world):
-            plans[r].append(Item(obj.name, None, 1, obj=obj))
+        value = Item(obj.name, None, 1, obj=obj)
+        for plan in plans:
+            plan.append(value)
     order = flat_order(ckpt)
     if order:  # each rank plans its flattened state dict in order: dedup_save_plans takes items in that order
         position = {fqn: order.get(fqn, len(order)) for fqn in planner}
@@ -292,8 +302,9 @@ def chunk_lists(entries: dict[str, TensorEntry], kept: list[list[Item]]) -> dict
 def dedup(plans: list[list[Item]]) -> list[list[Item]]:
     """Keep each item in one plan: the one with the fewest planned bytes so far, ties to the lowest rank
     (dcp/_dedup_save_plans.py)."""
-    # By key (fqn, then offsets, which the items hold already): the rank holding it, or the ranks when several do;
-    # then the rank chosen. A wide write has hundreds of thousands of items, nearly all held by one rank.
+    # By key (fqn, then offsets, which the items hold already): the rank holding it, or the ranks when several do
+    # (an array: a replicated tensor at 1,024 ranks); then the rank chosen. A wide write has hundreds of thousands of
+    # items, nearly all held by one rank.
     holders: dict[str, dict[Any, Any]] = {}
     first: list[Item] = []  # each key's first item, in the order keys are met
     for r, plan in enumerate(plans):
@@ -304,7 +315,7 @@ def dedup(plans: list[list[Item]]) -> list[list[Item]]:
                 by_offsets[item.offsets] = r
                 first.append(item)
             elif isinstance(ranks, int):
-                by_offsets[item.offsets] = [ranks, r]
+                by_offsets[item.offsets] = array.array("l", (ranks, r))
             else:
                 ranks.append(r)
     sizes = [0] * len(plans)
