@@ -146,3 +146,28 @@ def test_box_runs_remembered_or_not_are_the_plain_runs(offsets, sizes, shape):
         flat = list(itertools.chain.from_iterable(range(g, g + n) for g, n, _ in runs))
         assert flat == box.tolist()
         assert [loc for _, _, loc in runs] == list(itertools.accumulate([0] + [n for _, n, _ in runs[:-1]])) if runs else True
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (3, 5)), (torch.bfloat16, (7,)), (torch.int64, ()), (torch.float16, (0, 4))])
+def test_a_chunk_archive_carries_its_crc_in_descriptor_and_directory(tmp_path, dtype, shape):
+    """A one-tensor archive's trailer is laid out once per dtype and shape with the CRC patched in (torch_save._Trailer):
+    zipfile checks every record's CRC against the data, and torch.load gives the tensor back."""
+    import math
+    import zipfile
+
+    from safetensors.torch import save_file
+
+    import ckpt_cli
+    from ckpt_cli.core.executor import execute
+    from ckpt_cli.core.plan import OutputFile, WritePlan
+
+    tensor = (torch.arange(math.prod(shape)) * 3 - 5).to(dtype).reshape(shape)
+    save_file({"t": tensor}, tmp_path / "src.safetensors")
+    entry = ckpt_cli.open(tmp_path / "src.safetensors").raw.tensors["t"]
+    out = tmp_path / "chunk.pt"
+    execute(WritePlan("torch", out, False, [OutputFile("", torch_save.tensor_archive(entry, "scope"))]))
+    assert out.stat().st_size == torch_save.tensor_archive_size(entry.dtype, entry.shape)
+    with zipfile.ZipFile(out) as z:
+        assert z.testzip() is None
+    back = torch.load(out, weights_only=True)
+    assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import struct
 import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -212,6 +213,9 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
         elif isinstance(part, _Slot):
             data = tensors[part.index]
             segments.append(TensorData(data.tensor, data.dtype, crc_key=f"{scope}/{part.name}"))
+        elif isinstance(part, _Trailer):
+            segments.append(Deferred(len(part.blank), _Patched(part, f"{scope}/{part.name}")))
+            return segments  # the directory is in it
         else:
             segments.append(Deferred(part.descriptor_size, _Descriptor(part, f"{scope}/{part.name}")))
     segments.append(Deferred(directory, _Directory(layouts, crcs, scope)))
@@ -228,6 +232,46 @@ class _Descriptor:
 
     def __call__(self, got: dict[str, int]) -> bytes:
         return zipio.data_descriptor(self.entry, got[self.key])
+
+
+class _Trailer(NamedTuple):
+    """All an archive of one tensor holds after its data (its descriptor, the small records, the central directory),
+    as bytes with the tensor's CRC32 left 0 at `at`: a DCP file holds thousands of chunk archives of a few shapes."""
+
+    name: str
+    blank: bytes
+    at: tuple[int, ...]
+
+
+class _Patched:
+    """A _Trailer with the tensor's CRC32 filled in, once known."""
+
+    __slots__ = ("trailer", "key")
+
+    def __init__(self, trailer: _Trailer, key: str) -> None:
+        self.trailer, self.key = trailer, key
+
+    def __call__(self, got: dict[str, int]) -> bytes:
+        out = bytearray(self.trailer.blank)
+        for at in self.trailer.at:
+            struct.pack_into("<I", out, at, got[self.key])
+        return bytes(out)
+
+
+def _trailer(template: list[Any], layouts: list[zipio.ZipEntryLayout], crcs: dict[str, int]) -> _Trailer:
+    """The _Trailer of a one-tensor template ([literal, slot, descriptor entry, literals]): laid out with CRC 0 and
+    with 0xFFFFFFFF, the bytes that differ are where the CRC goes (the descriptor's and the directory entry's)."""
+    slot, entry, after = template[1], template[2], b"".join(p.data for p in template[3:])
+
+    def laid_out(crc: int) -> bytes:
+        return zipio.data_descriptor(entry, crc) + after + zipio.central_directory(layouts, {**crcs, slot.name: crc})
+
+    blank, full = laid_out(0), laid_out(0xFFFFFFFF)
+    differ = [i for i in range(len(blank)) if blank[i] != full[i]]
+    trailer = _Trailer(slot.name, blank, tuple(differ[::4]))
+    probe = 0x1234ABCD
+    assert _Patched(trailer, "k")({"k": probe}) == laid_out(probe), "a CRC field of the trailer was not found"
+    return trailer
 
 
 class _Directory:
@@ -284,6 +328,8 @@ def _archive_template(records: tuple[tuple[str, bytes | int], ...], prefix: str)
             joined[-1] = Literal(joined[-1].data + part.data)
         else:
             joined.append(part)
+    if tensors == 1 and isinstance(joined[1], _Slot):  # a chunk archive: what follows its data is one patched trailer
+        return [*joined[:2], _trailer(joined, layouts, crcs)], layouts, crcs, 0
     return joined, layouts, crcs, zipio.central_directory_size(layouts)
 
 
