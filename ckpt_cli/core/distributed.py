@@ -20,7 +20,7 @@ import os
 from ckpt_cli.core import interrupt, remote_write, storage
 from ckpt_cli.core.atomic import Guard, commit, partial_path, prepare_partial, remove
 from ckpt_cli.core.executor import default_guard, prepare_remote, targets, upload_files, worker_count, write_files
-from ckpt_cli.core.plan import WritePlan
+from ckpt_cli.core.plan import FileSizes, OutputFile, WritePlan
 from ckpt_cli.core.sinks import Progress
 from ckpt_cli.errors import CkptError, DataError
 
@@ -39,6 +39,21 @@ def _all_ok(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _share_sizes(plan: WritePlan, mine: list[OutputFile]) -> None:
+    """Tell every rank the sizes of the files the others made (a built file's size is known once made): the report of
+    what was written then needs no rank to make another's files again."""
+    import torch.distributed as dist
+
+    index = {id(f): i for i, f in enumerate(plan.files)}
+    sizes = [(index[id(f)], f.sizes) for f in mine if f.sizes is not None]
+    gathered: list[list[tuple[int, FileSizes]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sizes)
+    for told in gathered:
+        for i, known in told or []:
+            if plan.files[i].sizes is None:
+                plan.files[i].sizes = known
 
 
 def execute(
@@ -82,6 +97,7 @@ def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, worker
         if rank == 0:
             remove(tmp)
         raise error or DataError(f"{plan.dest}: another rank failed while writing; nothing was written")
+    _share_sizes(plan, [out for _, out in data[rank::world]])
     if rank == 0:
         write_files(markers, 1, progress)
         commit(tmp, plan.dest)
@@ -114,6 +130,7 @@ def _execute_remote(plan: WritePlan, overwrite: bool, progress: Progress | None,
         if not _all_ok(error is None):  # every rank deletes what it completed: no marker names missing data
             cleanup.undo()
             raise error or DataError(f"{dest}: another rank failed while writing; nothing was written")
+    _share_sizes(plan, [out for _, out in data[rank::world]])
 
 
 def is_main_process() -> bool:
