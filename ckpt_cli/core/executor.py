@@ -186,8 +186,11 @@ def fsync_path(path: Path) -> None:
 
 
 def worker_count(workers: int | None) -> int:
-    """Files written at once (the default when None): reads, CRCs and writes release the GIL, so threads overlap them."""
-    return max(1, workers or min(4, os.cpu_count() or 1))
+    """Files written at once (the default when None): reads, CRCs and writes release the GIL, so threads overlap them.
+    The default shares the host's CPUs among the processes torchrun started on it (LOCAL_WORLD_SIZE): a process's
+    threads past its share only queue for its GIL."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, workers or min(4, (os.cpu_count() or 1) // local))
 
 
 class _Cancelled(Exception):
