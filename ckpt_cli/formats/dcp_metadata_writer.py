@@ -79,8 +79,8 @@ def _stored_state(at: _StoredAt) -> Instance:
     return Instance(_STORAGE_INFO, {"relative_path": item.file, "offset": item.pos, "length": item.length})
 
 
-def chunk_metadata(item: Placed) -> Instance:
-    """ChunkStorageMetadata(offsets, sizes) of a placed item (the writer registers its item class with this)."""
+def _chunk_state(item: Placed) -> Instance:
+    """ChunkStorageMetadata(offsets, sizes) of a placed item: the items themselves are the tensors' chunk lists."""
     return Instance(_cls("ChunkStorageMetadata"), {"offsets": TorchSize(item.offsets), "sizes": TorchSize(item.shape)})
 
 
@@ -95,11 +95,14 @@ def metadata_bytes(
     objects: list[Any],
     dest: Path,
     order: list[str] | None = None,
-    chunk_class: type = object,
+    *,
+    chunk_class: type,
 ) -> bytes:
     """`.metadata` as FileSystemWriter.finish pickles DCP's dataclasses (written without importing torch), from the
-    placed items (`objects`: the BYTE_IO ones); `order`: the keys in the order the global plan first meets them
-    (state_dict_metadata's order in a real save)."""
+    placed items (`objects`: the BYTE_IO ones; `chunk_class`: the class of the tensors' items, pickled as their
+    ChunkStorageMetadata); `order`: the keys in the order the global plan first meets them (state_dict_metadata's
+    order in a real save)."""
+    pickler.register(chunk_class, _chunk_state)
     sdm: dict[str, Any] = {}
     storage_data: dict[Any, Any] = {}
     dtypes: dict[DType, None] = {}

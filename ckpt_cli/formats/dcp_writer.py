@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import pickler, zipio
+from ckpt_cli.core import zipio
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import (
     Box,
@@ -42,7 +42,7 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import torch_save
 from ckpt_cli.formats.dcp import DATA_FILE
 from ckpt_cli.formats.dcp_mesh import Saved, SourceMesh, Split, chunk_of, parse_mesh, source_mesh
-from ckpt_cli.formats.dcp_metadata_writer import chunk_metadata, metadata_bytes
+from ckpt_cli.formats.dcp_metadata_writer import metadata_bytes
 
 
 def is_sharded(entry: TensorEntry, ckpt: Checkpoint) -> bool:
@@ -74,6 +74,7 @@ class Item:
     entry: TensorEntry | None = None  # the whole tensor the chunk is cut from
     sizes: tuple[int, ...] | None = None  # the chunk's sizes; None: all of `entry`, not split
     obj: ObjectEntry | None = None
+    archive: bytes = b""  # a non-tensor value's archive, made once when the item is placed
     file: str = ""  # where the item is stored (once placed): the rank's file, byte offset and length
     pos: int = 0
     length: int = 0
@@ -81,6 +82,12 @@ class Item:
     @property
     def key(self) -> tuple[str, tuple[int, ...] | None]:
         return self.fqn, self.offsets
+
+    @property
+    def name(self) -> str:
+        """The chunk's tensor name (the flat key, or the entry's own when it is written whole)."""
+        assert self.entry is not None
+        return self.entry.name if self.sizes is None else self.fqn
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -94,7 +101,7 @@ class Item:
     def chunk(self) -> TensorEntry:
         """The chunk as a tensor of its own, its pieces pointing into the source."""
         assert self.entry is not None and self.offsets is not None
-        return self.entry if self.sizes is None else sub_box(self.entry, self.fqn, self.offsets, self.sizes)
+        return self.entry if self.sizes is None else sub_box(self.entry, self.name, self.offsets, self.sizes)
 
 
 def _is_leaf(value: Any) -> bool:
@@ -370,14 +377,14 @@ class RankFile:
         segments: list[Any] = []
         for item in self.items:
             if item.obj is not None:
-                parts = [Literal(_object_bytes(item.obj))]
+                parts = [Literal(item.archive)]
             else:
                 parts = torch_save.tensor_archive(item.chunk(), f"{item.fqn}@{item.offsets}")
             segments += parts
         return segments
 
     def tensor_names(self) -> list[str]:
-        return [item.fqn if item.sizes is not None else item.entry.name for item in self.items if item.entry is not None]
+        return [item.name for item in self.items if item.entry is not None]
 
 
 class DCPWriter:
@@ -409,7 +416,11 @@ class DCPWriter:
             items[:] = [i for i in items if i.obj is not None] + [i for i in items if i.entry is not None]
             pos = 0
             for item in items:
-                item.length = len(_object_bytes(item.obj)) if item.obj is not None else item.archive_size()
+                if item.obj is not None:
+                    item.archive = _object_bytes(item.obj)
+                    item.length = len(item.archive)
+                else:
+                    item.length = item.archive_size()
                 item.file, item.pos = name, pos
                 pos += item.length
             data = [i.planned_bytes for i in items if i.entry is not None]
@@ -428,7 +439,5 @@ class DCPWriter:
             )
         return WritePlan(self.name, dest, True, files, notes)
 
-
-pickler.register(Item, chunk_metadata)  # an Item in a tensor's chunk list is its ChunkStorageMetadata
 
 WRITER = DCPWriter()

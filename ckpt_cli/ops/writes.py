@@ -121,10 +121,6 @@ class WriteReport:
     def estimated_peak_rss(self) -> int:
         return convert_op.estimate_peak(self.job.plan)
 
-    @classmethod
-    def of(cls, job: Job, written: bool) -> WriteReport:
-        return cls(job, written)
-
     def to_json(self) -> dict[str, Any]:
         return {
             "format": self.format,
@@ -166,7 +162,7 @@ class PreparedWrite:
             convert_op.check_destination(self.job, overwrite)
         except UsageError as exc:
             self.job.notes.append(f"the real run will refuse: {exc}")
-        return WriteReport.of(self.job, written=False)
+        return WriteReport(self.job, written=False)
 
     def check_destination(self, overwrite: bool = False) -> None:
         """UsageError (before any work) when the destination exists and may not be replaced; under torchrun, rank 0 checks."""
@@ -177,7 +173,7 @@ class PreparedWrite:
         """Run the write (staged, then committed at once; on error or interrupt nothing is left at the destination)."""
         self.check_destination(overwrite)
         convert_op.run(self.job, overwrite, progress, workers)
-        return WriteReport.of(self.job, written=True)
+        return WriteReport(self.job, written=True)
 
 
 def prepare(request: Request) -> PreparedWrite:
