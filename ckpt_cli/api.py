@@ -322,6 +322,7 @@ def convert(
     rename: Sequence[str] | None = None,
     name_map: str | Path | None = None,
     per_rank_state: str = "wrap",
+    quantize: str | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
     workers: int | None = None,
@@ -330,12 +331,13 @@ def convert(
     """`ckpt convert`: write `src` as format `to` ('hf', 'safetensors', 'torch', 'dcp', 'deepspeed') at `dest`,
     streamed, and return what was written (`dry_run=True`: what would be, writing nothing). Between DeepSpeed and
     dcp the whole training state moves (`world_size` needed; `tp`: a dcp target on a (world_size / tp) x tp mesh).
-    Options as the CLI's flags of the same names."""
+    A quantized source (FP8 block-scaled, MXFP4) is dequantized by `dtype='bf16'` (or fp32, fp16); `quantize='fp8'`
+    writes FP8 block-scaled weights. Options as the CLI's flags of the same names."""
     request = convert_request(
         src, dest, to=to, world_size=world_size, tp=tp, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
-        per_rank_state=per_rank_state,
+        per_rank_state=per_rank_state, quantize=quantize,
     )  # fmt: skip
     return _finish(request, overwrite, dry_run, workers, progress)
 

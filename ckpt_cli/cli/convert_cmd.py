@@ -24,6 +24,7 @@ from ckpt_cli.cli.options import (
     NumShards,
     Overwrite,
     PerRankState,
+    Quantize,
     Quiet,
     Rename,
     Select,
@@ -144,6 +145,7 @@ def convert(
     rename: Rename = None,
     name_map: NameMapFile = None,
     per_rank_state: PerRankState = "wrap",
+    quantize: Quantize = None,
 ) -> None:
     """Convert any readable checkpoint to another format, streamed. Between DeepSpeed and dcp the whole training
     state moves (weights, Adam moments, param groups, step, scheduler, dataloader), so a run resumes in the other framework."""
@@ -151,7 +153,7 @@ def convert(
         src, dest, to=to, world_size=world_size, tp=tp, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
-        per_rank_state=per_rank_state,
+        per_rank_state=per_rank_state, quantize=quantize,
     )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))
 

@@ -31,7 +31,16 @@ Overwrite = Annotated[
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan (files, sizes, placement, memory) and write nothing.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notes on stderr.")]
 DType = Annotated[
-    str, typer.Option("--dtype", help="keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision).")
+    str,
+    typer.Option(
+        "--dtype",
+        help="keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision); "
+        "a quantized source (FP8 block-scaled, MXFP4) is dequantized.",
+    ),
+]
+Quantize = Annotated[
+    Optional[str],
+    typer.Option("--quantize", help="fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships."),
 ]
 MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", help="hf: largest shard, e.g. 5GB, 500MB, 2GiB.")]
 NumShards = Annotated[Optional[int], typer.Option("--num-shards", help="hf: exact number of shards.", min=1)]

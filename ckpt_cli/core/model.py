@@ -13,7 +13,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.zipio import Record
@@ -182,6 +182,16 @@ class LazyPieces(Sequence["Piece"]):
         return iter(self._all())
 
 
+class Derived(Protocol):
+    """How a tensor that is computed, not stored, is read: in windows of its elements (row-major) that its
+    computation makes whole (a block row of a block-scaled weight, one expert). `pieces` of such a tensor are those
+    of the tensors it is computed from (the files it reads)."""
+
+    def windows(self) -> Iterator[tuple[int, int]]: ...
+
+    def read(self, start: int, count: int, sources: Any) -> Any: ...
+
+
 @dataclass
 class TensorEntry:
     """A logical tensor. `dtype` is what it presents; pieces whose stored dtype differs are cast."""
@@ -193,6 +203,7 @@ class TensorEntry:
     pieces: list[Piece] | LazyPieces
     path: PathKey = ()  # key path in the source's nesting (state-dict keys), for nested writers
     copy_of: str | None = None  # another tensor this one is a lower-precision or duplicate copy of (written once)
+    derived: Derived | None = None  # computed from other tensors as it is read (a dequantized weight), not stored
     # Set once: a write plan asks for every segment's size many times, and shapes do not change (not a cached_property:
     # Python 3.11's takes one lock for all instances, which the writing threads then queue on).
     numel: int = field(init=False, repr=False, compare=False)
@@ -281,6 +292,8 @@ class Checkpoint:
     training_state: dict[str, Any] | None = None  # set by readers that know better than the heuristic
     notes: list[str] = field(default_factory=list)  # what the reader chose (tag, ...), shown to the user
     source: Any = field(default=None, repr=False)  # the reader's parsed files, for a writer of the same format
+    # Files that travel with the weights (config.json, tokenizer): file name -> its path, or the bytes a view rewrote.
+    companions: dict[str, str | bytes] = field(default_factory=dict)
 
     def unsafe_values(self) -> list[ObjectEntry]:
         """Non-tensor values left unparsed because their pickle names a global outside the allow list."""

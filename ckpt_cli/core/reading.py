@@ -172,6 +172,8 @@ def read_elements(entry: TensorEntry, start: int, count: int, sources: SourceFil
     """Elements [start, start+count) of a logical tensor, gathered from its pieces, as its dtype."""
     import torch
 
+    if entry.derived is not None:
+        return entry.derived.read(start, count, sources)
     out = torch.empty(count, dtype=entry.dtype.torch())
     filled = 0
     for gstart, length, piece, lstart in entry.runs():
@@ -185,7 +187,10 @@ def read_elements(entry: TensorEntry, start: int, count: int, sources: SourceFil
 
 
 def element_windows(entry: TensorEntry, itemsize: int | None = None) -> Iterator[tuple[int, int]]:
-    """(start, count) windows of at most BLOCK_BYTES that walk a tensor in order."""
+    """(start, count) windows of at most BLOCK_BYTES that walk a tensor in order (a computed tensor's own)."""
+    if entry.derived is not None:
+        yield from entry.derived.windows()
+        return
     step = max(BLOCK_BYTES // (itemsize or entry.dtype.itemsize), 1)
     for start in range(0, entry.numel, step):
         yield start, min(step, entry.numel - start)
@@ -225,7 +230,10 @@ ByteRun = tuple[str, int, int]  # (source path, byte offset, byte count)
 
 
 def byte_runs(entry: TensorEntry, dst: DType) -> list[ByteRun] | None:
-    """The stored bytes that make up the tensor as `dst`, in order; None when a cast or a strided piece needs torch."""
+    """The stored bytes that make up the tensor as `dst`, in order; None when a cast, a strided piece or a computed
+    tensor needs torch."""
+    if entry.derived is not None:
+        return None
     runs = entry.runs()
     _check_tiling(entry, runs)
     if not all(p.data.dtype == dst and p.data.is_contiguous for _, _, p, _ in runs):

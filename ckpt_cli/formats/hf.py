@@ -15,9 +15,9 @@ from typing import Any
 from ckpt_cli.core import structured
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, TensorEntry
-from ckpt_cli.core.paths import plain_component, present, read_regular_text
+from ckpt_cli.core.paths import plain_component, present, read_regular_bytes, read_regular_text
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
-from ckpt_cli.core.storage import location, prefetch_heads
+from ckpt_cli.core.storage import is_remote, location, prefetch_heads
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import safetensors as st
 from ckpt_cli.formats import torch_save
@@ -26,6 +26,23 @@ INDEX = "model.safetensors.index.json"
 LEGACY_INDEX = "pytorch_model.bin.index.json"
 SINGLE = "model.safetensors"
 DEFAULT_MAX_SHARD = 5 * 10**9
+# Files save_pretrained and tokenizers keep beside the weights: a release carries them (config.json rewritten where
+# a conversion changes what it says: dtype, quantization).
+COMPANIONS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+COMPANION_MAX_BYTES = 256 << 20
 
 
 def find_index(folder: Path) -> Path | None:
@@ -50,6 +67,22 @@ def load_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
         plain_component(file, f"{index}: weight_map")  # shard files sit beside the index, as the hub writes them
     metadata = doc.get("metadata") or {}
     return weight_map, metadata if isinstance(metadata, dict) else {}
+
+
+def companions_in(folder: Path) -> dict[str, str | bytes]:
+    """The companion files present in a local folder (object storage: none are carried yet)."""
+    if is_remote(folder):
+        return {}
+    return {name: str(folder / name) for name in COMPANIONS if (folder / name).is_file()}
+
+
+def companion_files(ckpt: Checkpoint) -> list[OutputFile]:
+    """The companions as output files: rewritten bytes, or the source file's bytes (small files, read now)."""
+    out = []
+    for name, value in ckpt.companions.items():
+        data = value if isinstance(value, bytes) else read_regular_bytes(value, max_bytes=COMPANION_MAX_BYTES)
+        out.append(OutputFile(plain_component(name, "companion file"), [Literal(data)]))
+    return out
 
 
 class HFReader:
@@ -93,6 +126,7 @@ class HFReader:
             objects=objects,
             files=files,
             details={"index": index.name if index else None, "index_metadata": metadata, "shards": len(shard_files)},
+            companions=companions_in(path),
         )
 
     def _read_shard(self, shard_path: Path, options: ReadOptions) -> Checkpoint:
@@ -182,8 +216,28 @@ class HFWriter:
             files.append(OutputFile(name, list(st.file_segments(group, {"format": "pt"}))))
             weight_map.update({t.name: name for t in group})
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
+        files += companion_files(_config_dtype(ckpt, tensors))
         files.append(OutputFile(INDEX, [Literal(json.dumps(index, indent=2).encode())], commit_marker=True))
         return WritePlan(self.name, dest, True, files, notes)
+
+
+def _config_dtype(ckpt: Checkpoint, tensors: list[TensorEntry]) -> Checkpoint:
+    """The checkpoint with its config.json saying the dtype of the floating-point weights written, where it said
+    another (a --dtype cast): from_pretrained takes that dtype by default."""
+    source = ckpt.companions.get("config.json")
+    floats = {t.dtype.name for t in tensors if t.dtype.is_float and not t.dtype.name.startswith("float8")}
+    if source is None or len(floats) != 1:
+        return ckpt
+    data = source if isinstance(source, bytes) else read_regular_bytes(source, max_bytes=COMPANION_MAX_BYTES)
+    config = structured.load_json(data.decode("utf-8", "replace"), str(source) if isinstance(source, str) else "config.json", DataError)
+    keys = [k for k in ("torch_dtype", "dtype") if isinstance(config, dict) and k in config]
+    want = floats.pop()
+    if not keys or all(config[k] == want for k in keys):
+        return ckpt
+    for key in keys:
+        config[key] = want
+    edited = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    return dataclasses.replace(ckpt, companions={**ckpt.companions, "config.json": edited})
 
 
 READER = HFReader()

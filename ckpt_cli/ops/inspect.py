@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,7 @@ from ckpt_cli.core import roles, storage
 from ckpt_cli.core.model import Checkpoint, Opaque
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import registry, runs
+from ckpt_cli.ops import quantized
 from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.transform import matches
 
@@ -32,6 +32,8 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
         dtypes[t.dtype.name] = dtypes.get(t.dtype.name, 0) + t.nbytes
     # Tied weights count once, as the parameters of the model they are.
     tied = {name for group in ckpt.tied_groups() for name in group[1:]}
+    scheme = quantized.scheme_of(ckpt) if quantized.may_be_quantized(ckpt) else None
+    weights = {t.name for t in chosen if t.role == "model" and t.name not in tied}
     return {
         "path": ckpt.path,
         "format": ckpt.format,
@@ -39,16 +41,20 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
         "step": ckpt.step,
         "world_size": ckpt.world_size,
         "num_tensors": len(chosen),
-        "num_params": sum(math.prod(t.shape) for t in chosen if t.role == "model" and t.name not in tied),
+        "num_params": quantized.true_params(ckpt, scheme, weights),
         "total_bytes": sum(t.nbytes for t in chosen),
         "dtypes": dtypes,
         "files": [{"path": f.path, "bytes": f.bytes} for f in ckpt.files],
         "training_state": roles.describe_training_state(ckpt),
         "tensors": tensor_rows(ckpt, filters),
-        "details": {**ckpt.details, "objects": len(ckpt.objects), "tied": ckpt.tied_groups()},
+        "details": {**ckpt.details, "objects": len(ckpt.objects), "tied": ckpt.tied_groups(), **_quantization(scheme)},
         "unread": unread_values(ckpt),
         "notes": ckpt.notes,
     }
+
+
+def _quantization(scheme: quantized.Scheme | None) -> dict[str, Any]:
+    return {"quantization": scheme.summary()} if scheme is not None else {}
 
 
 def unread_values(ckpt: Checkpoint) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ from ckpt_cli.core import storage
 from ckpt_cli.core.model import ZEROS, Checkpoint, LazyPieces
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats import registry, run_read
+from ckpt_cli.ops import quantized
 
 
 def format_check(ckpt: Checkpoint, deep: bool) -> list[str]:
@@ -69,4 +70,4 @@ def structure_problems(ckpt: Checkpoint) -> list[str]:
         problems += format_check(ckpt, False)
     except DataError as exc:
         problems.append(str(exc))
-    return problems
+    return problems + quantized.problems(ckpt, False)  # a quantized weight without its scales is broken too

@@ -22,6 +22,7 @@ class Transform:
     add_prefix: str | None = None
     weights_only: bool = False
     dtype: DType | None = None  # cast floating-point model weights (optimizer state keeps its precision)
+    quantize: str | None = None  # "fp8": model weights to FP8 block-scaled (ops/quantized.py)
 
 
 def matches(name: str, globs: tuple[str, ...]) -> bool:

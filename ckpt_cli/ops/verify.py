@@ -19,7 +19,7 @@ from ckpt_cli.core.paths import is_plain, read_regular_text
 from ckpt_cli.core.reading import SourceFiles, byte_runs, element_windows, read_elements, tensor_bytes
 from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
-from ckpt_cli.ops import crossframework
+from ckpt_cli.ops import crossframework, quantized
 from ckpt_cli.ops import policy as policy_mod
 from ckpt_cli.ops.digests import Digests, file_digest, file_pass, hasher
 from ckpt_cli.ops.finite import NonFinite
@@ -291,6 +291,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     report.problems += file_and_tiling_problems(ckpt)
     report.checks.append("structure")
     report.problems += leftover_problems(ckpt)
+    report.problems += quantized.problems(ckpt, options.deep)
     try:
         report.problems += format_check(ckpt, options.deep)
     except DataError as exc:

@@ -34,9 +34,12 @@ def transform(
     select: Sequence[str] | None = None,
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
+    quantize: str | None = None,
 ) -> Transform:
     cast = dtypes.cast_target(dtype)
-    return Transform(tuple(select or ()), strip_prefix, add_prefix, weights_only, cast)
+    if quantize is not None and quantize != "fp8":
+        raise UsageError(f"--quantize {quantize!r}: ckpt quantizes to fp8 (block-scaled, 128 x 128) only")
+    return Transform(tuple(select or ()), strip_prefix, add_prefix, weights_only, cast, quantize)
 
 
 def write_options(world_size: int | None, max_shard_size: Size | None, num_shards: int | None, tp: int | None = None) -> WriteOptions:
@@ -204,6 +207,7 @@ def convert_request(
     rename: Sequence[str] | None = None,
     name_map: str | Path | None = None,
     per_rank_state: str = "wrap",
+    quantize: str | None = None,
 ) -> Request:
     """`convert`: any readable checkpoint to the format `to`."""
     return Request(
@@ -211,7 +215,7 @@ def convert_request(
         location(dest),
         to,
         SourceOptions(format, tag, trust_pickle),
-        transform(dtype, weights_only, select, strip_prefix, add_prefix),
+        transform(dtype, weights_only, select, strip_prefix, add_prefix, quantize),
         write_options(world_size, max_shard_size, num_shards, tp),
         cross_options(layout, zero_stage, ds_config, rename, name_map, per_rank_state),
     )

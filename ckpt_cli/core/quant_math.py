@@ -1,0 +1,79 @@
+"""The arithmetic of quantized weights, one window at a time: FP8 block-scaled and MXFP4 dequantization, FP8 block
+quantization. Each function does, element for element, what the reference implementation does (transformers'
+`Fp8Dequantize`, `Fp8Quantize` and `convert_moe_packed_tensors`), so a window computed here is bit-equal to the same
+elements of the reference's whole-tensor result; tests/test_quant_math.py compares them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max: the DeepSeek recipe divides each block's amax by it
+E8M0_BIAS = 127  # an E8M0 byte b is the scale 2 ** (b - 127) (OCP MX); 255 is NaN
+# The E2M1 (FP4) values of a nibble 0..15, as transformers' gpt-oss integration and the OCP MX spec have them.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def scales_as_float32(scales: Any) -> Any:
+    """Stored scales as float32 multipliers: E8M0 exponents stored as uint8 are 2 ** (b - 127), as the reference
+    reads them; float8_e8m0fnu, bf16, fp16 and fp32 scales are cast."""
+    import torch
+
+    if scales.dtype == torch.uint8:
+        return (scales.to(torch.float32) - float(E8M0_BIAS)).exp2()
+    return scales.to(torch.float32)
+
+
+def dequant_fp8_rows(q: Any, scales: Any, block: tuple[int, int], row0: int, out_dtype: Any) -> Any:
+    """Rows [row0, row0 + len(q)) of one FP8 matrix, dequantized: each element times the float32 scale of its
+    block, in float32, then cast to `out_dtype`. `scales` are the scale rows from block row row0 // block[0] on
+    (a trailing partial block has its own scale: the DeepSeek layout, ceil(rows / 128) x ceil(cols / 128))."""
+    import torch
+
+    rows, cols = q.shape
+    scale = scales_as_float32(scales)
+    if scale.numel() == 1:  # one scale for the whole tensor
+        return (q.to(torch.float32) * scale.reshape(())).to(out_dtype)
+    bm, bn = block
+    skip = row0 - (row0 // bm) * bm
+    per_row = scale.repeat_interleave(bm, dim=0)[skip : skip + rows]
+    per_element = per_row.repeat_interleave(bn, dim=1)[:, :cols]
+    return (q.to(torch.float32) * per_element).to(out_dtype)
+
+
+def dequant_mxfp4(blocks: Any, scales: Any, out_dtype: Any) -> Any:
+    """MXFP4 `blocks` (..., G, 16) uint8, two E2M1 values a byte, low nibble first, and `scales` (..., G) E8M0 bytes,
+    as (..., G * 32) values of `out_dtype`: the table value in `out_dtype`, times 2 ** (scale - 127) by ldexp."""
+    import torch
+
+    *prefix, groups, width = blocks.shape
+    rows = math.prod(prefix) * groups
+    lut = torch.tensor(FP4_VALUES, dtype=out_dtype)
+    packed = blocks.reshape(rows, width).to(torch.uint8)
+    exponents = scales.reshape(rows, 1).to(torch.int32) - E8M0_BIAS
+    out = torch.empty(rows, width * 2, dtype=out_dtype)
+    out[:, 0::2] = lut[(packed & 0x0F).to(torch.int)]
+    out[:, 1::2] = lut[(packed >> 4).to(torch.int)]
+    torch.ldexp(out, exponents, out=out)
+    return out.reshape(*prefix, groups * width * 2)
+
+
+def quant_fp8_block(rows: Any, block: tuple[int, int]) -> tuple[Any, Any]:
+    """One block row of a matrix (at most block[0] rows, columns a multiple of block[1]) as float8_e4m3fn values
+    and their float32 inverse scales (one per block): amax / 448 per block, zeros kept at scale 1."""
+    import torch
+
+    fp8 = torch.float8_e4m3fn
+    bm, bn = block
+    height, cols = rows.shape
+    tiles = rows.to(torch.float32).reshape(1, height, cols // bn, bn)
+    max_abs = tiles.abs().amax(dim=(-3, -1))
+    safe_max_abs = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    scales = FP8_MAX / safe_max_abs
+    scales = torch.where(max_abs > 0, scales, torch.ones_like(scales))
+    inverse = (1.0 / scales).to(torch.float32)
+    scaled = tiles * scales.unsqueeze(-1).unsqueeze(-3)
+    finfo = torch.finfo(fp8)
+    values = torch.clamp(scaled, min=finfo.min, max=finfo.max).to(fp8).reshape(height, cols)
+    return values, inverse.reshape(cols // bn)

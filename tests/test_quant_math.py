@@ -1,0 +1,104 @@
+"""core/quant_math.py against the reference implementations in transformers, on numbers: each window ckpt computes
+is bit-equal to the same elements of the reference's whole-tensor result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_cli.core import quant_math
+
+fp8_module = pytest.importorskip("transformers.integrations.finegrained_fp8")
+mxfp4_module = pytest.importorskip("transformers.integrations.mxfp4")
+
+
+class _Quantizer:
+    """What transformers' FP8 ops read from their quantizer: its config."""
+
+    def __init__(self, block: tuple[int, int]) -> None:
+        from transformers import FineGrainedFP8Config
+
+        self.quantization_config = FineGrainedFP8Config(weight_block_size=list(block))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN included), same dtype and shape."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def random_fp8(rows: int, cols: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+
+
+def reference_dequant(q: torch.Tensor, scales: torch.Tensor, out: torch.dtype) -> torch.Tensor:
+    op = fp8_module.Fp8Dequantize(_Quantizer((128, 128)))
+    return op._dequantize_one(q, scales, output_dtype=out)
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_fp8_dequant_windows_equal_the_reference(out: torch.dtype, scale_dtype: torch.dtype) -> None:
+    block, rows, cols = (16, 32), 64, 96
+    q = random_fp8(rows, cols, 1)
+    gen = torch.Generator().manual_seed(2)
+    if scale_dtype == torch.uint8:  # E8M0 exponents, the extremes included
+        scales = torch.randint(100, 150, (rows // 16, cols // 32), dtype=torch.uint8, generator=gen)
+        scales[0, 0], scales[-1, -1] = 0, 254
+    else:
+        scales = (torch.rand(rows // 16, cols // 32, generator=gen) * 4 + 1e-3).to(scale_dtype)
+    want = reference_dequant(q, scales, out)
+    for cuts in ([0, rows], [0, 5, 16, 17, 40, rows], [0, 1, 2, rows]):  # windows that start and end inside blocks
+        parts = []
+        for r0, r1 in zip(cuts, cuts[1:]):
+            s0, s1 = r0 // block[0], -(-r1 // block[0])
+            parts.append(quant_math.dequant_fp8_rows(q[r0:r1], scales[s0:s1], block, r0, out))
+        assert same_bits(torch.cat(parts), want)
+
+
+def test_fp8_dequant_partial_blocks_equal_the_reference_on_the_padded_weight() -> None:
+    """A trailing partial block (DeepSeek's 576 x 7168 in blocks of 128) has its own scale: the same values as the
+    reference gives for the weight padded to whole blocks, cropped."""
+    block, rows, cols = (16, 16), 40, 50
+    q = random_fp8(rows, cols, 3)
+    scales = torch.rand(3, 4, generator=torch.Generator().manual_seed(4)) + 0.5
+    padded = torch.zeros(48, 64, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    padded[:rows, :cols] = q
+    want = reference_dequant(padded, scales, torch.bfloat16)[:rows, :cols]
+    got = torch.cat([quant_math.dequant_fp8_rows(q[:20], scales[:2], block, 0, torch.bfloat16),
+                     quant_math.dequant_fp8_rows(q[20:], scales[1:], block, 20, torch.bfloat16)])  # fmt: skip
+    assert same_bits(got, want)
+
+
+def test_mxfp4_dequant_per_expert_equals_the_reference_with_extreme_exponents() -> None:
+    experts, rows, groups = 3, 8, 4
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(110, 140, (experts, rows, groups), dtype=torch.uint8, generator=gen)
+    scales[0, 0, 0], scales[1, 2, 3], scales[2, 7, 1] = 0, 254, 127  # 2**-127, 2**127 (6.0 * 2**127 is inf), 1
+    for out in (torch.bfloat16, torch.float32):
+        want = mxfp4_module.convert_moe_packed_tensors(blocks, scales, dtype=out)
+        got = torch.cat([quant_math.dequant_mxfp4(blocks[e : e + 1], scales[e : e + 1], out).transpose(1, 2) for e in range(experts)])
+        assert same_bits(got, want)
+    assert torch.isinf(want).any()  # the 254 row reaches past bf16's range, as the reference has it
+
+
+def test_fp8_quant_per_block_row_equals_the_reference() -> None:
+    block, rows, cols = (128, 128), 256, 384
+    weight = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(6)) * 3).to(torch.bfloat16)
+    weight[:128, :128] = 0  # an all-zero block keeps scale 1
+    ref = fp8_module.Fp8Quantize(_Quantizer(block))._quantize_one("layer.weight", weight)
+    values, inverse = zip(*(quant_math.quant_fp8_block(weight[r : r + 128], block) for r in range(0, rows, 128)))
+    assert same_bits(torch.cat(values), ref["layer.weight"])
+    assert same_bits(torch.stack(inverse), ref["layer.weight_scale_inv"])
+    assert float(ref["layer.weight_scale_inv"][0, 0]) == 1.0
+    # the round trip: ckpt's dequantization of ckpt's quantization is the reference's of the reference's
+    mine = quant_math.dequant_fp8_rows(torch.cat(values), torch.stack(inverse), block, 0, torch.bfloat16)
+    assert same_bits(mine, reference_dequant(ref["layer.weight"], ref["layer.weight_scale_inv"], torch.bfloat16))
+
+
+def test_e8m0_bytes_are_powers_of_two_with_bias_127() -> None:
+    got = quant_math.scales_as_float32(torch.tensor([0, 127, 128, 254], dtype=torch.uint8))
+    assert got.tolist() == [2.0**-127, 1.0, 2.0, 2.0**127]
