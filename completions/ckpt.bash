@@ -15,7 +15,7 @@ _ckpt() {
     esac
     local opts=""
     case "${words[1]}" in
-        convert) opts="--to --world-size --tp --dtype --max-shard-size --num-shards --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --layout --zero-stage --ds-config --rename --name-map --per-rank-state --help -h" ;;
+        convert) opts="--to --world-size --tp --dtype --max-shard-size --num-shards --weights-only --select --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --layout --zero-stage --ds-config --rename --name-map --per-rank-state --quantize --help -h" ;;
         demo) opts="--overwrite --help -h" ;;
         diff) opts="--atol --rtol --filter --depth --json --format-a --format-b --tag-a --tag-b --trust-pickle --help -h" ;;
         inspect) opts="--json --yaml --tensors --filter --tree --depth --markdown --format --tag --trust-pickle --help -h" ;;

@@ -13,7 +13,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -F
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l to -x -a 'deepspeed dcp hf safetensors torch' -d 'Target format: deepspeed, dcp, hf, safetensors, torch.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l world-size -r -d 'dcp, deepspeed: number of ranks to write for.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l tp -r -d 'dcp: tensor-parallel size T: lay out FSDP2 + tensor parallel on a (N/T) x T (dp x tp) mesh of the --world-size N ranks, each tensor split along the dim its source chunks show.'
-complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision).'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision); a quantized source (FP8 block-scaled, MXFP4) is dequantized.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l max-shard-size -r -d 'hf: largest shard, e.g. 5GB, 500MB, 2GiB.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l num-shards -r -d 'hf: exact number of shards.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l weights-only -d 'Model weights only (no optimizer or training state).'
@@ -35,6 +35,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -l ds-config -r -d 'de
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l rename -r -d 'Rename parameters, REGEX=REPLACEMENT (repeatable, in order): training-state conversions and exports.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l name-map -r -d 'YAML name map: strip_segments, rename [{from, to}], tied {alias: owner}; weight exports (hf, safetensors, torch) also split [{from, to, groups, layers}]: fused QKV, gate/up and layer-stacked tensors by rows.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l per-rank-state -x -a 'wrap first drop' -d 'Per-rank values (keys rank_R / dp_rank_R; a run folders rng_state_R / random_states_R files) under a new world size: wrap (new rank r takes old rank r mod W), first (all take rank 0s) or drop.'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l quantize -r -d 'fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -F
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -l overwrite -d 'Replace an existing checkpoint, empty folder or (one-file output) file; never a source or a folder holding one.'
@@ -68,7 +69,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from ls' -l json -d 'Machine-readabl
 complete -c ckpt -n '__fish_seen_subcommand_from ls' -l trust-pickle -d 'Allow pickled classes outside the allow list (runs code from the file).'
 complete -c ckpt -n '__fish_seen_subcommand_from ls' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -F
-complete -c ckpt -n '__fish_seen_subcommand_from merge' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision).'
+complete -c ckpt -n '__fish_seen_subcommand_from merge' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision); a quantized source (FP8 block-scaled, MXFP4) is dequantized.'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l all -l weights-only -d 'Keep optimizer and training state (torch .pt only); default: model weights.'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l select -r -d 'Keep tensors whose names match this glob (repeatable).'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l strip-prefix -r -d 'Remove this prefix from tensor names.'
@@ -88,7 +89,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l world-size -r -d 'd
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l tp -r -d 'dcp: tensor-parallel size T: lay out FSDP2 + tensor parallel on a (N/T) x T (dp x tp) mesh of the --world-size N ranks, each tensor split along the dim its source chunks show.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l num-shards -r -d 'hf: exact number of shards.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l max-shard-size -r -d 'hf: largest shard, e.g. 5GB, 500MB, 2GiB.'
-complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision).'
+complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision); a quantized source (FP8 block-scaled, MXFP4) is dequantized.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l weights-only -d 'Model weights only (no optimizer or training state).'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l select -r -d 'Keep tensors whose names match this glob (repeatable).'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l strip-prefix -r -d 'Remove this prefix from tensor names.'
@@ -110,7 +111,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l help -s h -d 'Show 
 complete -c ckpt -n '__fish_seen_subcommand_from split' -F
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l max-shard-size -r -d 'hf: largest shard, e.g. 5GB, 500MB, 2GiB.'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l num-shards -r -d 'hf: exact number of shards.'
-complete -c ckpt -n '__fish_seen_subcommand_from split' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision).'
+complete -c ckpt -n '__fish_seen_subcommand_from split' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision); a quantized source (FP8 block-scaled, MXFP4) is dequantized.'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l select -r -d 'Keep tensors whose names match this glob (repeatable).'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l strip-prefix -r -d 'Remove this prefix from tensor names.'
 complete -c ckpt -n '__fish_seen_subcommand_from split' -l add-prefix -r -d 'Add this prefix to tensor names.'

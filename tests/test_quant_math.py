@@ -102,3 +102,11 @@ def test_fp8_quant_per_block_row_equals_the_reference() -> None:
 def test_e8m0_bytes_are_powers_of_two_with_bias_127() -> None:
     got = quant_math.scales_as_float32(torch.tensor([0, 127, 128, 254], dtype=torch.uint8))
     assert got.tolist() == [2.0**-127, 1.0, 2.0, 2.0**127]
+
+
+def test_a_block_far_larger_than_the_weight_costs_no_memory() -> None:
+    """A config may claim blocks of 2**30: the scale of each element is found by index, not by expanding blocks."""
+    q = random_fp8(4, 6, 7)
+    scale = torch.tensor([[0.5]])
+    got = quant_math.dequant_fp8_rows(q, scale, (1 << 30, 1 << 30), 0, torch.float32)
+    assert same_bits(got, q.to(torch.float32) * 0.5)

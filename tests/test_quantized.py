@@ -261,3 +261,29 @@ def test_mxfp4_nan_exponent_is_caught(ckpt, gpt_oss_mxfp4, tmp_path):
     assert ckpt("verify", tmp_path / "bad").code == 0  # structure is whole
     res = ckpt("verify", tmp_path / "bad", "--deep")
     assert res.code == 1 and "E8M0 NaN (255)" in res.out + res.err
+
+
+def test_a_companion_linked_outside_the_checkpoint_is_not_carried(ckpt, llama_fp8, tmp_path):
+    root, _ = llama_fp8
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    folder = tmp_path / "release"
+    shutil.copytree(root / "bf16", folder)
+    (folder / "tokenizer.json").symlink_to(secret)
+    res = ckpt("convert", folder, tmp_path / "out", "--to", "hf")
+    assert res.code == 0, res.err
+    assert "links outside the checkpoint" in res.err
+    assert not (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "config.json").is_file()
+
+
+def test_a_hostile_block_size_is_refused_or_harmless(ckpt, llama_fp8, tmp_path):
+    root, _ = llama_fp8
+    for block, code in (([0, 128], 1), ([1 << 20, 1 << 20], 1), ("big", 1)):
+        folder = tmp_path / f"b{code}{block!s:.3}"
+        shutil.copytree(root / "fp8", folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"]["weight_block_size"] = block
+        (folder / "config.json").write_text(json.dumps(config))
+        res = ckpt("verify", folder)
+        text = res.out + res.err
+        assert res.code == code and ("weight_block_size" in text or "needs [1, 1]" in text), text

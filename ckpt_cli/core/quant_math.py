@@ -36,9 +36,11 @@ def dequant_fp8_rows(q: Any, scales: Any, block: tuple[int, int], row0: int, out
     if scale.numel() == 1:  # one scale for the whole tensor
         return (q.to(torch.float32) * scale.reshape(())).to(out_dtype)
     bm, bn = block
-    skip = row0 - (row0 // bm) * bm
-    per_row = scale.repeat_interleave(bm, dim=0)[skip : skip + rows]
-    per_element = per_row.repeat_interleave(bn, dim=1)[:, :cols]
+    # Each element's scale by index (not repeat_interleave over the block: a block far larger than the window, as
+    # a hostile config may claim, would then allocate block-sized rows).
+    row_block = torch.arange(row0, row0 + rows) // bm - row0 // bm
+    col_block = torch.arange(cols) // bn
+    per_element = scale[row_block][:, col_block]
     return (q.to(torch.float32) * per_element).to(out_dtype)
 
 

@@ -69,11 +69,32 @@ def load_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
     return weight_map, metadata if isinstance(metadata, dict) else {}
 
 
-def companions_in(folder: Path) -> dict[str, str | bytes]:
-    """The companion files present in a local folder (object storage: none are carried yet)."""
+def companions_in(folder: Path) -> tuple[dict[str, str | bytes], list[str]]:
+    """The companion files present in a local folder (object storage: none are carried yet). A link is followed only
+    inside the folder, or into the blobs of a Hugging Face cache snapshot (`snapshots/REV/x -> ../../blobs/SHA`):
+    a release must never carry a file from elsewhere on the machine (a key the folder's author linked to)."""
     if is_remote(folder):
-        return {}
-    return {name: str(folder / name) for name in COMPANIONS if (folder / name).is_file()}
+        return {}, []
+    found: dict[str, str | bytes] = {}
+    notes = []
+    for name in COMPANIONS:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if _inside_source(path, folder):
+            found[name] = str(path)
+        else:
+            notes.append(f"{path} links outside the checkpoint ({path.resolve()}); it is not carried into outputs")
+    return found, notes
+
+
+def _inside_source(path: Path, folder: Path) -> bool:
+    if not path.is_symlink():
+        return True
+    root = folder.resolve()
+    target = path.resolve()
+    cache = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    return target.is_relative_to(root) or (cache is not None and target.is_relative_to(cache))
 
 
 def companion_files(ckpt: Checkpoint) -> list[OutputFile]:
@@ -119,6 +140,7 @@ class HFReader:
                 raise DataError(f"{path / file}: tensor '{name}' is listed in {index.name if index else ''} but absent from the shard")
         if index is not None:  # keep the index order, as loaders see it
             tensors = {name: tensors[name] for name in weight_map}
+        companions, notes = companions_in(path)
         return Checkpoint(
             format=self.name,
             path=str(path),
@@ -126,7 +148,8 @@ class HFReader:
             objects=objects,
             files=files,
             details={"index": index.name if index else None, "index_metadata": metadata, "shards": len(shard_files)},
-            companions=companions_in(path),
+            companions=companions,
+            notes=notes,
         )
 
     def _read_shard(self, shard_path: Path, options: ReadOptions) -> Checkpoint:
