@@ -241,6 +241,8 @@ def test_mxfp4_export_equals_transformers_dequantization(ckpt, gpt_oss_mxfp4, tm
     assert doc["details"]["quantization"]["method"] == "mxfp4"
     params = sum(p.numel() for p in transformers.GptOssForCausalLM(_gpt_oss_config()).parameters())
     assert doc["num_params"] == params  # two values a byte, scales not counted
+    tree = json.loads(ckpt("inspect", root / "mxfp4", "--tree", "--json").out)
+    assert tree["roles"]["model"]["params"] == params  # the tree counts the same way
     res = ckpt("convert", root / "mxfp4", tmp_path / "bf16", "--to", "hf", "--dtype", "bf16")
     assert res.code == 0, res.err
     want_logits, want_state = logits(root / "mxfp4", quantization_config=transformers.Mxfp4Config(dequantize=True))

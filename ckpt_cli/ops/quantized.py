@@ -158,13 +158,20 @@ def shape_problems(ckpt: Checkpoint, scheme: Scheme) -> list[str]:
     return problems
 
 
-def true_params(ckpt: Checkpoint, scheme: Scheme | None, names: set[str]) -> int:
+def true_params(ckpt: Checkpoint, names: set[str]) -> int:
     """Parameters of the model weights among `names`: scales are not parameters, a packed 4-bit byte holds two."""
+    counts = param_counts(ckpt)
+    return sum(counts.get(n, ckpt.tensors[n].numel) for n in names)
+
+
+def param_counts(ckpt: Checkpoint) -> dict[str, int]:
+    """The parameters of each stored tensor of a quantized checkpoint that differ from its element count."""
+    scheme = scheme_of(ckpt) if may_be_quantized(ckpt) else None
     if scheme is None:
-        return sum(ckpt.tensors[n].numel for n in names)
-    scales = {q.scales for q in scheme.weights.values()}
-    packed = {q.values for q in scheme.weights.values() if q.method == "mxfp4"}
-    return sum(ckpt.tensors[n].numel * (2 if n in packed else 1) for n in names if n not in scales)
+        return {}
+    counts = {q.scales: 0 for q in scheme.weights.values()}
+    counts.update({q.values: 2 * ckpt.tensors[q.values].numel for q in scheme.weights.values() if q.method == "mxfp4"})
+    return counts
 
 
 # --- dequantizing --------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 
 from ckpt_cli.core.model import ROLES, Checkpoint, TensorEntry
 from ckpt_cli.core.sizes import human_bytes
+from ckpt_cli.ops import quantized
 from ckpt_cli.ops.transform import matches
 
 
@@ -122,13 +123,14 @@ def build(ckpt: Checkpoint, filters: tuple[str, ...] = (), depth: int | None = N
         if matches(entry.name, filters):
             _insert(roots.setdefault(entry.role, _Trie()), entry)
     notes: list[tuple[str, str]] = [("", n) for n in ckpt.notes]  # which checkpoint of a run, which tag
+    params = quantized.param_counts(ckpt)  # quantized weights: scales hold no parameters, a packed byte two
     roles = {}
     for role in sorted(roots, key=lambda r: ROLES.index(r) if r in ROLES else len(ROLES)):
         trie = roots[role]
         _sign(trie, tied)
         label = "model weights" if role == "model" else f"[{role}]"
         role_notes: list[str] = []
-        node = _node(trie, label, "", tied, role_notes)
+        node = _node(trie, label, "", tied, role_notes, params)
         notes += [(role, n) for n in role_notes]
         node.children = [_compress(c) for c in node.children]
         if depth is not None:
@@ -161,19 +163,19 @@ def _sign(trie: _Trie, tied: dict[str, str]) -> Any:
     return trie.signature
 
 
-def _node(trie: _Trie, name: str, path: str, tied: dict[str, str], notes: list[str]) -> TreeNode:
+def _node(trie: _Trie, name: str, path: str, tied: dict[str, str], notes: list[str], params: dict[str, int]) -> TreeNode:
     node = TreeNode(name, path)
     entry = trie.entry
     if entry is not None:
         node.shape, node.dtype, node.tensors = entry.shape, entry.dtype.name, 1
         node.tied_to = tied.get(entry.name)
         if node.tied_to is None:
-            node.params, node.bytes = entry.numel, entry.nbytes
+            node.params, node.bytes = params.get(entry.name, entry.numel), entry.nbytes
             node.dtypes = {entry.dtype.name: entry.nbytes}
         return node
     for key, group in _groups(trie, path, notes):
         child_path = f"{path}.{key}" if path else key
-        child = _node(trie.children[group[0]], key, child_path, tied, notes)
+        child = _node(trie.children[group[0]], key, child_path, tied, notes, params)
         if len(group) > 1:
             child.repeat, child.indices = len(group), [int(k) for k in group]
         node.children.append(child)
