@@ -79,3 +79,45 @@ def quant_fp8_block(rows: Any, block: tuple[int, int]) -> tuple[Any, Any]:
     finfo = torch.finfo(fp8)
     values = torch.clamp(scaled, min=finfo.min, max=finfo.max).to(fp8).reshape(height, cols)
     return values, inverse.reshape(cols // bn)
+
+
+def unpack_int_from_int32(words: Any, num_bits: int, cols: int) -> Any:
+    """compressed-tensors' pack-quantized values: `num_bits` (4 or 8) a value, packed along the last dim into int32
+    words low bits first, each stored as value + 2 ** (num_bits - 1); returns int8 values, `cols` of them a row."""
+    import torch
+
+    if num_bits not in (4, 8):
+        raise ValueError(f"packed {num_bits}-bit values")
+    rows = words.shape[0]
+    data = words.contiguous().view(torch.uint8).reshape(rows, -1)  # little-endian words: their bytes low first
+    if num_bits == 4:
+        data = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(rows, -1)
+    return (data[:, :cols].to(torch.int16) - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def unpack_fp4(packed: Any) -> Any:
+    """NVFP4 (compressed-tensors) values: two E2M1 a byte, low nibble first, as bfloat16 (its unpack's dtype)."""
+    import torch
+
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    rows = packed.shape[0]
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(rows, -1)
+    return lut[nibbles.to(torch.long)].to(torch.bfloat16)
+
+
+def dequant_scaled(values: Any, scales: Any, zero_points: Any, block: tuple[int, int], row0: int, global_scale: Any = None) -> Any:
+    """compressed-tensors' `_dequantize` for rows [row0, row0 + len(values)): the scale divided by the global scale
+    (NVFP4), values (and zero points) cast to the scale's dtype, the zero point subtracted, times the scale of each
+    element's block; the result in the scale's dtype. `scales` and `zero_points` are the rows of scales from
+    row0 // block[0] on; each covers `block` (tensor: the whole matrix; channel: a row; group: 1 x g)."""
+    import torch
+
+    if global_scale is not None:
+        scales = scales / global_scale
+    rows, cols = values.shape
+    row_block = torch.arange(row0, row0 + rows) // block[0] - row0 // block[0]
+    col_block = torch.arange(cols) // block[1]
+    out = values.to(scales.dtype)
+    if zero_points is not None:
+        out = out - zero_points[row_block][:, col_block].to(scales.dtype)
+    return out * scales[row_block][:, col_block]

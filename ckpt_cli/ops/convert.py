@@ -19,7 +19,7 @@ from ckpt_cli.core.sinks import Progress
 from ckpt_cli.core.training import StateOptions
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry, run_read
-from ckpt_cli.ops import crossframework, name_map, quantized, runs, structure, transform
+from ckpt_cli.ops import crossframework, name_map, quant_views, runs, structure, transform
 from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
 from ckpt_cli.ops.source import missing_marker, open_checkpoint
 
@@ -61,7 +61,7 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
         view = training_view(ckpt, target, t, write, cross)
     else:
         source = transform.without_copies(ckpt, t) if ckpt.format != target.name else ckpt
-        source = quantized.for_write(source, t.dtype, t.quantize, target.name)
+        source = quant_views.for_write(source, t.dtype, t.quantize, target.name)
         view = transform.apply(name_map.weights_view(source, cross.names) if cross.names_given else source, t)
     plan = writer.plan(view, request.dest, write)
     return Job(plan, list(view.notes) + plan.notes, (str(request.src), *(f.path for f in ckpt.files)))

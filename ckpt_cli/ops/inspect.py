@@ -11,6 +11,7 @@ from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import registry, runs
 from ckpt_cli.ops import quantized
 from ckpt_cli.ops import runs as run_roots
+from ckpt_cli.ops.quant_schemes import Scheme
 from ckpt_cli.ops.transform import matches
 
 
@@ -53,7 +54,7 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
     }
 
 
-def _quantization(scheme: quantized.Scheme | None) -> dict[str, Any]:
+def _quantization(scheme: Scheme | None) -> dict[str, Any]:
     return {"quantization": scheme.summary()} if scheme is not None else {}
 
 
