@@ -47,3 +47,23 @@ def test_tied_weights_are_written_once_and_reload_tied(ckpt, tiny_llama, tmp_pat
     loaded, info = LlamaForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert_same_tensors(loaded.state_dict(), model.state_dict())
+
+
+def test_an_hf_release_carries_its_config_and_the_config_says_the_dtype_written(ckpt, tiny_llama, tmp_path):
+    """reshard and convert of a save_pretrained folder keep config.json and generation_config.json beside the
+    weights (from_pretrained needs no copy by hand); a --dtype cast rewrites the config's dtype to match."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model, root = tiny_llama
+    same = tmp_path / "same"
+    assert ckpt("reshard", root / "sharded", same, "--num-shards", "2").code == 0
+    assert (same / "config.json").read_bytes() == (root / "sharded" / "config.json").read_bytes()
+    assert (same / "generation_config.json").is_file()
+    assert_same_tensors(AutoModelForCausalLM.from_pretrained(same).state_dict(), model.state_dict())
+    half = tmp_path / "half"
+    assert ckpt("convert", root / "sharded", half, "--to", "hf", "--dtype", "bf16").code == 0
+    config = json.loads((half / "config.json").read_text())
+    assert config.get("torch_dtype", config.get("dtype")) == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(half).model.embed_tokens.weight.dtype == torch.bfloat16
