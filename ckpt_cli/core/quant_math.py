@@ -36,12 +36,19 @@ def dequant_fp8_rows(q: Any, scales: Any, block: tuple[int, int], row0: int, out
     if scale.numel() == 1:  # one scale for the whole tensor
         return (q.to(torch.float32) * scale.reshape(())).to(out_dtype)
     bm, bn = block
-    # Each element's scale by index (not repeat_interleave over the block: a block far larger than the window, as
-    # a hostile config may claim, would then allocate block-sized rows).
-    row_block = torch.arange(row0, row0 + rows) // bm - row0 // bm
-    col_block = torch.arange(cols) // bn
-    per_element = scale[row_block][:, col_block]
-    return (q.to(torch.float32) * per_element).to(out_dtype)
+    # Each row's block scales by index (not repeat_interleave over the block: a block far larger than the window, as
+    # a hostile config may claim, would then allocate block-sized rows), broadcast over the columns of each block;
+    # the product is cast as it is stored into the output (one float32 product, one rounding, as the reference).
+    per_row = scale[torch.arange(row0, row0 + rows) // bm - row0 // bm]
+    values = q.to(torch.float32)
+    out = torch.empty(rows, cols, dtype=out_dtype)
+    whole, rest = divmod(cols, bn) if bn < cols else (0, cols)
+    if whole:
+        span = whole * bn
+        torch.mul(values[:, :span].view(rows, whole, bn), per_row[:, :whole, None], out=out[:, :span].view(rows, whole, bn))
+    if rest:
+        torch.mul(values[:, whole * bn :], per_row[:, whole : whole + 1], out=out[:, whole * bn :])
+    return out
 
 
 def dequant_mxfp4(blocks: Any, scales: Any, out_dtype: Any) -> Any:
