@@ -171,3 +171,67 @@ def test_a_chunk_archive_carries_its_crc_in_descriptor_and_directory(tmp_path, d
         assert z.testzip() is None
     back = torch.load(out, weights_only=True)
     assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+
+
+@pytest.mark.parametrize("order", ["in order", "reversed", "shuffled"])
+def test_a_record_read_in_slivers_is_checked_with_one_piece_kept(tmp_path, order):
+    """Slivers of one record (a ZeRO-3 flat read one element per parameter by each output rank) are joined as they come:
+    the CRC of the whole is checked, a flipped byte found, and the pieces kept stay few whatever the order."""
+    import random
+    import zlib
+
+    path = tmp_path / "f.bin"
+    payload = bytes(random.Random(0).randrange(256) for _ in range(4000))
+    path.write_bytes(payload)
+    slivers = [(o, 4) for o in range(0, 4000, 4)]
+    if order == "reversed":
+        slivers.reverse()
+    elif order == "shuffled":
+        random.Random(1).shuffle(slivers)
+    for flip in (False, True):
+        data = bytearray(payload)
+        if flip:
+            data[1999] ^= 1
+        check = RecordCheck([(str(path), zipio.Record("flat", 0, 4000, zlib.crc32(bytes(data))))])
+        most = 0
+        for offset, n in slivers:
+            if flip and offset == 1996:
+                continue  # never read: finish() reads the gap
+            check.add(str(path), offset, n, zlib.crc32(payload[offset : offset + n]))
+            most = max(most, sum(len(p.parts) for p in check._pieces.values()))
+        if flip:
+            with pytest.raises(DataError, match="fails its CRC32"):
+                check.finish()
+        else:
+            check.finish()
+            assert most <= (1 if order != "shuffled" else 600)
+
+
+def test_a_flat_made_by_range_equals_the_flat_made_whole():
+    """lazy_flat (pieces made for the range a read asks) gives the elements concat_flat of sub_tensors gives."""
+    from ckpt_cli.core.dtypes import FLOAT32
+    from ckpt_cli.core.model import FlatRange, LazyPieces, Piece, StoredArray, TensorEntry, concat_flat, lazy_flat, sub_tensor
+
+    arrays = [StoredArray(f"rank{i}", 0, FLOAT32, (10,), (1,)) for i in range(4)]
+    sources = []
+    for k in range(3):  # tensors of 10 elements in 4 slivers, made by range like a ZeRO-3 parameter
+        make = lambda k=k: [Piece(FlatRange(i * 3, min(3, 10 - i * 3)), arrays[i], 0) for i in range(4)]  # noqa: E731
+        span = lambda a, n, make=make: [p for p in make() if p.region.start < a + n and p.region.start + p.region.length > a]  # noqa: E731
+        sources.append(TensorEntry(f"t{k}", FLOAT32, (10,), "model", LazyPieces(make, 4, by_layout=True, span=span)))
+    parts = [(0, sources[0], 2, 5), (7, sources[1], 0, 10), (20, sources[2], 9, 1)]
+    lazy = lazy_flat("flat", FLOAT32, 24, parts)
+    eager = concat_flat("flat", FLOAT32, 24, [(at, sub_tensor(s, "x", a, (n,))) for at, s, a, n in parts])
+
+    def elements(runs: list, start: int, count: int) -> list[tuple[str, int]]:
+        """Where each element of [start, start + count) is read from: (file, element of its stored array)."""
+        out = {}
+        for g, n, piece, local in runs:
+            for i in range(max(g, start), min(g + n, start + count)):
+                out[i] = (piece.data.path, local + i - g if piece.data.path != "<zeros>" else 0)
+        return [out[i] for i in range(start, start + count)]
+
+    assert elements(lazy.runs(), 0, 24) == elements(eager.runs(), 0, 24)
+    for start, count in ((0, 24), (3, 5), (6, 2), (16, 8), (21, 1)):
+        assert elements(lazy.runs_in(start, count), start, count) == elements(eager.runs_in(start, count), start, count)
+    assert lazy.made_by_range() and not eager.made_by_range()
+    assert {a.path for a in lazy.stored_arrays()} == {"<zeros>", "rank0", "rank1", "rank2", "rank3"}

@@ -154,8 +154,18 @@ class RecordCheck:
             after_starts = i < len(pieces.parts) and pieces.parts[i][0] < offset + nbytes
             if before_ends or after_starts:  # read twice (tied or replicated data): the piece kept covers these bytes
                 return
-            pieces.parts.insert(i, (offset, nbytes, crc))
             pieces.covered += nbytes
+            # Adjacent pieces are joined as they come (a record read in thousands of slivers, in order, stays one
+            # piece: 1,024 ranks resharded to 8 kept 3 million of them).
+            if i > 0 and pieces.parts[i - 1][0] + pieces.parts[i - 1][1] == offset:
+                prev = pieces.parts[i - 1]
+                offset, nbytes, crc = prev[0], prev[1] + nbytes, crc32_combine(prev[2], crc, nbytes)
+                i -= 1
+                del pieces.parts[i]
+            if i < len(pieces.parts) and pieces.parts[i][0] == offset + nbytes:
+                after = pieces.parts.pop(i)
+                nbytes, crc = nbytes + after[1], crc32_combine(crc, after[2], after[1])
+            pieces.parts.insert(i, (offset, nbytes, crc))
             if pieces.covered == rec.size:
                 self._settle(path, rec, self._joined(path, rec, pieces.parts))
 

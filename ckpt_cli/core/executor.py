@@ -199,7 +199,7 @@ class _Cancelled(Exception):
 
 def records(tensors: Iterable[TensorEntry]) -> Iterator[tuple[str, Record]]:
     """The zip records (with their CRC32) the tensors' data is read from."""
-    return ((p.data.path, p.data.record) for tensor in tensors for p in tensor.pieces if p.data.record is not None)
+    return ((a.path, a.record) for tensor in tensors for a in tensor.stored_arrays() if a.record is not None)
 
 
 def source_records(files: list[tuple[Path, OutputFile]]) -> RecordCheck:
@@ -284,7 +284,7 @@ def targets(plan: WritePlan, tmp: Path) -> tuple[list[tuple[Path, OutputFile]], 
 
 def plan_sources(plan: WritePlan) -> tuple[str, ...]:
     """The files the plan reads tensor data from (what --overwrite must never replace)."""
-    paths = {p.data.path for f in plan.files for tensor in f.tensors() for p in tensor.pieces}
+    paths = {a.path for f in plan.files for tensor in f.tensors() for a in tensor.stored_arrays()}
     paths.update(path for f in plan.files for path in f.reads)
     return tuple(sorted(paths - {ZEROS}))
 
@@ -361,7 +361,7 @@ def file_runs(segments: list[Segment]) -> list[ByteRun]:
     """The stored bytes a file's tensor data is copied from, in order, when some are in object storage (read
     ahead: core/remote_read.py); [] otherwise, and for data that needs torch (casts, strided pieces)."""
     data = [s for s in segments if isinstance(s, TensorData)]
-    if not any(storage.is_remote(p.data.path) for s in data for p in s.tensor.pieces):
+    if not any(storage.is_remote(a.path) for s in data for a in s.tensor.stored_arrays()):
         return []
     return [run for s in data for run in byte_runs(s.tensor, s.dtype) or []]
 

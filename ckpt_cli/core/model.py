@@ -8,6 +8,7 @@ shards) or a flat element range of it (DeepSpeed ZeRO partitions). A piece point
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -157,17 +158,32 @@ Run = tuple[int, int, Piece, int]  # a tensor's contiguous run: (global flat sta
 
 class LazyPieces(Sequence["Piece"]):
     """A tensor's pieces, made when first asked for: `inspect` of a ZeRO-3 checkpoint of 64 ranks reports 6,000
-    tensors and needs none of their 384,000 pieces. Tensors that share one (tied weights) are tied."""
+    tensors and needs none of their 384,000 pieces. Tensors that share one (tied weights) are tied.
 
-    def __init__(self, make: Callable[[], list[Piece]], count: int | None = None, by_layout: bool = False) -> None:
+    With `span` (the pieces overlapping a flat range, by the layout's arithmetic) they are never kept: a read takes
+    the few pieces each window overlaps, and a tensor of 1,024 ranks' pieces costs its memory only while it is read
+    (8,000 such tensors held every piece they ever made: 900 MB)."""
+
+    def __init__(
+        self,
+        make: Callable[[], list[Piece]],
+        count: int | None = None,
+        by_layout: bool = False,
+        span: Callable[[int, int], list[Piece]] | None = None,
+        arrays: Callable[[], Sequence[StoredArray]] | None = None,
+    ) -> None:
         self._make: Callable[[], list[Piece]] | None = make
         self._pieces: list[Piece] = []
         self._count = count  # how many `make` will return, when the layout tells without making them
         # Made by a layout's arithmetic over arrays whose sizes the reader checked: they tile the tensor and stay
         # inside their arrays by construction, so the structural check need not make and walk them.
         self.by_layout = by_layout
+        self.span = span
+        self.arrays = arrays  # with `span`: the stored arrays its pieces lie in (each rank's flat), without making them
 
     def _all(self) -> list[Piece]:
+        if self.span is not None and self._make is not None:
+            return self._make()  # made again when asked again: see the class docstring
         if self._make is not None:
             self._pieces, self._make = self._make(), None
         return self._pieces
@@ -219,7 +235,29 @@ class TensorEntry:
 
     def runs(self) -> list[Run]:
         """All (global start, length, piece, local start) runs sorted by global position."""
-        out = [(g, n, p, loc) for p in self.pieces for g, n, loc in p.runs(self.shape)]
+        return self._sorted_runs(self.pieces)
+
+    def made_by_range(self) -> bool:
+        """Whether its pieces are made for the range a read asks for (never all at once: see LazyPieces)."""
+        return isinstance(self.pieces, LazyPieces) and self.pieces.span is not None
+
+    def runs_in(self, start: int, count: int) -> list[Run]:
+        """The runs that hold elements [start, start + count) (a layout that can tell makes only those pieces)."""
+        pieces = self.pieces
+        if isinstance(pieces, LazyPieces) and pieces.span is not None:
+            return [r for r in self._sorted_runs(pieces.span(start, count)) if r[0] < start + count and r[0] + r[1] > start]
+        return [r for r in self._sorted_runs(pieces) if r[0] < start + count and r[0] + r[1] > start]
+
+    def stored_arrays(self) -> Sequence[StoredArray]:
+        """The stored arrays the tensor's pieces lie in (what a write reads and checks), made piece by piece only
+        where the layout cannot tell them at once."""
+        pieces = self.pieces
+        if isinstance(pieces, LazyPieces) and pieces.arrays is not None:
+            return pieces.arrays()
+        return [p.data for p in pieces]
+
+    def _sorted_runs(self, pieces: Iterable[Piece]) -> list[Run]:
+        out = [(g, n, p, loc) for p in pieces for g, n, loc in p.runs(self.shape)]
         if len(out) > 1:
             out.sort(key=lambda r: (r[0], r[1]))
         return out
@@ -321,11 +359,51 @@ def sub_tensor(entry: TensorEntry, name: str, start: int, shape: tuple[int, ...]
     """The elements [start, start + prod(shape)) of `entry` as a tensor of its own (a row range)."""
     count = math.prod(shape)
     pieces = []
-    for gstart, length, piece, lstart in entry.runs():
+    for gstart, length, piece, lstart in entry.runs_in(start, count):
         lo, hi = max(gstart, start), min(gstart + length, start + count)
         if lo < hi:
             pieces.append(Piece(FlatRange(lo - start, hi - lo), piece.data, lstart + lo - gstart))
     return TensorEntry(name, entry.dtype, shape, entry.role, pieces, entry.path)
+
+
+FlatPart = tuple[int, "TensorEntry", int, int]  # (start in the flat, source tensor, start in the source, element count)
+
+
+def lazy_flat(name: str, dtype: DType, length: int, parts: list[FlatPart], role: str = "other") -> TensorEntry:
+    """A 1-d tensor of `length` elements: each part's source elements placed at its start, zeros everywhere else;
+    its pieces made for the range a read asks for (a ZeRO-3 flat partition resharded from 1,024 ranks is a million
+    one-element slivers: made a window at a time, never all at once). Parts must not overlap."""
+    parts = sorted((p for p in parts if p[3] > 0), key=lambda p: p[0])
+    starts = [p[0] for p in parts]
+    zero = zeros(dtype, length)
+
+    def span(start: int, count: int) -> list[Piece]:
+        end, pieces, pos = start + count, [], start
+        for at, source, src_start, n in parts[max(0, bisect.bisect_right(starts, start) - 1) :]:
+            if at >= end:
+                break
+            lo, hi = max(at, start), min(at + n, end)
+            if lo >= hi:
+                continue
+            if lo > pos:
+                pieces.append(Piece(FlatRange(pos, lo - pos), zeros(dtype, lo - pos)))
+            for gstart, run, piece, lstart in source.runs_in(src_start + lo - at, hi - lo):
+                g_lo, g_hi = max(gstart, src_start + lo - at), min(gstart + run, src_start + hi - at)
+                pieces.append(Piece(FlatRange(at + g_lo - src_start, g_hi - g_lo), piece.data, lstart + g_lo - gstart))
+            pos = hi
+        if pos < end:
+            pieces.append(Piece(FlatRange(pos, end - pos), zeros(dtype, end - pos)))
+        return pieces
+
+    def arrays() -> list[StoredArray]:
+        lists: dict[int, Sequence[StoredArray]] = {}  # the parts of one sub-group share their ranks' list of flats
+        for _, source, _, _ in parts:
+            found = source.stored_arrays()
+            lists.setdefault(id(found), found)
+        return [zero, *{id(a): a for found in lists.values() for a in found}.values()]
+
+    lazy = LazyPieces(lambda: span(0, length), span=span, arrays=arrays)
+    return TensorEntry(name, dtype, (length,), role, lazy)
 
 
 def concat_flat(name: str, dtype: DType, length: int, parts: list[tuple[int, TensorEntry]], role: str = "other") -> TensorEntry:

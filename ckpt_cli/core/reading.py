@@ -176,7 +176,7 @@ def read_elements(entry: TensorEntry, start: int, count: int, sources: SourceFil
         return entry.derived.read(start, count, sources)
     out = torch.empty(count, dtype=entry.dtype.torch())
     filled = 0
-    for gstart, length, piece, lstart in entry.runs():
+    for gstart, length, piece, lstart in entry.runs_in(start, count):
         lo, hi = max(gstart, start), min(gstart + length, start + count)
         if lo < hi:
             out[lo - start : hi - start] = read_stored(piece.data, lstart + lo - gstart, hi - lo, sources)
@@ -242,6 +242,25 @@ def byte_runs(entry: TensorEntry, dst: DType) -> list[ByteRun] | None:
         (p.data.path, p.data.offset + (p.data.storage_offset + lstart) * dst.itemsize, length * dst.itemsize)
         for _, length, p, lstart in runs
     ]
+
+
+def byte_runs_in(entry: TensorEntry, dst: DType, start: int, count: int) -> list[ByteRun] | None:
+    """byte_runs of elements [start, start + count) alone (a tensor whose pieces are made by range)."""
+    if entry.derived is not None:
+        return None
+    runs, pos, out = entry.runs_in(start, count), start, []
+    for gstart, length, piece, lstart in runs:
+        lo, hi = max(gstart, start), min(gstart + length, start + count)
+        if lo != pos or piece.data.dtype != dst or not piece.data.is_contiguous:
+            if lo != pos:
+                raise DataError(f"{entry.name}: {entry.tiling_problem() or 'pieces do not cover the tensor'}")
+            return None
+        offset = piece.data.offset + (piece.data.storage_offset + lstart + lo - gstart) * dst.itemsize
+        out.append((piece.data.path, offset, (hi - lo) * dst.itemsize))
+        pos = hi
+    if pos != start + count:
+        raise DataError(f"{entry.name}: {entry.tiling_problem() or 'pieces do not cover the tensor'}")
+    return out
 
 
 def read_runs(runs: list[ByteRun], sources: SourceFiles) -> Iterator[memoryview]:

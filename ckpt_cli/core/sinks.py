@@ -18,10 +18,21 @@ from ckpt_cli.core import storage
 from ckpt_cli.core.crc import crc32_combine
 from ckpt_cli.core.model import ZEROS
 from ckpt_cli.core.plan import Literal, Segment, TensorData
-from ckpt_cli.core.reading import BLOCK_BYTES, ByteRun, SourceFiles, as_bytes, byte_runs, element_windows, read_elements, read_runs
+from ckpt_cli.core.reading import (
+    BLOCK_BYTES,
+    ByteRun,
+    SourceFiles,
+    as_bytes,
+    byte_runs,
+    byte_runs_in,
+    element_windows,
+    read_elements,
+    read_runs,
+)
 from ckpt_cli.errors import DataError
 
 COPY_BYTES = 64 << 20  # one copy_file_range call
+SPAN_ELEMENTS = 1 << 20  # a tensor made by range is streamed this many elements at a time
 WRITEBACK_BYTES = 64 << 20
 Progress = Callable[[int], None]
 Sink = Any  # FileSink (a local file, positional writes) or remote_write.ObjectWriter (an object, in order)
@@ -128,10 +139,29 @@ def stream_tensor(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     Stored bytes that are already what the output needs are copied as bytes; anything else (casts,
     strided pieces) goes through torch, one window at a time.
     """
+    if seg.tensor.made_by_range():
+        return _stream_by_range(seg, out, sources)
     runs = byte_runs(seg.tensor, seg.dtype)
     if runs is None:
         return _stream_converted(seg, out, sources)
     return copy_runs(runs, out, sources, seg.crc_key is not None)
+
+
+def _stream_by_range(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
+    """A tensor whose pieces are made for the range asked (core/model.LazyPieces), SPAN_ELEMENTS at a time."""
+    entry, dst, crc = seg.tensor, seg.dtype, 0
+    for start in range(0, entry.numel, SPAN_ELEMENTS):
+        count = min(SPAN_ELEMENTS, entry.numel - start)
+        runs = byte_runs_in(entry, dst, start, count)
+        if runs is None:
+            data = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
+            part = zlib.crc32(data) if seg.crc_key is not None else 0
+            out.write(data)
+        else:
+            part = copy_runs(runs, out, sources, seg.crc_key is not None)
+        if seg.crc_key is not None:
+            crc = part if not start else crc32_combine(crc, part, count * dst.itemsize)
+    return crc
 
 
 def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:

@@ -409,7 +409,7 @@ class DCPWriter:
         chunks = chunk_lists(entries, kept)
         order = list(dict.fromkeys(item.fqn for items in kept for item in items))
         files = []
-        reads = tuple({p.data.path: None for entry in ckpt.tensors.values() for p in entry.pieces})
+        reads = tuple({a.path: None for entry in ckpt.tensors.values() for a in entry.stored_arrays()})
         for r, items in enumerate(kept):
             name = f"__{r}_0.distcp"
             # BYTE_IO items first, then tensors, as FileSystemWriter orders a rank's file.

@@ -34,7 +34,7 @@ from ckpt_cli.formats import deepspeed_moe
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
 from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, ZeroFile, stage3_frozen_pieces
 from ckpt_cli.formats.deepspeed_variants import refuse_variants
-from ckpt_cli.formats.torch_save import load_archive, stored_array
+from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
 
 LATEST = "latest"
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -231,7 +231,7 @@ class LazyRanks(Mapping[int, RankFile]):
         return len(self.paths)
 
 
-def _load(path: Path, options: ReadOptions, parsed: dict[bytes, Any] | None = None) -> RankFile:
+def _load(path: Path, options: ReadOptions, parsed: Shared | None = None) -> RankFile:
     try:
         f = open_regular(path)
     except OSError as exc:
@@ -265,7 +265,7 @@ class DeepSpeedReader:
         optim_paths = _ranked(folder, OPTIM_STATES, 2)
         if not model_paths and not shared_model:
             raise DataError(f"{folder}: no model-states file")
-        parsed: dict[bytes, Any] = {}  # rank files repeat their pickles (stage 3: all of them); each is parsed once
+        parsed = Shared()  # rank files repeat their pickles (stage 3: all of them) and whole files; each is parsed once
 
         def load(p: Path) -> RankFile:
             return _load(p, options, parsed)

@@ -220,9 +220,24 @@ class Stage3Partitions:
                 pieces.append(Piece(FlatRange(start, end - start), array, slot.offset))
         return pieces
 
+    def _pieces_in(self, s: int, key: str | None, slot: Slot, start: int, count: int) -> list[Piece]:
+        """The pieces of elements [start, start + count): rank r holds [r * ceil(n / W), (r + 1) * ceil(n / W))."""
+        if count <= 0 or slot.numel == 0:
+            return []
+        part = -(-slot.numel // self.world)
+        arrays = self._arrays(s, key)
+        pieces = []
+        for r in range(start // part, min(self.world, (start + count - 1) // part + 1)):
+            lo, hi = zl.stage3_rank_range(slot.numel, self.world, r)
+            if lo < hi:
+                pieces.append(Piece(FlatRange(lo, hi - lo), arrays[r], slot.offset))
+        return pieces
+
     def _lazy_pieces(self, s: int, key: str | None, slot: Slot) -> LazyPieces:
         count = zl.stage3_rank_count(slot.numel, self.world)
-        return LazyPieces(functools.partial(self._pieces, s, key, slot), count, by_layout=True)
+        make = functools.partial(self._pieces, s, key, slot)
+        span = functools.partial(self._pieces_in, s, key, slot)
+        return LazyPieces(make, count, by_layout=True, span=span, arrays=functools.partial(self._arrays, s, key))
 
     def model_tensors(self) -> dict[str, TensorEntry]:
         out = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Piece, TensorEntry, concat_flat, sub_tensor
+from ckpt_cli.core.model import Box, Checkpoint, ObjectEntry, Piece, TensorEntry, lazy_flat
 from ckpt_cli.core.paths import plain_component
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
@@ -262,9 +262,9 @@ class Stage12Reshard:
             dtype = entry.dtype
             if shared := zl.overlap(slot.offset, slot.numel, start, length):
                 lo, hi = shared
-                parts.append((lo - start, sub_tensor(entry, name, lo - slot.offset, (hi - lo,))))
+                parts.append((lo - start, entry, lo - slot.offset, hi - lo))
         assert dtype is not None
-        return concat_flat(name, dtype, length, parts)
+        return lazy_flat(name, dtype, length, parts)
 
 
 class Stage3Reshard:
@@ -282,15 +282,17 @@ class Stage3Reshard:
     def partition(self, entry: TensorEntry, rank: int, name: str) -> TensorEntry:
         """Rank's ceil(n/W) elements of a parameter, zero-padded past its end."""
         start, end = zl.stage3_rank_range(entry.numel, self.world, rank)
-        parts = [(0, sub_tensor(entry, name, start, (end - start,)))] if end > start else []
-        return concat_flat(name, entry.dtype, zl.stage3_partition_size(entry.numel, self.world), parts)
+        return lazy_flat(name, entry.dtype, zl.stage3_partition_size(entry.numel, self.world), [(0, entry, start, end - start)])
 
     def flat(self, sub: list[zl.Param], key: str, rank: int, name: str) -> TensorEntry:
-        """Rank's flat partition of a sub-group: its params' partitions end to end."""
+        """Rank's flat partition of a sub-group: its params' partitions end to end (made a range at a time)."""
         slots = zl.stage3_slots(sub, self.world)
         entries = [_state_entry(self.ckpt, slot.name, key) for slot in slots]
-        parts = [(slot.offset, self.partition(entry, rank, name)) for slot, entry in zip(slots, entries)]
-        return concat_flat(name, entries[-1].dtype, zl.stage3_flat_numel(sub, self.world), parts)
+        parts = []
+        for slot, entry in zip(slots, entries):
+            start, end = zl.stage3_rank_range(entry.numel, self.world, rank)
+            parts.append((slot.offset, entry, start, end - start))
+        return lazy_flat(name, entries[-1].dtype, zl.stage3_flat_numel(sub, self.world), parts)
 
     def files(self, tag: str) -> list[OutputFile]:
         out = []

@@ -70,11 +70,12 @@ def load_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def companions_in(folder: Path) -> tuple[dict[str, str | bytes], list[str]]:
-    """The companion files present in a local folder (object storage: none are carried yet). A link is followed only
+    """The companion files present in the folder (in object storage: found in one listing). A link is followed only
     inside the folder, or into the blobs of a Hugging Face cache snapshot (`snapshots/REV/x -> ../../blobs/SHA`):
     a release must never carry a file from elsewhere on the machine (a key the folder's author linked to)."""
     if is_remote(folder):
-        return {}, []
+        listed = {p.name for p in folder.iterdir()}
+        return {name: str(folder / name) for name in COMPANIONS if name in listed}, []
     found: dict[str, str | bytes] = {}
     notes = []
     for name in COMPANIONS:

@@ -13,6 +13,7 @@ import hashlib
 import math
 import struct
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -23,6 +24,7 @@ from ckpt_cli.core.model import (
     Box,
     Checkpoint,
     FileInfo,
+    LazyPieces,
     ObjectEntry,
     Piece,
     StoredArray,
@@ -40,6 +42,14 @@ ZIP_MAGIC = zipio.ZIP_MAGIC
 EXTENSIONS = {".pt", ".pth", ".bin", ".ckpt", ".tar"}
 
 
+@dataclass
+class Shared:
+    """What one read has parsed, by digest: pickles (of data.pkl) and the records of whole files."""
+
+    pickles: dict[bytes, Any] = field(default_factory=dict)
+    records: dict[bytes, dict[str, zipio.Record]] = field(default_factory=dict)
+
+
 def load_archive(
     f: BinaryIO,
     where: str,
@@ -47,14 +57,14 @@ def load_archive(
     start: int = 0,
     length: int | None = None,
     extra_globals: dict[tuple[str, str], Any] | None = None,
-    parsed: dict[bytes, Any] | None = None,
+    parsed: Shared | None = None,
 ) -> tuple[Any, dict[str, zipio.Record]]:
     """The unpickled `data.pkl` (tensors as TensorRef) and the records of one torch.save archive.
 
-    `parsed`: pickles already unpickled in this read, by digest, for files that repeat one pickle byte for byte (every
-    rank's ZeRO-3 model states describe the whole module): the tree is shared, so callers must not change it, and each
-    file's tensors are still checked against its own records when their pieces are made."""
-    records, whole = zipio.read_archive(f, where, start, length)
+    `parsed`: what this read already parsed, for files that repeat one pickle byte for byte (every rank's ZeRO-3 model
+    states describe the whole module) or are whole copies of one another: the tree and records are shared, so callers
+    must not change them, and each file's tensors are still checked against its own records when their pieces are made."""
+    records, whole = zipio.read_archive(f, where, start, length, parsed.records if parsed is not None else None)
     if "data.pkl" not in records:
         raise DataError(f"{where}: zip archive without data.pkl; not a torch.save file")
     rec = records["data.pkl"]
@@ -66,9 +76,9 @@ def load_archive(
     if parsed is None:
         return safe_loads(data, where, extra_globals, options.trust_pickle), records
     digest = hashlib.blake2b(data, digest_size=32).digest()
-    if digest not in parsed:
-        parsed[digest] = safe_loads(data, where, extra_globals, options.trust_pickle)
-    return parsed[digest], records
+    if digest not in parsed.pickles:
+        parsed.pickles[digest] = safe_loads(data, where, extra_globals, options.trust_pickle)
+    return parsed.pickles[digest], records
 
 
 def stored_array(ref: TensorRef, records: dict[str, zipio.Record], path: str, tensor: str = "") -> StoredArray:
@@ -188,7 +198,8 @@ def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]
     for entry in ckpt.tensors.values():
         # Tensors with the very same stored data (tied weights) share one storage, as in the source.
         # Only model weights can be tied; optimizer buffers must never alias (Adam updates them in place).
-        same = (tuple(entry.pieces), entry.shape, entry.dtype) if entry.numel and entry.role == "model" else id(entry)
+        pieces = entry.pieces if isinstance(entry.pieces, LazyPieces) else tuple(entry.pieces)  # lazy: one object when tied
+        same = (pieces, entry.shape, entry.dtype) if entry.numel and entry.role == "model" else id(entry)
         if same not in storages:
             storages[same] = _Storage(str(len(storages)), entry.dtype, entry.numel)
             owners.append((storages[same].key, entry))

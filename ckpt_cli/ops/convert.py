@@ -150,13 +150,14 @@ def estimate_peak(plan: WritePlan) -> int:
         for s in f.segments:
             if not isinstance(s, TensorData):
                 continue
-            streamed = s.crc_key is not None or any(p.data.dtype != s.dtype for p in s.tensor.pieces)
+            arrays = s.tensor.stored_arrays()
+            streamed = s.crc_key is not None or s.tensor.derived is not None or any(a.dtype != s.dtype for a in arrays)
             if streamed:
                 buffers = max(buffers, 3 * min(BLOCK_BYTES, s.size))
-            for p in s.tensor.pieces:
-                if not p.data.is_contiguous:
-                    buffers = max(buffers, 2 * p.data.nbytes)
-            needs_torch = needs_torch or streamed or not all(p.data.is_contiguous for p in s.tensor.pieces)
+            for a in arrays:
+                if not a.is_contiguous:
+                    buffers = max(buffers, 2 * a.nbytes)
+            needs_torch = needs_torch or streamed or not all(a.is_contiguous for a in arrays)
     return (TORCH_RSS if needs_torch else BASE_RSS) + buffers
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import structured
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.core.paths import read_regular_text
+from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError
 
 
@@ -71,7 +71,7 @@ def load_config(ckpt: Checkpoint) -> dict[str, Any] | None:
     if isinstance(path, bytes):  # already rewritten by a view
         return json.loads(path)
     try:
-        text = read_regular_text(Path(path), max_bytes=16 << 20)
+        text = read_regular_text(location(path), max_bytes=16 << 20)
     except OSError as exc:
         raise DataError(f"{path}: not readable ({exc})") from exc
     doc = structured.load_json(text, path, DataError)
