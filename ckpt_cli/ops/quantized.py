@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ckpt_cli.core.dtypes import BY_NAME
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.reading import read_elements
 from ckpt_cli.errors import DataError
@@ -24,7 +23,6 @@ from ckpt_cli.ops import quant_ct
 from ckpt_cli.ops.quant_schemes import Quantized, Scheme, load_config
 
 FP8_TYPES = ("float8_e4m3fn", "float8_e5m2")
-DEQUANTIZED_DEFAULT = BY_NAME["bfloat16"]
 
 
 def scheme_of(ckpt: Checkpoint) -> Scheme | None:
