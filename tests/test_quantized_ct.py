@@ -113,3 +113,13 @@ def test_activation_ordering_is_refused_by_name(ckpt, compressed, tmp_path):
     )
     res = ckpt("convert", bad, tmp_path / "out", "--to", "hf", "--dtype", "bf16")
     assert res.code == 1 and "weight_g_idx" in res.err
+
+
+def test_zero_points_of_the_wrong_shape_are_refused(ckpt, compressed, tmp_path):
+    bad = _damage(
+        compressed["W4A16_ASYM"],
+        tmp_path / "bad",
+        lambda t: t.__setitem__(f"{LAYER}.weight_zero_point", torch.zeros(3, 2, dtype=torch.int32)),
+    )
+    res = ckpt("verify", bad)
+    assert res.code == 1 and "zero points" in res.out and "need [32, 2]" in res.out, res.out

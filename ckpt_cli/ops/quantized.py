@@ -100,6 +100,13 @@ def shape_problems(ckpt: Checkpoint, scheme: Scheme) -> list[str]:
                     f"{_file(scale)}: scales '{q.scales}' have shape {list(scale.shape)}, but '{q.values}' "
                     f"{list(values.shape)} in blocks of {list(q.block)} needs {list(want)}"
                 )
+        if q.zero_point is not None:
+            zero = ckpt.tensors[q.zero_point]
+            want = scale.shape  # one per scale; packed ones 32 / bits rows a word, along dim 0
+            if q.method == "ct-pack" and len(want) == 2:
+                want = (-(-want[0] // (32 // q.bits)), want[1])
+            if zero.shape != want:
+                problems.append(f"{_file(zero)}: zero points '{q.zero_point}' have shape {list(zero.shape)}; its scales need {list(want)}")
     return problems
 
 
