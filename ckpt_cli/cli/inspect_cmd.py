@@ -112,6 +112,10 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         lines.append(f"{'details':<12} " + ", ".join(f"{k}={v}" for k, v in details.items()))
     if doc["details"].get("tied"):
         lines.append(f"{'tied':<12} " + "; ".join(" = ".join(g) for g in doc["details"]["tied"]))
+    if quant := doc["details"].get("quantization"):
+        block = f" in blocks of {'x'.join(map(str, quant['block_size']))}" if quant["block_size"] else ""
+        what = f"{quant['method']} ({', '.join(quant['formats'])})" if quant["formats"] != [quant["method"]] else quant["method"]
+        lines.append(f"{'quantized':<12} {what}{block}: {quant['quantized_tensors']} weights (e.g. {quant['example']}), from {quant['from']}")
     lines.append("training state")
     lines += [f"  {k:<14} {_state_line(v)}" for k, v in doc["training_state"].items()]
     lines += [f"note: {n}" for n in doc.get("notes", [])]
