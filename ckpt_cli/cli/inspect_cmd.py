@@ -115,7 +115,8 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
     if quant := doc["details"].get("quantization"):
         block = f" in blocks of {'x'.join(map(str, quant['block_size']))}" if quant["block_size"] else ""
         what = f"{quant['method']} ({', '.join(quant['formats'])})" if quant["formats"] != [quant["method"]] else quant["method"]
-        lines.append(f"{'quantized':<12} {what}{block}: {quant['quantized_tensors']} weights (e.g. {quant['example']}), from {quant['from']}")
+        count = f"{quant['quantized_tensors']} weights (e.g. {quant['example']})"
+        lines.append(f"{'quantized':<12} {what}{block}: {count}, from {quant['from']}")
     lines.append("training state")
     lines += [f"  {k:<14} {_state_line(v)}" for k, v in doc["training_state"].items()]
     lines += [f"note: {n}" for n in doc.get("notes", [])]
