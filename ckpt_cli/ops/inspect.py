@@ -42,7 +42,7 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
         "step": ckpt.step,
         "world_size": ckpt.world_size,
         "num_tensors": len(chosen),
-        "num_params": quantized.true_params(ckpt, weights),
+        "num_params": quantized.true_params(ckpt, weights, scheme),
         "total_bytes": sum(t.nbytes for t in chosen),
         "dtypes": dtypes,
         "files": [{"path": f.path, "bytes": f.bytes} for f in ckpt.files],

@@ -110,15 +110,15 @@ def shape_problems(ckpt: Checkpoint, scheme: Scheme) -> list[str]:
     return problems
 
 
-def true_params(ckpt: Checkpoint, names: set[str]) -> int:
+def true_params(ckpt: Checkpoint, names: set[str], scheme: Scheme | None) -> int:
     """Parameters of the model weights among `names`: scales are not parameters, a packed 4-bit byte holds two."""
-    counts = param_counts(ckpt)
+    counts = param_counts(ckpt, scheme)
     return sum(counts.get(n, ckpt.tensors[n].numel) for n in names)
 
 
-def param_counts(ckpt: Checkpoint) -> dict[str, int]:
-    """The parameters of each stored tensor of a quantized checkpoint that differ from its element count."""
-    scheme = scheme_of(ckpt) if may_be_quantized(ckpt) else None
+def param_counts(ckpt: Checkpoint, scheme: Scheme | None) -> dict[str, int]:
+    """The parameters of each stored tensor of a quantized checkpoint (`scheme`: scheme_of's) that differ from its
+    element count."""
     if scheme is None:
         return {}
     counts = {n: 0 for n in scheme.stored_names()}

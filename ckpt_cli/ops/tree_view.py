@@ -123,7 +123,8 @@ def build(ckpt: Checkpoint, filters: tuple[str, ...] = (), depth: int | None = N
         if matches(entry.name, filters):
             _insert(roots.setdefault(entry.role, _Trie()), entry)
     notes: list[tuple[str, str]] = [("", n) for n in ckpt.notes]  # which checkpoint of a run, which tag
-    params = quantized.param_counts(ckpt)  # quantized weights: scales hold no parameters, a packed byte two
+    scheme = quantized.scheme_of(ckpt) if quantized.may_be_quantized(ckpt) else None
+    params = quantized.param_counts(ckpt, scheme)  # quantized weights: scales hold no parameters, a packed byte two
     roles = {}
     for role in sorted(roots, key=lambda r: ROLES.index(r) if r in ROLES else len(ROLES)):
         trie = roots[role]
