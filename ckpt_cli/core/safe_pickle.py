@@ -407,6 +407,12 @@ def _collector_paused(pause: bool) -> Iterator[None]:
         gc.enable()
 
 
+def _buffered(data: bytes) -> io.BufferedReader:
+    """`data` as a file the C unpickler reads ahead in: it calls `read` once per opcode on a file without `peek`
+    (io.BytesIO), which made a 5 KB pickle take 0.2 ms instead of 0.03 (1,024 ZeRO optimizer files: 0.2 s)."""
+    return io.BufferedReader(io.BytesIO(data), buffer_size=min(max(len(data), 1), 1 << 20))
+
+
 def safe_loads(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None = None, trust: bool = False) -> Any:
     """Unpickle `data` with the allow list, within the bounds of core/pickle_guard.py; every failure becomes a
     one-line DataError naming `where`. A small pickle of one plain tensor (a DCP chunk's data.pkl: thousands per
@@ -417,7 +423,7 @@ def safe_loads(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None
     try:
         shared = pickle_guard.scan(data)
         with pickle_guard.budget(len(data)), _collector_paused(len(data) >= pickle_guard.LEAN_FROM):
-            value = SafeUnpickler(io.BytesIO(pickle_guard.lean(data)), where, extra, trust).load()
+            value = SafeUnpickler(_buffered(pickle_guard.lean(data)), where, extra, trust).load()
         if shared or trust:
             pickle_guard.bound_tree(value)
         if key is not None and type(value) is TensorRef and not value.attrs:

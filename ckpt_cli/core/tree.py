@@ -61,7 +61,10 @@ def flatten(
 
 
 def path_name(path: PathKey) -> str:
-    return ".".join(str(p) for p in path)
+    try:
+        return ".".join(path)  # type: ignore[arg-type]  # all strings: the common case, once per tensor of a wide checkpoint
+    except TypeError:
+        return ".".join(str(p) for p in path)
 
 
 def unique_names(paths: list[PathKey], where: str) -> list[str]:

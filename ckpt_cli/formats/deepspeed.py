@@ -203,9 +203,10 @@ class RankFile:
     def array(self, ref: TensorRef) -> StoredArray:
         return stored_array(ref, self.records, str(self.path))
 
-    def whole(self, ref: TensorRef) -> list[Piece]:
-        """The stored tensor as the one piece of a logical tensor of its shape."""
-        return [Piece(Box((0,) * len(ref.shape), ref.shape), self.array(ref))]
+    def whole(self, ref: TensorRef) -> LazyPieces:
+        """The stored tensor as the one piece of a logical tensor of its shape, located when data is read (inspect of
+        a model-states file of thousands of tensors locates none)."""
+        return LazyPieces(lambda: [Piece(Box((0,) * len(ref.shape), ref.shape), self.array(ref))], 1)
 
 
 class LazyRanks(Mapping[int, RankFile]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes
@@ -53,6 +53,25 @@ def stage3_frozen_pieces(models: Mapping[int, ZeroFile], name: str, numel: int, 
     return flat_pieces(0, numel, parts)
 
 
+class OptimizerStates(Mapping[int, Any]):
+    """Each rank's `optimizer_state_dict`, from its file when first asked for (inspect parses only the first)."""
+
+    def __init__(self, optims: Mapping[int, ZeroFile]) -> None:
+        self.optims = optims
+
+    def __getitem__(self, rank: int) -> Any:
+        osd = self.optims[rank].tree.get("optimizer_state_dict")
+        if not isinstance(osd, dict):
+            raise DataError(f"{getattr(self.optims[rank], 'path', f'rank {rank}')}: no optimizer_state_dict")
+        return osd
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.optims)
+
+    def __len__(self) -> int:
+        return len(self.optims)
+
+
 class Stage12Partitions:
     """Stage 1/2 and BF16_Optimizer: one flat fp32 buffer per param group, cut into W equal partitions.
     MoE (`experts`): an expert group is cut into W/ep_size partitions per expert-parallel rank, each holding that
@@ -69,7 +88,9 @@ class Stage12Partitions:
     ) -> None:
         self.model, self.optims, self.world, self.stage = model, optims, world, stage
         self.experts, self.order = experts, order
-        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
+        self.osd = OptimizerStates(optims)
+        self._sizes: dict[tuple[int, int], int] = {}
+        self._offsets: dict[int, list[Slot]] = {}
         self._parts: dict[tuple[int, str | None, int], tuple[list[tuple[int, int, StoredArray, int]], list[int] | None]] = {}
         self.shapes: list[dict[str, zl.Shape]] = model.tree.get("param_shapes") or []
         base = self.osd[0]["base_optimizer_state"]
@@ -78,7 +99,9 @@ class Stage12Partitions:
         self.alignment_padding = any(any(p or []) for p in self.paddings)
 
     def offsets(self, g: int) -> list[Slot]:
-        return zl.flat_slots(list(self.shapes[g].items()), self.paddings[g])
+        if g not in self._offsets:  # asked for once per state key: a group of thousands of params
+            self._offsets[g] = zl.flat_slots(list(self.shapes[g].items()), self.paddings[g])
+        return self._offsets[g]
 
     def index(self, rank: int, g: int) -> int:
         """Where rank's file keeps group g."""
@@ -95,8 +118,11 @@ class Stage12Partitions:
 
     def _partition_size(self, g: int, holder: int) -> int:
         """The size of each partition of group g, as `holder`'s file tells (its saved partition and padding)."""
-        osd, k = self.osd[holder], self.index(holder, g)
-        return zl.partition_size_of_saved(osd["single_partition_of_fp32_groups"][k].shape[0], osd["group_paddings"][k], self.stage is None)
+        if (g, holder) not in self._sizes:
+            osd, k = self.osd[holder], self.index(holder, g)
+            saved, padding = osd["single_partition_of_fp32_groups"][k].shape[0], osd["group_paddings"][k]
+            self._sizes[g, holder] = zl.partition_size_of_saved(saved, padding, self.stage is None)
+        return self._sizes[g, holder]
 
     def _partitions(self, g: int, key: str | None, holders: list[int]) -> list[tuple[int, int, StoredArray, int]]:
         """Every holder's partition of group g's flat fp32 weights (key None) or of a moment: (flat start, saved length, array, 0)."""
@@ -170,7 +196,7 @@ class Stage3Partitions:
 
     def __init__(self, models: Mapping[int, ZeroFile], optims: Mapping[int, ZeroFile], world: int) -> None:
         self.models, self.optims, self.world = models, optims, world
-        self.osd = {r: o.tree["optimizer_state_dict"] for r, o in optims.items()}
+        self.osd = OptimizerStates(optims)
         self._flats: dict[tuple[int, str | None], list[StoredArray]] = {}
         self.shapes: list[dict[str, zl.Shape]] = models[0].tree.get("param_shapes") or []
         inner = self.osd[0].get("optimizer_state_dict") or {}
