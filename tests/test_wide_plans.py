@@ -240,3 +240,44 @@ def test_a_flat_made_by_range_equals_the_flat_made_whole():
         assert elements(lazy.runs_in(start, count), start, count) == elements(eager.runs_in(start, count), start, count)
     assert lazy.made_by_range() and not eager.made_by_range()
     assert {a.path for a in lazy.stored_arrays()} == {"<zeros>", "rank0", "rank1", "rank2", "rank3"}
+
+
+@pytest.mark.parametrize(("world", "tp", "rows"), [(8, 1, 3), (6, 2, 5), (12, 3, 7), (16, 4, 32), (64, 1, 40), (48, 4, 9)])
+def test_dedup_keeps_what_torch_dedup_save_plans_keeps(world, tp, rows):
+    """The writer's dedup (each item once, with its holders) gives each rank the items torch's own dedup_save_plans
+    keeps from the per-rank plans, in the same order: uneven rows (empty chunks held by many ranks), a 2-D mesh
+    (tp-split and replicated tensors), a non-tensor value every rank holds."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from ckpt_cli.core import dtypes
+    from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
+    from ckpt_cli.formats import dcp_writer
+    from ckpt_cli.formats.dcp_mesh import Split
+
+    shapes = {"a": (rows, 4), "b": (rows + 1,), "c": (2, rows), "d": (3,)}
+    tensors = {n: TensorEntry(n, dtypes.FLOAT32, s, "model", [], (n,)) for n, s in shapes.items()}
+    ckpt = Checkpoint("dcp", "", tensors, {"step": ObjectEntry("step", 3, "other", ("step",))})
+    splits = {"a": Split(0, None), "b": Split(0, 0), "c": Split(0, 1)}  # "d": replicated
+    layout = dcp_writer.Layout((world // tp, tp), splits, [])
+    planned, _, _, _ = dcp_writer.rank_plans(ckpt, layout)
+    ours = [[(i.fqn, i.offsets) for i in items] for items in dcp_writer.dedup(planned, world)]
+
+    plans = []
+    for r in range(world):
+        items = []
+        for item, holders in planned:
+            if r not in holders:
+                continue
+            if item.obj is not None:
+                items.append(WriteItem(MetadataIndex(item.fqn), WriteItemType.BYTE_IO))
+                continue
+            chunk = ChunkStorageMetadata(torch.Size(item.offsets), torch.Size(item.shape))
+            data = TensorWriteData(chunk, TensorProperties(dtype=torch.float32), torch.Size(item.entry.shape))
+            items.append(WriteItem(MetadataIndex(item.fqn, torch.Size(item.offsets)), WriteItemType.SHARD, tensor_data=data))
+        plans.append(SavePlan(items))
+    theirs = [
+        [(w.index.fqn, tuple(w.index.offset) if w.index.offset is not None else None) for w in p.items] for p in dedup_save_plans(plans)
+    ]
+    assert ours == theirs

@@ -77,6 +77,13 @@ class _Files:
     sizes: dict[str, int] = field(default_factory=dict)
     blobs: Blobs = field(default_factory=Blobs)
     paths: dict[str, str] = field(default_factory=dict)  # relative path -> the file's path, for messages
+    boxes: dict[tuple[Any, Any], Box] = field(default_factory=dict)  # equal chunk boxes as one: thousands of tensors, a few layouts
+
+    def box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
+        found = self.boxes.get((offsets, sizes))
+        if found is None:
+            found = self.boxes[offsets, sizes] = Box(offsets, sizes)
+        return found
 
     def where(self, relative: str) -> str:
         if relative not in self.paths:
@@ -151,14 +158,14 @@ def _tensor_pieces(
     for offsets, sizes, info in _chunks(files.folder, fqn, meta, storage):
         f, where = _range(files, info, fqn)
         if f.read(4) != zipio.ZIP_MAGIC:  # SerializationFormat.SAFETENSORS: an entry of the file's safetensors document
-            pieces.append(Piece(Box(offsets, sizes), files.blobs.chunk(f, where, info.offset, fqn, offsets, sizes, dtype)))
+            pieces.append(Piece(files.box(offsets, sizes), files.blobs.chunk(f, where, info.offset, fqn, offsets, sizes, dtype)))
             continue
         obj, records = load_archive(f, f"{where} ('{fqn}' at {info.offset})", options, info.offset, info.length)
         if not isinstance(obj, TensorRef):
             raise DataError(f"{where}: '{fqn}' chunk at offset {info.offset} does not hold a tensor")
         if obj.dtype != dtype or obj.shape != sizes:
             raise DataError(f"{where}: '{fqn}' chunk holds {obj.dtype}{list(obj.shape)}; metadata says {dtype}{list(sizes)}")
-        pieces.append(Piece(Box(offsets, sizes), stored_array(obj, records, where, fqn)))
+        pieces.append(Piece(files.box(offsets, sizes), stored_array(obj, records, where, fqn)))
     return pieces
 
 
@@ -285,6 +292,7 @@ class DCPReader:
         meta = load_metadata(path / METADATA, options.trust_pickle, self.metadata_globals)
         storage = {}
         named: set[Any] = set()  # relative paths already found plain (a few files, named by every chunk)
+        lengths: dict[int, int] = {}
         for index, info in meta.storage_data.items():
             if not isinstance(index, IndexRec) or not isinstance(info, StorageInfoRec):
                 raise DataError(f"{path / METADATA}: storage_data entry of an unknown kind")
@@ -292,6 +300,7 @@ class DCPReader:
             if type(relative) is not str or relative not in named:
                 named.add(plain_component(relative, f"{path / METADATA}: storage_data relative_path"))
             _check_range(path / METADATA, index, info)
+            object.__setattr__(info, "length", lengths.setdefault(info.length, info.length))  # a few distinct, one per chunk
             storage[index.key()] = info
         meta.storage_data = None  # its MetadataIndex records: one per chunk, no longer needed
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
@@ -316,6 +325,7 @@ class DCPReader:
                         pieces = LazyPieces(functools.partial(_layout_pieces, path, fqn, item, storage), len(item.chunks))
                     else:
                         pieces = _tensor_pieces(files, fqn, item, storage, options)
+                        object.__setattr__(item, "chunks", ())  # the pieces hold the same boxes (200,000 records at 64 ranks)
                     tensors[fqn] = TensorEntry(fqn, item.properties.dtype, size, roles.tensor_role(key_path), pieces, key_path)
                 elif isinstance(item, BytesStorageRec):
                     info = storage.get((fqn, None))

@@ -12,10 +12,10 @@ Facts: docs/formats.md §1.5-1.9, §1.13.
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,11 +183,13 @@ def saved_chunks(entry: TensorEntry) -> Saved | None:
 def _source_mesh(ckpt: Checkpoint, sharded: list[TensorEntry]) -> SourceMesh | str:
     world = ckpt.world_size or 1
     tensors = {}
+    same: dict[tuple[tuple[int, ...], Saved], tuple[tuple[int, ...], Saved]] = {}  # equal layouts as one object
     for entry in sharded:
         boxes = saved_chunks(entry)
         if boxes is None:
             return f"'{entry.name}' is stored as flat ranges, not as boxes of the tensor"
-        tensors[entry.name] = (entry.shape, boxes)
+        key = (entry.shape, boxes)
+        tensors[entry.name] = same.setdefault(key, key)  # thousands of tensors, a few layouts: 64 ranks x 8,000 chunk sets
     if world == 1 or not tensors:
         return "it is not sharded"
     return source_mesh(tensors, world)
@@ -248,12 +250,21 @@ def layout_for(ckpt: Checkpoint, world: int, tp: int | None) -> Layout:
     return Layout(mesh, found.splits, notes)
 
 
-def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[list[list[Item]], dict[str, TensorEntry], dict[str, Any], list[ObjectEntry]]:
-    """Each rank's items, the tensors by flat key, planner_data and the BYTE_IO leaves. An item several ranks plan (a
-    replicated tensor, the empty chunk of every rank past a small tensor's end, a non-tensor value) is one object in
-    each of their plans: at 1,024 ranks most chunks of small tensors are that empty one."""
+Holders = Sequence[int]  # the ranks whose plans hold an item, ascending (a range where they are evenly spaced)
+
+
+Planned = list[tuple[Item, Holders]]
+
+
+def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[Planned, dict[str, TensorEntry], dict[str, Any], list[ObjectEntry]]:
+    """Every item the ranks plan, once, with the ranks whose plans hold it, in plan order (each rank plans its
+    flattened state dict in order); the tensors by flat key, planner_data and the BYTE_IO leaves. An item several
+    ranks plan (a replicated tensor, the empty chunk of every rank past a small tensor's end, a non-tensor value) is
+    one object with its holders, not one list slot per rank: at 1,024 ranks most chunks of small tensors are that
+    empty one, and 1,024 plans of 8,000 slots took 120 MB."""
     world = layout.mesh[0] * layout.mesh[1]
-    plans: list[list[Item]] = [[] for _ in range(world)]
+    everyone = range(world)
+    planned: Planned = []
     entries: dict[str, TensorEntry] = {}
     planner: dict[str, Any] = {}
     same: dict[Any, Any] = {}  # equal sizes and byte counts as one object
@@ -264,30 +275,36 @@ def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[list[list[Item]], dict
         entries[fqn] = entry
         split = layout.splits.get(entry.name)
         if split is None:
-            whole = Item(fqn, (0,) * len(entry.shape), entry.nbytes, entry)
-            for plan in plans:
-                plan.append(whole)
+            planned.append((Item(fqn, (0,) * len(entry.shape), entry.nbytes, entry), everyone))
             continue
-        made: dict[tuple[tuple[int, ...], tuple[int, ...]], Item] = {}
-        for r in range(world):
+        made: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Item, list[int]]] = {}
+        for r in everyone:
             offsets, sizes = chunk_of(entry.shape, split, layout.mesh, r)
-            item = made.get((offsets, sizes))
-            if item is None:
-                sizes = same.setdefault(sizes, sizes)
+            found = made.get((offsets, sizes))
+            if found is None:
+                offsets, sizes = same.setdefault(offsets, offsets), same.setdefault(sizes, sizes)
                 nbytes = math.prod(sizes) * entry.dtype.itemsize
-                item = made[(offsets, sizes)] = Item(fqn, offsets, same.setdefault(nbytes, nbytes), entry, sizes)
-            plans[r].append(item)
+                made[(offsets, sizes)] = (Item(fqn, offsets, same.setdefault(nbytes, nbytes), entry, sizes), [r])
+            else:
+                found[1].append(r)
+        planned += [(item, _compact(ranks)) for item, ranks in made.values()]
     objects = byte_items(ckpt)
     for obj in objects:
         planner[obj.name] = obj.path
-        value = Item(obj.name, None, 1, obj=obj)
-        for plan in plans:
-            plan.append(value)
+        planned.append((Item(obj.name, None, 1, obj=obj), everyone))
     order = flat_order(ckpt)
-    if order:  # each rank plans its flattened state dict in order: dedup_save_plans takes items in that order
-        position = {fqn: order.get(fqn, len(order)) for fqn in planner}
-        plans = [sorted(items, key=lambda item: position[item.fqn]) for items in plans]
-    return plans, entries, planner, objects
+    if order:  # as the source's state dict was flattened: dedup_save_plans meets the items in that order
+        planned.sort(key=lambda p: order.get(p[0].fqn, len(order)))
+    return planned, entries, planner, objects
+
+
+def _compact(ranks: list[int]) -> Holders:
+    """Ascending ranks as a range when evenly spaced (one rank, a run, every tp-th), else as a tuple."""
+    if len(ranks) == 1:
+        return range(ranks[0], ranks[0] + 1)
+    step = ranks[1] - ranks[0]
+    spaced = range(ranks[0], ranks[-1] + 1, step)
+    return spaced if len(spaced) == len(ranks) and all(a == b for a, b in zip(spaced, ranks)) else tuple(ranks)
 
 
 def flat_order(ckpt: Checkpoint) -> dict[str, int]:
@@ -306,32 +323,26 @@ def chunk_lists(entries: dict[str, TensorEntry], kept: list[list[Item]]) -> dict
     return {fqn: (entry, listed[fqn]) for fqn, entry in entries.items()}
 
 
-def dedup(plans: list[list[Item]]) -> list[list[Item]]:
-    """Keep each item in one plan: the one with the fewest planned bytes so far, ties to the lowest rank
-    (dcp/_dedup_save_plans.py)."""
-    # By key (fqn, then offsets, which the items hold already): the rank holding it, or the ranks when several do
-    # (an array: a replicated tensor at 1,024 ranks); then the rank chosen. A wide write has hundreds of thousands of
-    # items, nearly all held by one rank.
-    holders: dict[str, dict[Any, Any]] = {}
-    first: list[Item] = []  # each key's first item, in the order keys are met
-    for r, plan in enumerate(plans):
-        for item in plan:
-            by_offsets = holders.setdefault(item.fqn, {})
-            ranks = by_offsets.get(item.offsets)
-            if ranks is None:
-                by_offsets[item.offsets] = r
-                first.append(item)
-            elif isinstance(ranks, int):
-                by_offsets[item.offsets] = array.array("l", (ranks, r))
-            else:
-                ranks.append(r)
-    sizes = [0] * len(plans)
-    for item in first:
-        ranks = holders[item.fqn][item.offsets]
-        r = ranks if isinstance(ranks, int) else min(ranks, key=lambda i: (sizes[i], i))
-        holders[item.fqn][item.offsets] = r
-        sizes[r] += item.planned_bytes
-    return [[item for item in plan if holders[item.fqn][item.offsets] == r] for r, plan in enumerate(plans)]
+def dedup(planned: Planned, world: int) -> list[list[Item]]:
+    """Each rank's plan after dedup_save_plans (dcp/_dedup_save_plans.py): every item kept by one of its holders, the
+    one with the fewest planned bytes so far, items taken in the order the ranks' plans list them (rank 0's plan,
+    then what rank 1 adds, ...); each plan keeps its own order."""
+    position = {id(item): i for i, (item, _) in enumerate(planned)}
+    met = sorted(range(len(planned)), key=lambda i: planned[i][1][0])  # stable: plan order within a first holder
+    sizes = [0] * world
+    kept: list[list[Item]] = [[] for _ in range(world)]
+    for i in met:
+        item, holders = planned[i]
+        # Among equals, the first the set of holder ranks yields, as torch's min() over that set meets them (not
+        # always the lowest: {6, 7, 8} iterates 8, 6, 7); the set is filled in rank order, as torch fills it.
+        r = holders[0] if len(holders) == 1 else min(set(holders), key=sizes.__getitem__)
+        # What torch counts (WriteItem.tensor_storage_size): the whole tensor's bytes for each of its chunks, empty
+        # ones included; 1 for a non-tensor value.
+        sizes[r] += (item.entry.nbytes if item.entry is not None else 0) or 1
+        kept[r].append(item)
+    for items in kept:
+        items.sort(key=lambda item: position[id(item)])
+    return kept
 
 
 def _object_bytes(obj: ObjectEntry) -> bytes:
@@ -404,8 +415,9 @@ class DCPWriter:
         if opaque:
             raise UsageError(f"cannot write non-tensor values that were not parsed: {', '.join(opaque[:3])} (try --trust-pickle)")
         layout = layout_for(ckpt, world_size, options.tp)
-        plans, entries, planner, objects = rank_plans(ckpt, layout)
-        kept = dedup(plans)
+        planned, entries, planner, objects = rank_plans(ckpt, layout)
+        kept = dedup(planned, layout.mesh[0] * layout.mesh[1])
+        del planned
         chunks = chunk_lists(entries, kept)
         order = list(dict.fromkeys(item.fqn for items in kept for item in items))
         files = []
