@@ -1,7 +1,7 @@
 """One conversion spread over many processes and hosts with torchrun (SPEC §6).
 
-Every rank plans the same output (plans are deterministic); rank r writes the data files
-r, r + W, r + 2W, ... into one temporary folder beside the destination (which all hosts must see:
+Every rank plans the same output (plans are deterministic); rank r writes its contiguous block of the
+data files (`share`) into one temporary folder beside the destination (which all hosts must see:
 a shared filesystem); after all ranks report success, rank 0 writes the commit markers (DCP
 .metadata, hf index, DeepSpeed latest) and renames the folder into place. A failure on any rank
 removes the temporary folder on every rank's behalf and fails them all. The result is
@@ -16,6 +16,7 @@ marker is written and nothing is left.
 from __future__ import annotations
 
 import os
+from typing import TypeVar
 
 from ckpt_cli.core import interrupt, remote_write, storage
 from ckpt_cli.core.atomic import Guard, commit, partial_path, prepare_partial, remove
@@ -23,6 +24,8 @@ from ckpt_cli.core.executor import default_guard, prepare_remote, targets, uploa
 from ckpt_cli.core.plan import FileSizes, OutputFile, WritePlan
 from ckpt_cli.core.sinks import Progress
 from ckpt_cli.errors import CkptError, DataError
+
+T = TypeVar("T")
 
 
 def rank_and_world() -> tuple[int, int] | None:
@@ -39,6 +42,13 @@ def _all_ok(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def share(files: list[T], rank: int, world: int) -> list[T]:
+    """Rank's part of the files: a contiguous block. Writers list a rank's files together (DeepSpeed stage 3: model
+    states, optimizer states, then the next rank's), so every other file (files[rank::world]) gave one process all
+    the small model-states files and the other all the optimizer files: 2 processes were 1.4x faster than one."""
+    return files[rank * len(files) // world : (rank + 1) * len(files) // world]
 
 
 def _share_sizes(plan: WritePlan, mine: list[OutputFile]) -> None:
@@ -90,18 +100,19 @@ def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, worker
         raise error or DataError(f"{plan.dest}: rank 0 could not prepare the destination")
     data, markers = targets(plan, tmp)
     try:
-        write_files(data[rank::world], workers, progress)
+        write_files(share(data, rank, world), workers, progress)
     except BaseException as exc:  # report to the other ranks before failing
         error = exc
     if not _all_ok(error is None):
         if rank == 0:
             remove(tmp)
         raise error or DataError(f"{plan.dest}: another rank failed while writing; nothing was written")
-    _share_sizes(plan, [out for _, out in data[rank::world]])
     if rank == 0:
         write_files(markers, 1, progress)
         commit(tmp, plan.dest)
-    _all_ok(True)  # no rank returns before the destination exists
+    # Also the barrier: no rank returns before the destination exists. The markers' sizes too: a built marker (DCP
+    # .metadata) is made by rank 0 alone.
+    _share_sizes(plan, [out for _, out in share(data, rank, world) + (markers if rank == 0 else [])])
 
 
 def _execute_remote(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int, rank: int, world: int, guard: Guard) -> None:
@@ -118,7 +129,7 @@ def _execute_remote(plan: WritePlan, overwrite: bool, progress: Progress | None,
     cleanup = remote_write.Cleanup()
     with interrupt.writing():
         try:
-            upload_files(data[rank::world], workers, progress, cleanup)
+            upload_files(share(data, rank, world), workers, progress, cleanup)
             interrupt.check()
         except BaseException as exc:  # report to the other ranks before failing
             error = exc
@@ -130,7 +141,7 @@ def _execute_remote(plan: WritePlan, overwrite: bool, progress: Progress | None,
         if not _all_ok(error is None):  # every rank deletes what it completed: no marker names missing data
             cleanup.undo()
             raise error or DataError(f"{dest}: another rank failed while writing; nothing was written")
-    _share_sizes(plan, [out for _, out in data[rank::world]])
+    _share_sizes(plan, [out for _, out in share(data, rank, world) + (markers if rank == 0 else [])])
 
 
 def is_main_process() -> bool:

@@ -13,6 +13,7 @@ Facts: docs/formats.md §1.5-1.9, §1.13.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import math
 from collections.abc import Sequence
@@ -268,6 +269,7 @@ def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[Planned, dict[str, Ten
     entries: dict[str, TensorEntry] = {}
     planner: dict[str, Any] = {}
     same: dict[Any, Any] = {}  # equal sizes and byte counts as one object
+    boxes: dict[tuple[tuple[int, ...], Split], list[tuple[tuple[int, ...], tuple[int, ...], Holders]]] = {}
     for entry in ckpt.tensors.values():
         path = dcp_path(entry.path, ckpt.containers)
         fqn = ".".join(map(str, path))
@@ -277,17 +279,12 @@ def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[Planned, dict[str, Ten
         if split is None:
             planned.append((Item(fqn, (0,) * len(entry.shape), entry.nbytes, entry), everyone))
             continue
-        made: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Item, list[int]]] = {}
-        for r in everyone:
-            offsets, sizes = chunk_of(entry.shape, split, layout.mesh, r)
-            found = made.get((offsets, sizes))
-            if found is None:
-                offsets, sizes = same.setdefault(offsets, offsets), same.setdefault(sizes, sizes)
-                nbytes = math.prod(sizes) * entry.dtype.itemsize
-                made[(offsets, sizes)] = (Item(fqn, offsets, same.setdefault(nbytes, nbytes), entry, sizes), [r])
-            else:
-                found[1].append(r)
-        planned += [(item, _compact(ranks)) for item, ranks in made.values()]
+        key = (entry.shape, split)
+        if key not in boxes:  # thousands of tensors, a few shapes: each shape's boxes computed once, not per tensor
+            boxes[key] = _boxes_with_holders(entry.shape, split, layout.mesh, same)
+        for offsets, sizes, holders in boxes[key]:
+            nbytes = math.prod(sizes) * entry.dtype.itemsize
+            planned.append((Item(fqn, offsets, same.setdefault(nbytes, nbytes), entry, sizes), holders))
     objects = byte_items(ckpt)
     for obj in objects:
         planner[obj.name] = obj.path
@@ -296,6 +293,17 @@ def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[Planned, dict[str, Ten
     if order:  # as the source's state dict was flattened: dedup_save_plans meets the items in that order
         planned.sort(key=lambda p: order.get(p[0].fqn, len(order)))
     return planned, entries, planner, objects
+
+
+def _boxes_with_holders(
+    shape: tuple[int, ...], split: Split, mesh: tuple[int, int], same: dict[Any, Any]
+) -> list[tuple[tuple[int, ...], tuple[int, ...], Holders]]:
+    """Each distinct box the ranks of `mesh` save of a tensor laid out by `split`, with the ranks saving it, in rank
+    order of first holder (a replicated or empty box: several ranks)."""
+    held: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for r in range(mesh[0] * mesh[1]):
+        held.setdefault(chunk_of(shape, split, mesh, r), []).append(r)
+    return [(same.setdefault(o, o), same.setdefault(z, z), _compact(ranks)) for (o, z), ranks in held.items()]
 
 
 def _compact(ranks: list[int]) -> Holders:
@@ -398,6 +406,12 @@ class RankFile:
         return [item.name for item in self.items if item.entry is not None]
 
 
+def _metadata_segments(
+    chunks: dict[str, tuple[TensorEntry, list[Item]]], planner: dict[str, Any], values: list[Item], dest: Path, order: list[str]
+) -> list[Any]:
+    return [Literal(metadata_bytes(chunks, planner, values, dest, order, chunk_class=Item))]
+
+
 class DCPWriter:
     name = "dcp"
     dest_is_dir = True
@@ -439,9 +453,9 @@ class DCPWriter:
             files.append(OutputFile(name, build=RankFile(items), sizes=FileSizes(pos, sum(data), max(data, default=0)), reads=reads))
         placed = {item.fqn: item for items in kept for item in items if item.obj is not None}
         values = [placed[obj.name] for obj in objects]
-        files.append(
-            OutputFile(".metadata", [Literal(metadata_bytes(chunks, planner, values, dest, order, chunk_class=Item))], commit_marker=True)
-        )
+        # Made when written (by rank 0 alone under torchrun): pickling 200,000 chunks' records takes seconds
+        made = functools.partial(_metadata_segments, chunks, planner, values, dest, order)
+        files.append(OutputFile(".metadata", build=made, commit_marker=True))
         notes += layout.notes
         if layout.mesh[1] == 1 and not any(n.startswith("layout:") for n in layout.notes):
             sharded = sum(1 for entry, listed in chunks.values() if len(listed) > 1 or is_sharded(entry, ckpt))
