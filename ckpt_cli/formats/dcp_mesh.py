@@ -95,17 +95,25 @@ def candidates(ndim: int) -> list[Split]:
 Saved = frozenset[tuple[Chunk, int | None]]  # each chunk saved, with the rank whose file holds it (None: not known)
 
 
-def fits(shape: tuple[int, ...], saved: Saved, mesh: tuple[int, int]) -> list[Split]:
+BoxFits = dict[tuple[tuple[int, ...], frozenset[Chunk]], list[tuple[Split, list[Chunk]]]]
+
+
+def fits(shape: tuple[int, ...], saved: Saved, mesh: tuple[int, int], by_boxes: BoxFits | None = None) -> list[Split]:
     """The splits whose boxes on `mesh` are exactly the chunks saved (empty ones included), each held by the rank
     whose file stores it (a replicated chunk is stored by one of its holders), plainest first. The ranks tell
-    (Shard(0), Shard(1)) from (Shard(1), Shard(0)), whose boxes are the same."""
+    (Shard(0), Shard(1)) from (Shard(1), Shard(0)), whose boxes are the same. `by_boxes`: the splits whose boxes
+    match, by (shape, boxes) on this mesh, kept across calls: tensors of one shape store their replicated and empty
+    chunks on different ranks (dedup balances bytes), so the boxes repeat where the ranks do not."""
     boxes = frozenset(c for c, _ in saved)
-    out = []
-    for split in candidates(len(shape)):
-        per_rank = chunks(shape, split, mesh)
-        if frozenset(per_rank) == boxes and all(r is None or (r < len(per_rank) and per_rank[r] == c) for c, r in saved):
-            out.append(split)
-    return out
+    by_boxes = {} if by_boxes is None else by_boxes
+    if (shape, boxes) not in by_boxes:
+        laid = ((split, chunks(shape, split, mesh)) for split in candidates(len(shape)))
+        by_boxes[shape, boxes] = [(split, per_rank) for split, per_rank in laid if frozenset(per_rank) == boxes]
+    return [
+        split
+        for split, per_rank in by_boxes[shape, boxes]
+        if all(r is None or (r < len(per_rank) and per_rank[r] == c) for c, r in saved)
+    ]
 
 
 @dataclass(frozen=True)
@@ -140,11 +148,12 @@ def source_mesh(tensors: dict[str, tuple[tuple[int, ...], Saved]], world: int) -
     for tp in divisors(world):
         mesh = (world // tp, tp)
         solved: dict[tuple[tuple[int, ...], Saved], list[Split]] = {}
+        by_boxes: BoxFits = {}
         splits: dict[str, Split] = {}
         ambiguous = []
         for name, key in tensors.items():
             if key not in solved:
-                solved[key] = fits(key[0], key[1], mesh)
+                solved[key] = fits(key[0], key[1], mesh, by_boxes)
             found = solved[key]
             if not found:
                 misfits.append(f"{mesh[0]}x{tp}: '{name}' {_shown(key[1])}")
