@@ -15,6 +15,9 @@ class ReadOptions:
     tag: str | None = None
     trust_pickle: bool = False
     layout_only: bool = False  # what inspect reports: names, shapes, dtypes, files; where each chunk's bytes lie may stay unread
+    # A tensor's pieces located when its data is first read, and forgettable (LazyPieces.release): `diff` of two wide
+    # checkpoints holds one tensor's pieces at a time, not both checkpoints' (formats without it read as usual)
+    pieces_when_read: bool = False
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,7 @@ class LazyPieces(Sequence["Piece"]):
         arrays: Callable[[], Sequence[StoredArray]] | None = None,
     ) -> None:
         self._make: Callable[[], list[Piece]] | None = make
+        self._remake = make
         self._pieces: list[Piece] = []
         self._count = count  # how many `make` will return, when the layout tells without making them
         # Made by a layout's arithmetic over arrays whose sizes the reader checked: they tile the tensor and stay
@@ -190,6 +191,10 @@ class LazyPieces(Sequence["Piece"]):
 
     def __getitem__(self, index: Any) -> Any:
         return self._all()[index]
+
+    def release(self) -> None:
+        """Forget the pieces made (made again when asked for): a diff of two wide checkpoints holds one tensor's at a time."""
+        self._pieces, self._make = [], self._remake
 
     def __len__(self) -> int:
         return self._count if self._make is not None and self._count is not None else len(self._all())

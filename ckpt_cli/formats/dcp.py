@@ -56,6 +56,35 @@ DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 RANK_METADATA = re.compile(r"__(\d+)\.metadata$")
 
 
+StorageKey = tuple[str, Any]  # (fqn, chunk offsets); offsets None for a non-tensor value
+
+
+class StorageIndex:
+    """`.metadata`'s storage_data by (fqn, chunk offsets), held as fqn -> offsets -> entry: a dict keyed by pairs made
+    a tuple per chunk (200,000 at 64 ranks: 11 MB), and `diff` holds two of these."""
+
+    __slots__ = ("by_fqn",)
+
+    def __init__(self) -> None:
+        self.by_fqn: dict[str, dict[Any, StorageInfoRec]] = {}
+
+    def __setitem__(self, key: StorageKey, info: StorageInfoRec) -> None:
+        self.by_fqn.setdefault(key[0], {})[key[1]] = info
+
+    def get(self, key: StorageKey) -> StorageInfoRec | None:
+        inner = self.by_fqn.get(key[0])
+        return None if inner is None else inner.get(key[1])
+
+    def items(self) -> Iterator[tuple[StorageKey, StorageInfoRec]]:
+        for fqn, inner in self.by_fqn.items():
+            for offsets, info in inner.items():
+                yield (fqn, offsets), info
+
+    def values(self) -> Iterator[StorageInfoRec]:
+        for inner in self.by_fqn.values():
+            yield from inner.values()
+
+
 @dataclass(frozen=True)
 class DCPSource:
     """What `read` parsed, kept on the Checkpoint for check(): the folder and its `.metadata`, read once with
@@ -63,7 +92,7 @@ class DCPSource:
 
     folder: Path
     metadata: MetadataRec  # its storage_data dropped once read: `storage` holds the same entries
-    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfoRec]  # by (fqn, chunk offsets); None for bytes
+    storage: StorageIndex  # by (fqn, chunk offsets); None for bytes
     safetensors: frozenset[tuple[str, int]] = frozenset()  # (file, offset) of the safetensors documents
     problems: tuple[str, ...] = ()  # what parsing them found that does not stop a read
 
@@ -103,6 +132,10 @@ class _Files:
     def close(self) -> None:
         for f in self.handles.values():
             f.close()
+        self.handles.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 EDGE_BYTES = 1536  # of a stored item: its head (local headers, data.pkl: ~730 B for a torch 2.13 tensor) and tail (~880 B)
@@ -150,9 +183,7 @@ def _archive(files: _Files, info: StorageInfoRec, fqn: str) -> tuple[BinaryIO, s
     return f, where
 
 
-def _tensor_pieces(
-    files: _Files, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec], options: ReadOptions
-) -> list[Piece]:
+def _tensor_pieces(files: _Files, fqn: str, meta: TensorStorageRec, storage: StorageIndex, options: ReadOptions) -> list[Piece]:
     pieces = []
     dtype = meta.properties.dtype
     for offsets, sizes, info in _chunks(files.folder, fqn, meta, storage):
@@ -170,7 +201,7 @@ def _tensor_pieces(
 
 
 def _chunks(
-    folder: Path, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec]
+    folder: Path, fqn: str, meta: TensorStorageRec, storage: StorageIndex
 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], StorageInfoRec]]:
     """Each chunk of a tensor: its offsets, sizes and storage entry (DataError for a chunk without one)."""
     for chunk in meta.chunks:
@@ -181,13 +212,13 @@ def _chunks(
         yield offsets, sizes, info
 
 
-def _check_stored(folder: Path, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec]) -> None:
+def _check_stored(folder: Path, fqn: str, meta: TensorStorageRec, storage: StorageIndex) -> None:
     """Every chunk has a storage entry (what _chunks checks, without making the pieces)."""
     for _ in _chunks(folder, fqn, meta, storage):
         pass
 
 
-def _layout_pieces(folder: Path, fqn: str, meta: TensorStorageRec, storage: dict[Any, StorageInfoRec]) -> list[Piece]:
+def _layout_pieces(folder: Path, fqn: str, meta: TensorStorageRec, storage: StorageIndex) -> list[Piece]:
     """The chunks as boxes of the tensor, each over its stored item's byte range, unread (ReadOptions.layout_only:
     inspect reports names, shapes, dtypes and files; where the bytes lie inside each item is left to the commands
     that read them)."""
@@ -211,7 +242,7 @@ def _file_path(folder: Path, relative: str) -> str:
     return str(folder / relative)
 
 
-def _serialization(files: _Files, storage: dict[Any, StorageInfoRec]) -> str:
+def _serialization(files: _Files, storage: StorageIndex) -> str:
     """How the chunks are stored, from the first tensor item's magic (all items of a save share it)."""
     for (_, offsets), info in storage.items():
         if offsets is not None:
@@ -270,7 +301,7 @@ def _check_tensor_metadata(meta_path: Path, fqn: str, item: TensorStorageRec) ->
             )
 
 
-def world_size_of(storage: dict[Any, StorageInfoRec]) -> int:
+def world_size_of(storage: StorageIndex) -> int:
     ranks = {int(m.group(1)) for info in storage.values() if (m := DATA_FILE.search(info.relative_path))}
     return max(ranks) + 1 if ranks else 1
 
@@ -290,7 +321,7 @@ class DCPReader:
                 "use_collectives=False, which loads only at the same world size; ckpt does not read it yet"
             )
         meta = load_metadata(path / METADATA, options.trust_pickle, self.metadata_globals)
-        storage = {}
+        storage = StorageIndex()
         named: set[Any] = set()  # relative paths already found plain (a few files, named by every chunk)
         lengths: dict[int, int] = {}
         for index, info in meta.storage_data.items():
@@ -301,7 +332,7 @@ class DCPReader:
                 named.add(plain_component(relative, f"{path / METADATA}: storage_data relative_path"))
             _check_range(path / METADATA, index, info)
             object.__setattr__(info, "length", lengths.setdefault(info.length, info.length))  # a few distinct, one per chunk
-            storage[index.key()] = info
+            storage[index.fqn, as_tuple(index.offset)] = info
         meta.storage_data = None  # its MetadataIndex records: one per chunk, no longer needed
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
         files = _Files(path)
@@ -323,6 +354,9 @@ class DCPReader:
                     if options.layout_only:  # made when asked for: inspect counts them, a check walks them
                         _check_stored(path, fqn, item, storage)
                         pieces = LazyPieces(functools.partial(_layout_pieces, path, fqn, item, storage), len(item.chunks))
+                    elif options.pieces_when_read:  # each chunk's archive parsed when the tensor is read (files kept open)
+                        _check_stored(path, fqn, item, storage)
+                        pieces = LazyPieces(functools.partial(_tensor_pieces, files, fqn, item, storage, options), len(item.chunks))
                     else:
                         pieces = _tensor_pieces(files, fqn, item, storage, options)
                         object.__setattr__(item, "chunks", ())  # the pieces hold the same boxes (200,000 records at 64 ranks)
@@ -336,9 +370,10 @@ class DCPReader:
                 else:
                     raise DataError(f"{path / METADATA}: '{fqn}' has an unknown storage type")
             parsed = "safetensors" if files.blobs.parsed else "torch_save"
-            serialization = _serialization(files, storage) if options.layout_only else parsed
+            serialization = _serialization(files, storage) if options.layout_only or options.pieces_when_read else parsed
         finally:
-            files.close()
+            if not options.pieces_when_read:  # else closed with the checkpoint (_Files.__del__)
+                files.close()
         data_files = sorted({info.relative_path for info in storage.values()})
         ckpt = Checkpoint(
             format=self.name,
@@ -444,7 +479,7 @@ def _bounds(ckpt: Checkpoint) -> list[str]:
     return problems
 
 
-def _crc_problems(folder: Path, storage: dict[Any, StorageInfoRec], safetensors: frozenset[tuple[str, int]]) -> list[str]:
+def _crc_problems(folder: Path, storage: StorageIndex, safetensors: frozenset[tuple[str, int]]) -> list[str]:
     """Every torch.save archive against its CRC32s (safetensors entries have none: docs/formats.md)."""
     files = _Files(folder)
     problems = []

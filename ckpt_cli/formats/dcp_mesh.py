@@ -110,9 +110,7 @@ def fits(shape: tuple[int, ...], saved: Saved, mesh: tuple[int, int], by_boxes: 
         laid = ((split, chunks(shape, split, mesh)) for split in candidates(len(shape)))
         by_boxes[shape, boxes] = [(split, per_rank) for split, per_rank in laid if frozenset(per_rank) == boxes]
     return [
-        split
-        for split, per_rank in by_boxes[shape, boxes]
-        if all(r is None or (r < len(per_rank) and per_rank[r] == c) for c, r in saved)
+        split for split, per_rank in by_boxes[shape, boxes] if all(r is None or (r < len(per_rank) and per_rank[r] == c) for c, r in saved)
     ]
 
 
