@@ -43,6 +43,7 @@ from ckpt_cli.formats.dcp_metadata import (
     BytesStorageRec,
     IndexRec,
     MetadataRec,
+    StorageIndex,
     StorageInfoRec,
     TensorStorageRec,
     as_tuple,
@@ -54,35 +55,6 @@ from ckpt_cli.formats.torch_save import load_archive, stored_array
 METADATA = ".metadata"
 DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp$")
 RANK_METADATA = re.compile(r"__(\d+)\.metadata$")
-
-
-StorageKey = tuple[str, Any]  # (fqn, chunk offsets); offsets None for a non-tensor value
-
-
-class StorageIndex:
-    """`.metadata`'s storage_data by (fqn, chunk offsets), held as fqn -> offsets -> entry: a dict keyed by pairs made
-    a tuple per chunk (200,000 at 64 ranks: 11 MB), and `diff` holds two of these."""
-
-    __slots__ = ("by_fqn",)
-
-    def __init__(self) -> None:
-        self.by_fqn: dict[str, dict[Any, StorageInfoRec]] = {}
-
-    def __setitem__(self, key: StorageKey, info: StorageInfoRec) -> None:
-        self.by_fqn.setdefault(key[0], {})[key[1]] = info
-
-    def get(self, key: StorageKey) -> StorageInfoRec | None:
-        inner = self.by_fqn.get(key[0])
-        return None if inner is None else inner.get(key[1])
-
-    def items(self) -> Iterator[tuple[StorageKey, StorageInfoRec]]:
-        for fqn, inner in self.by_fqn.items():
-            for offsets, info in inner.items():
-                yield (fqn, offsets), info
-
-    def values(self) -> Iterator[StorageInfoRec]:
-        for inner in self.by_fqn.values():
-            yield from inner.values()
 
 
 @dataclass(frozen=True)

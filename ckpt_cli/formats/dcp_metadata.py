@@ -7,6 +7,7 @@ in their current and legacy modules, and path objects become text. Facts: docs/f
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
 
@@ -137,6 +138,35 @@ class StorageInfoRec(_Record):
     offset: int
     length: int
     transform_descriptors: Any
+
+
+StorageKey = tuple[str, Any]  # (fqn, chunk offsets); offsets None for a non-tensor value
+
+
+class StorageIndex:
+    """`.metadata`'s storage_data by (fqn, chunk offsets), held as fqn -> offsets -> entry: a dict keyed by pairs made
+    a tuple per chunk (200,000 at 64 ranks: 11 MB), and `diff` holds two of these."""
+
+    __slots__ = ("by_fqn",)
+
+    def __init__(self) -> None:
+        self.by_fqn: dict[str, dict[Any, StorageInfoRec]] = {}
+
+    def __setitem__(self, key: StorageKey, info: StorageInfoRec) -> None:
+        self.by_fqn.setdefault(key[0], {})[key[1]] = info
+
+    def get(self, key: StorageKey) -> StorageInfoRec | None:
+        inner = self.by_fqn.get(key[0])
+        return None if inner is None else inner.get(key[1])
+
+    def items(self) -> Iterator[tuple[StorageKey, StorageInfoRec]]:
+        for fqn, inner in self.by_fqn.items():
+            for offsets, info in inner.items():
+                yield (fqn, offsets), info
+
+    def values(self) -> Iterator[StorageInfoRec]:
+        for inner in self.by_fqn.values():
+            yield from inner.values()
 
 
 class StorageMetaRec(_Record):
