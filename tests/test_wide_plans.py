@@ -281,29 +281,3 @@ def test_dedup_keeps_what_torch_dedup_save_plans_keeps(world, tp, rows):
         [(w.index.fqn, tuple(w.index.offset) if w.index.offset is not None else None) for w in p.items] for p in dedup_save_plans(plans)
     ]
     assert ours == theirs
-
-
-@pytest.mark.parametrize(("world", "tp"), [(1, None), (5, None), (2048, None)])
-def test_metadata_assembled_from_fragments_is_the_pickled_metadata(fsdp2_saves, world, tp):
-    """`.metadata` joined from pickled pieces and numbers is byte for byte what pickling DCP's records object by object
-    writes: a real FSDP2 save (tensors, non-tensor values, empty chunks at 2,048 ranks, more than 1,000 entries)."""
-    from ckpt_cli.formats import dcp_metadata_writer, dcp_writer
-
-    prepared = writes.prepare(writes.reshard_request(fsdp2_saves[2] / "ckpt", "/nonexistent/out", world_size=world, tp=tp))
-    marker = next(f for f in prepared.job.plan.files if f.relpath == ".metadata")
-    args = marker.build.args
-    assembled = dcp_metadata_writer.metadata_bytes(*args, chunk_class=dcp_writer.Item)
-    assert assembled == dcp_metadata_writer.metadata_bytes(*args, chunk_class=dcp_writer.Item, generic=True)
-    meta = pickle.loads(assembled)  # our own output: trusted here
-    assert len(meta.storage_data) >= len(meta.state_dict_metadata)
-
-
-@pytest.mark.parametrize("n", [0, 1, 2, 999, 1000, 1001, 2000, 2001])
-def test_containers_batched_as_the_c_pickler_batches_them(n):
-    from ckpt_cli.core.pickler import Fragments
-    from ckpt_cli.formats.dcp_metadata_writer import _dict_bytes, _list_bytes
-
-    frag = Fragments([], [])
-    pairs = {f"k{i}": i for i in range(n)}
-    assert _dict_bytes([frag.of(k) + frag.of(v) for k, v in pairs.items()]) == frag.of(pairs)
-    assert _list_bytes([frag.of(i * 70_000) for i in range(n)]) == frag.of([i * 70_000 for i in range(n)])

@@ -81,7 +81,6 @@ def _placeholder(glob: Global) -> type:
 
 
 _PLACEHOLDERS: dict[Global, type] = {}
-placeholder = _placeholder  # what a Fragments user pickles to get a class's memo reference
 
 
 def torch_dtype(dtype: DType) -> Global:
@@ -154,59 +153,6 @@ def _preamble(globals_: list[Global], strings: list[str]) -> bytes:
     return b"".join(out)
 
 
-def _known(expected: Iterable[Global | DType], stand_ins: Iterable[tuple[type, Global]]) -> dict[int, tuple[Any, Global]]:
-    """id(object) -> (object, the global it is written as), for the objects a pickle names as globals."""
-    known: dict[int, tuple[Any, Global]] = {}
-    for item in expected:
-        glob = torch_dtype(item) if isinstance(item, DType) else item
-        known[id(item)] = (item, glob)
-        if isinstance(item, Global):  # as a REDUCE function and as an Instance's class
-            known[id(_placeholder(item))] = (_placeholder(item), item)
-    for cls, glob in stand_ins:
-        known[id(cls)] = (cls, glob)
-    return known
-
-
-def _started(
-    buf: io.BytesIO, known: dict[int, tuple[Any, Global]], texts: list[str], persistent_id: Callable[[Any], Any] | None
-) -> tuple[_Pickler, bytes]:
-    """A pickler writing into `buf` whose memo holds the globals and texts, and the preamble that puts them there."""
-    order = list(dict.fromkeys(glob for _, glob in known.values()))
-    index = {glob: i for i, glob in enumerate(order)}
-    pickler = _Pickler(buf, known, persistent_id)
-    memo = {key: (index[glob], o) for key, (o, glob) in known.items()}
-    memo.update({id(t): (len(order) + i, t) for i, t in enumerate(texts)})
-    pickler.memo = memo
-    return pickler, _preamble(order, texts)
-
-
-class Fragments:
-    """The opcodes of single values as `dumps(..., shared=False)` writes them inside a larger pickle with the same
-    globals and texts: nothing is memoized in that mode, so a value's bytes do not depend on what came before. For a
-    writer that assembles a large pickle from a few distinct pieces and many numbers (formats/dcp_metadata_writer.py:
-    the C pickler calls back into Python for each of ckpt's objects, ~15 us a `.metadata` chunk). `Unannounced`
-    when a value names a global not in `expected`."""
-
-    def __init__(self, expected: Iterable[Global | DType], strings: Iterable[str], stand_ins: Iterable[tuple[type, Global]] = ()) -> None:
-        self.texts = list({id(t): t for t in strings}.values())
-        self._buf = io.BytesIO()
-        self._pickler, self.preamble = _started(self._buf, _known(expected, stand_ins), self.texts, None)
-        self._pickler.fast = True
-
-    def of(self, obj: Any) -> bytes:
-        self._buf.seek(0)
-        self._buf.truncate()
-        try:
-            self._pickler.dump(obj)
-        except _Unknown as missing:
-            raise Unannounced(missing.glob) from None
-        return self._buf.getvalue()[2:-1]  # without the PROTO 2 and STOP each dump writes
-
-
-class Unannounced(LookupError):
-    """A value for Fragments named a global that was not announced."""
-
-
 def dumps(
     obj: Any,
     persistent_id: Callable[[Any], Any] | None = None,
@@ -225,13 +171,25 @@ def dumps(
     with shared=False. `stand_ins`: registered classes `obj` holds and the global each is written as (known up front
     too)."""
     texts = list({id(t): t for t in strings}.values())  # by identity: the memo finds the very objects `obj` holds
-    known = _known(expected, stand_ins)
+    known: dict[int, tuple[Any, Global]] = {}  # id(object) -> (object, the global it is written as)
+    for item in expected:
+        glob = torch_dtype(item) if isinstance(item, DType) else item
+        known[id(item)] = (item, glob)
+        if isinstance(item, Global):  # as a REDUCE function and as an Instance's class
+            known[id(_placeholder(item))] = (_placeholder(item), item)
+    for cls, glob in stand_ins:
+        known[id(cls)] = (cls, glob)
     while True:
+        order = list(dict.fromkeys(glob for _, glob in known.values()))
+        index = {glob: i for i, glob in enumerate(order)}
         buf = io.BytesIO()
-        pickler, preamble = _started(buf, known, texts, persistent_id)
-        buf.write(preamble)
+        buf.write(_preamble(order, texts))
         start = buf.tell()
+        pickler = _Pickler(buf, known, persistent_id)
         pickler.fast = not shared
+        memo = {key: (index[glob], o) for key, (o, glob) in known.items()}
+        memo.update({id(t): (len(order) + i, t) for i, t in enumerate(texts)})
+        pickler.memo = memo
         try:
             pickler.dump(obj)
         except _Unknown as missing:
