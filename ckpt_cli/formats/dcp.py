@@ -304,7 +304,7 @@ class DCPReader:
                 named.add(plain_component(relative, f"{path / METADATA}: storage_data relative_path"))
             _check_range(path / METADATA, index, info)
             object.__setattr__(info, "length", lengths.setdefault(info.length, info.length))  # a few distinct, one per chunk
-            storage[index.fqn, as_tuple(index.offset)] = info
+            storage[index.key()] = info
         meta.storage_data = None  # its MetadataIndex records: one per chunk, no longer needed
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
         files = _Files(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes
@@ -53,23 +53,15 @@ def stage3_frozen_pieces(models: Mapping[int, ZeroFile], name: str, numel: int, 
     return flat_pieces(0, numel, parts)
 
 
-class OptimizerStates(Mapping[int, Any]):
-    """Each rank's `optimizer_state_dict`, from its file when first asked for (inspect parses only the first)."""
-
-    def __init__(self, optims: Mapping[int, ZeroFile]) -> None:
-        self.optims = optims
-
-    def __getitem__(self, rank: int) -> Any:
-        osd = self.optims[rank].tree.get("optimizer_state_dict")
+def optimizer_states(optims: Mapping[int, ZeroFile]) -> dict[int, Any]:
+    """Each rank's `optimizer_state_dict` (DataError naming the file that has none)."""
+    out = {}
+    for rank, optim in optims.items():
+        osd = optim.tree.get("optimizer_state_dict")
         if not isinstance(osd, dict):
-            raise DataError(f"{getattr(self.optims[rank], 'path', f'rank {rank}')}: no optimizer_state_dict")
-        return osd
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.optims)
-
-    def __len__(self) -> int:
-        return len(self.optims)
+            raise DataError(f"{getattr(optim, 'path', f'rank {rank}')}: no optimizer_state_dict")
+        out[rank] = osd
+    return out
 
 
 class Stage12Partitions:
@@ -88,7 +80,7 @@ class Stage12Partitions:
     ) -> None:
         self.model, self.optims, self.world, self.stage = model, optims, world, stage
         self.experts, self.order = experts, order
-        self.osd = OptimizerStates(optims)
+        self.osd = optimizer_states(optims)
         self._sizes: dict[tuple[int, int], int] = {}
         self._offsets: dict[int, list[Slot]] = {}
         self._parts: dict[tuple[int, str | None, int], tuple[list[tuple[int, int, StoredArray, int]], list[int] | None]] = {}
@@ -196,7 +188,7 @@ class Stage3Partitions:
 
     def __init__(self, models: Mapping[int, ZeroFile], optims: Mapping[int, ZeroFile], world: int) -> None:
         self.models, self.optims, self.world = models, optims, world
-        self.osd = OptimizerStates(optims)
+        self.osd = optimizer_states(optims)
         self._flats: dict[tuple[int, str | None], list[StoredArray]] = {}
         self.shapes: list[dict[str, zl.Shape]] = models[0].tree.get("param_shapes") or []
         inner = self.osd[0].get("optimizer_state_dict") or {}
