@@ -164,9 +164,12 @@ class LazyPieces(Sequence["Piece"]):
     the few pieces each window overlaps, and a tensor of 1,024 ranks' pieces costs its memory only while it is read
     (8,000 such tensors held every piece they ever made: 900 MB).
 
+    With `keep=False` they are made again whenever asked for (a few partitions' arithmetic): a ZeRO-2 checkpoint of
+    82,000 tensors would otherwise hold every piece that its structural check made, through the whole write.
+
     Slotted, and empty as a shared tuple: an MoE checkpoint of 82,000 tensors holds one per tensor."""
 
-    __slots__ = ("_make", "_remake", "_pieces", "_count", "by_layout", "span", "arrays")
+    __slots__ = ("_make", "_remake", "_pieces", "_count", "_keep", "by_layout", "span", "arrays")
 
     def __init__(
         self,
@@ -175,11 +178,13 @@ class LazyPieces(Sequence["Piece"]):
         by_layout: bool = False,
         span: Callable[[int, int], list[Piece]] | None = None,
         arrays: Callable[[], Sequence[StoredArray]] | None = None,
+        keep: bool = True,
     ) -> None:
         self._make: Callable[[], list[Piece]] | None = make
         self._remake = make
         self._pieces: Sequence[Piece] = ()
         self._count = count  # how many `make` will return, when the layout tells without making them
+        self._keep = keep and span is None
         # Made by a layout's arithmetic over arrays whose sizes the reader checked: they tile the tensor and stay
         # inside their arrays by construction, so the structural check need not make and walk them.
         self.by_layout = by_layout
@@ -187,7 +192,7 @@ class LazyPieces(Sequence["Piece"]):
         self.arrays = arrays  # with `span`: the stored arrays its pieces lie in (each rank's flat), without making them
 
     def _all(self) -> Sequence[Piece]:
-        if self.span is not None and self._make is not None:
+        if not self._keep and self._make is not None:
             return self._make()  # made again when asked again: see the class docstring
         if self._make is not None:
             self._pieces, self._make = self._make(), None
@@ -217,7 +222,7 @@ class Derived(Protocol):
     def read(self, start: int, count: int, sources: Any) -> Any: ...
 
 
-@dataclass
+@dataclass(slots=True)  # slots: an MoE checkpoint holds one per stored tensor (82,000 at ZeRO-2)
 class TensorEntry:
     """A logical tensor. `dtype` is what it presents; pieces whose stored dtype differs are cast."""
 

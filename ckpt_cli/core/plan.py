@@ -18,7 +18,7 @@ from ckpt_cli.core.model import TensorEntry
 
 @dataclass(frozen=True, slots=True)  # slots: a wide DCP write plans a few of these for each of 200,000 chunks
 class Literal:
-    data: bytes
+    data: bytes | memoryview  # a memoryview: a part of a large pickle, not copied (core/pickler.py dump_parts)
 
     @property
     def size(self) -> int:

@@ -433,9 +433,12 @@ def safe_loads(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None
     if key is not None and key in _TENSOR_PICKLES:
         return _TENSOR_PICKLES[key]
     try:
-        shared = pickle_guard.scan(data)
-        with pickle_guard.budget(len(data)), _collector_paused(len(data) >= pickle_guard.LEAN_FROM):
-            value = SafeUnpickler(_buffered(pickle_guard.lean(data)), where, extra, trust).load()
+        shared, size = pickle_guard.scan(data), len(data)
+        stream = _buffered(pickle_guard.lean(data))
+        if key is None:  # a caller that keeps no reference (dcp_metadata.load_metadata) frees a large pickle's bytes now
+            del data
+        with pickle_guard.budget(size), _collector_paused(size >= pickle_guard.LEAN_FROM):
+            value = SafeUnpickler(stream, where, extra, trust).load()
         if shared or trust:
             pickle_guard.bound_tree(value)
         if key is not None and type(value) is TensorRef and not value.attrs:

@@ -217,12 +217,15 @@ def _path_text(kind: type, *parts: Any) -> str:
 METADATA_GLOBALS = _metadata_globals()
 
 
-def load_metadata(path: Path, trust: bool, globals_table: dict[tuple[str, str], Any] = METADATA_GLOBALS) -> MetadataRec:
+def _read(path: Path) -> bytes:
     try:
-        data = read_regular_bytes(path)
+        return read_regular_bytes(path)
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
-    meta = safe_loads(data, str(path), globals_table, trust)
+
+
+def load_metadata(path: Path, trust: bool, globals_table: dict[tuple[str, str], Any] = METADATA_GLOBALS) -> MetadataRec:
+    meta = safe_loads(_read(path), str(path), globals_table, trust)  # no name for the bytes: safe_loads frees them early
     if not isinstance(meta, MetadataRec) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
         raise DataError(f"{path}: not a DCP Metadata pickle")
     if not isinstance(getattr(meta, "storage_data", None), dict):

@@ -98,7 +98,20 @@ def metadata_bytes(
     *,
     chunk_class: type,
 ) -> bytes:
-    """`.metadata` as FileSystemWriter.finish pickles DCP's dataclasses (written without importing torch), from the
+    """`metadata_parts` joined."""
+    return b"".join(metadata_parts(chunks, planner, objects, dest, order, chunk_class=chunk_class))
+
+
+def metadata_parts(
+    chunks: dict[str, tuple[TensorEntry, list[Any]]],
+    planner: dict[str, Any],
+    objects: list[Any],
+    dest: Path,
+    order: list[str] | None = None,
+    *,
+    chunk_class: type,
+) -> list[bytes | memoryview]:
+    """`.metadata`, in consecutive parts, as FileSystemWriter.finish pickles DCP's dataclasses (written without importing torch), from the
     placed items (`objects`: the BYTE_IO ones; `chunk_class`: the class of the tensors' items, pickled as their
     ChunkStorageMetadata); `order`: the keys in the order the global plan first meets them (state_dict_metadata's
     order in a real save)."""
@@ -148,4 +161,4 @@ def metadata_bytes(
     # keys and file names written once each: without the memo every chunk would repeat them (torch's own `.metadata`
     # refers to them; so the file and whatever reads it stay as small)
     texts = [*sdm, *{key.item.file: None for key in storage_data}]
-    return pickler.dumps(Instance(_cls("Metadata"), meta), expected=expected, shared=False, strings=texts, stand_ins=stand_ins)
+    return pickler.dump_parts(Instance(_cls("Metadata"), meta), expected=expected, shared=False, strings=texts, stand_ins=stand_ins)

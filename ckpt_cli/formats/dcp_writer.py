@@ -43,7 +43,7 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import torch_save
 from ckpt_cli.formats.dcp import DATA_FILE
 from ckpt_cli.formats.dcp_mesh import Saved, SourceMesh, Split, chunk_of, parse_mesh, source_mesh
-from ckpt_cli.formats.dcp_metadata_writer import metadata_bytes
+from ckpt_cli.formats.dcp_metadata_writer import metadata_parts
 
 
 def is_sharded(entry: TensorEntry, ckpt: Checkpoint) -> bool:
@@ -409,7 +409,7 @@ class RankFile:
 def _metadata_segments(
     chunks: dict[str, tuple[TensorEntry, list[Item]]], planner: dict[str, Any], values: list[Item], dest: Path, order: list[str]
 ) -> list[Any]:
-    return [Literal(metadata_bytes(chunks, planner, values, dest, order, chunk_class=Item))]
+    return [Literal(part) for part in metadata_parts(chunks, planner, values, dest, order, chunk_class=Item)]
 
 
 class DCPWriter:

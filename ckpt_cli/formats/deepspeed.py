@@ -206,7 +206,10 @@ class RankFile:
     def whole(self, ref: TensorRef) -> LazyPieces:
         """The stored tensor as the one piece of a logical tensor of its shape, located when data is read (inspect of
         a model-states file of thousands of tensors locates none)."""
-        return LazyPieces(lambda: [Piece(Box((0,) * len(ref.shape), ref.shape), self.array(ref))], 1)
+        return LazyPieces(functools.partial(self.whole_piece, ref), 1)
+
+    def whole_piece(self, ref: TensorRef) -> list[Piece]:
+        return [Piece(Box((0,) * len(ref.shape), ref.shape), self.array(ref))]
 
 
 class LazyRanks(Mapping[int, RankFile]):
@@ -394,8 +397,8 @@ class DeepSpeedReader:
         for name in owned if stage != 3 else []:
             ref = module.get(name)
             if isinstance(ref, TensorRef) and math.prod(ref.shape):
-                path = ("module", name)
-                out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, ref.shape, "other", first.whole(ref), path, copy_of=name)
+                path, full = ("module", name), f"module.{name}"
+                out[full] = TensorEntry(full, ref.dtype, ref.shape, "other", first.whole(ref), path, copy_of=name)
         return out
 
     def _client_state(self, first: RankFile, param_groups: list[dict[str, Any]]) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry]]:

@@ -64,6 +64,18 @@ def optimizer_states(optims: Mapping[int, ZeroFile]) -> dict[int, Any]:
     return out
 
 
+class SlotPieces:
+    """Makes one param's pieces of a stage 1/2 flat buffer (slotted, not a closure: an MoE checkpoint holds 60,000)."""
+
+    __slots__ = ("layout", "g", "key", "holders", "slot")
+
+    def __init__(self, layout: Stage12Partitions, g: int, key: str | None, holders: list[int], slot: Slot) -> None:
+        self.layout, self.g, self.key, self.holders, self.slot = layout, g, key, holders, slot
+
+    def __call__(self) -> list[Piece]:
+        return self.layout.slot_pieces(self.g, self.key, self.holders, self.slot)
+
+
 class Stage12Partitions:
     """Stage 1/2 and BF16_Optimizer: one flat fp32 buffer per param group, cut into W equal partitions.
     MoE (`experts`): an expert group is cut into W/ep_size partitions per expert-parallel rank, each holding that
@@ -127,20 +139,19 @@ class Stage12Partitions:
         return parts
 
     def _lazy_pieces(self, g: int, key: str | None, holders: list[int], slot: Slot) -> LazyPieces:
-        """The param's pieces over the holders' partitions, made (and the partitions read) when first asked for; their
-        count follows from the partition size, which the first holder's file tells."""
-
-        def make() -> list[Piece]:
-            at = (g, key, holders[0])
-            if at not in self._parts:
-                parts = self._partitions(g, key, holders)
-                starts = [p[0] for p in parts]
-                self._parts[at] = parts, starts if starts == sorted(starts) else None
-            return flat_pieces(slot.offset, slot.numel, *self._parts[at])
-
+        """The param's pieces over the holders' partitions, made (and the partitions read) when asked for, and not
+        kept; their count follows from the partition size, which the first holder's file tells."""
         size = self._partition_size(g, holders[0])
         count = (slot.offset + slot.numel - 1) // size - slot.offset // size + 1 if slot.numel and size else 0
-        return LazyPieces(make, count)
+        return LazyPieces(SlotPieces(self, g, key, holders, slot), count, keep=False)
+
+    def slot_pieces(self, g: int, key: str | None, holders: list[int], slot: Slot) -> list[Piece]:
+        at = (g, key, holders[0])
+        if at not in self._parts:
+            parts = self._partitions(g, key, holders)
+            starts = [p[0] for p in parts]
+            self._parts[at] = parts, starts if starts == sorted(starts) else None
+        return flat_pieces(slot.offset, slot.numel, *self._parts[at])
 
     def model_tensors(self) -> dict[str, TensorEntry]:
         out = {}
@@ -291,4 +302,5 @@ class Stage3Partitions:
 def moment(slot: Slot, key: str, ref: TensorRef, pieces: list[Piece] | LazyPieces) -> dict[str, TensorEntry]:
     """A param's optimizer state `key` as a logical tensor: its shape, or 0-d for a per-group scalar (step)."""
     path = ("optimizer", "state", slot.name, key)
-    return {path_name(path): TensorEntry(path_name(path), ref.dtype, slot.shape if ref.shape else (), "optimizer", pieces, path)}
+    name = path_name(path)
+    return {name: TensorEntry(name, ref.dtype, slot.shape if ref.shape else (), "optimizer", pieces, path)}

@@ -65,12 +65,13 @@ def apply(ckpt: Checkpoint, t: Transform) -> Checkpoint:
         dtype = t.dtype if t.dtype is not None and entry.dtype.is_float and entry.role == "model" else entry.dtype
         if name in tensors:
             raise UsageError(f"two tensors are both renamed to '{name}'; adjust --strip-prefix/--add-prefix")
-        tensors[name] = dataclasses.replace(entry, name=name, path=path, dtype=dtype)
+        unchanged = name == entry.name and path == entry.path and dtype == entry.dtype  # held once, not copied
+        tensors[name] = entry if unchanged else dataclasses.replace(entry, name=name, path=path, dtype=dtype)
     objects: dict[str, ObjectEntry] = {}
     if not t.weights_only and not t.select:
         for obj in ckpt.objects.values():
             name, path = _rename(obj.name, obj.path, t)
-            objects[name] = dataclasses.replace(obj, name=name, path=path)
+            objects[name] = obj if name == obj.name and path == obj.path else dataclasses.replace(obj, name=name, path=path)
     if t.select and not tensors:
         raise UsageError(f"--select {' '.join(t.select)} matches no tensor")
     containers = ckpt.containers if not (t.strip_prefix or t.add_prefix) else {}
