@@ -159,3 +159,29 @@ def test_pickler_without_memo_still_shares_globals_and_named_strings():
     assert named.count(b"layers.7.weight") == 1 and len(named) < len(plain)
     stores = sum(op.name in {"BINPUT", "LONG_BINPUT"} for op, _, _ in pickle_guard.pickletools.genops(named))
     assert stores == 1 + 301  # torch.Size, then the strings; nothing else is memoized
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 999, 1000, 1001, 2000, 2001, 3999])
+def test_spliced_dict_is_the_bytes_of_the_whole_dict(count: int):
+    """A dict written a batch at a time where its marker stands (a `.metadata`'s storage_data) is byte for byte the
+    dict the C pickler writes whole, at every batch edge (one item, a full last batch, one item past a full batch),
+    with its keys and values fetched from the same memo."""
+    import torch  # noqa: F401 - torch.Size for pickle.loads
+
+    from ckpt_cli.core import pickler
+    from ckpt_cli.core.safe_pickle import TorchSize
+
+    names = [f"layers.{i}.weight" for i in range(count)]
+    items = [(n, (TorchSize((i, 0)), i * 7)) for i, n in enumerate(names)]
+    size = pickler.Global("torch", "Size")
+    whole = pickler.dumps({"before": 1, "data": dict(items), "after": [2]}, expected=[size], shared=False, strings=names)
+
+    def batches():
+        for start in range(0, count, pickler.BATCH):
+            yield items[start : start + pickler.BATCH]
+
+    spliced = pickler.SplicedDict("\0marker\0", count, batches)
+    value = {"before": 1, "data": spliced.marker, "after": [2]}
+    parts = pickler.dump_parts(value, expected=[size], shared=False, strings=names, spliced=spliced)
+    assert b"".join(parts) == whole
+    assert pickle.loads(whole)["data"] == {n: (torch.Size((i, 0)), i * 7) for i, n in enumerate(names)}

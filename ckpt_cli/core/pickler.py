@@ -167,6 +167,52 @@ class _Handed:
         return len(data)
 
 
+BATCH = 1000  # the C pickler's BATCHSIZE: a dict's items go out in MARK ... SETITEMS runs of this many
+
+
+@dataclass(frozen=True)
+class SplicedDict:
+    """A dict too large to hold whole (a `.metadata`'s storage_data: two records for each of 500,000 chunks), written
+    where the text `marker` stands in the value, from its items in order, BATCH at a time: the bytes the C pickler
+    writes for the whole dict, made with one BATCH-item dict held at a time."""
+
+    marker: str
+    count: int
+    batches: Callable[[], Iterable[list[tuple[Any, Any]]]]
+
+
+def _batch_body(batch: bytes, size: int, last: bool, total: int) -> bytes | memoryview:
+    """The items of a BATCH-item dict's pickle (PROTO, EMPTY_DICT, its framing, STOP) framed as the C pickler frames
+    them inside a dict of `total` items: MARK items SETITEMS per batch, a trailing empty batch when the items
+    fill the last one, SETITEM for a dict of one item."""
+    body = memoryview(batch)[3:-1]
+    if size == BATCH:  # alone, a full batch is followed by an empty one: kept only where the whole dict ends so
+        return body if last and total % BATCH == 0 else body[:-2]
+    if size == 1 and total > 1:  # alone, one item is written with SETITEM
+        return pickle.MARK + bytes(body[:-1]) + pickle.SETITEMS
+    return body
+
+
+def _splice(out: bytes, pickler: pickle.Pickler, handed: _Handed, spliced: SplicedDict) -> list[bytes | memoryview]:
+    """The pickle `out` (PROTO dropped) with the dict's bytes where its marker's are."""
+    text = spliced.marker.encode()
+    marker = pickle.BINUNICODE + len(text).to_bytes(4, "little") + text
+    at = out.find(marker)
+    if at < 0 or out.find(marker, at + 1) >= 0:
+        raise pickle.PicklingError("the spliced dict's marker is not in the pickle exactly once")
+    parts: list[bytes | memoryview] = [memoryview(out)[2:at], pickle.EMPTY_DICT]
+    done = 0
+    for batch in spliced.batches():
+        handed.parts.clear()
+        pickler.dump(dict(batch))
+        done += len(batch)
+        parts.append(_batch_body(b"".join(handed.parts), len(batch), done == spliced.count, spliced.count))
+    if done != spliced.count:
+        raise pickle.PicklingError(f"the spliced dict has {done} items, not {spliced.count}")
+    parts.append(memoryview(out)[at + len(marker) :])
+    return parts
+
+
 def dumps(
     obj: Any,
     persistent_id: Callable[[Any], Any] | None = None,
@@ -186,6 +232,7 @@ def dump_parts(
     shared: bool = True,
     strings: Iterable[str] = (),
     stand_ins: Iterable[tuple[type, Global]] = (),
+    spliced: SplicedDict | None = None,
 ) -> list[bytes | memoryview]:
     """Protocol-2 pickle of `obj`, where Global/Reduce/Instance/DType stand for torch objects, as consecutive parts
     (the preamble, then the pickler's own output less its PROTO, not copied). `expected`: globals
@@ -196,7 +243,7 @@ def dump_parts(
     for one, alive until the end; the globals still come from the memo). `strings`: text objects `obj` holds many
     times (a `.metadata`'s keys and file names, once per chunk), written once and then fetched from the memo, even
     with shared=False. `stand_ins`: registered classes `obj` holds and the global each is written as (known up front
-    too)."""
+    too). `spliced`: a dict written in place of its marker (with shared=False)."""
     texts = list({id(t): t for t in strings}.values())  # by identity: the memo finds the very objects `obj` holds
     known: dict[int, tuple[Any, Global]] = {}  # id(object) -> (object, the global it is written as)
     for item in expected:
@@ -217,9 +264,10 @@ def dump_parts(
         pickler.memo = memo
         try:
             pickler.dump(obj)
+            out = handed.parts[0] if len(handed.parts) == 1 else b"".join(handed.parts)
+            if spliced is not None:  # the same pickler: its memo refers to the same globals and strings
+                return [_preamble(order, texts), *_splice(out, pickler, handed, spliced)]
         except _Unknown as missing:
             known[id(missing.obj)] = (missing.obj, missing.glob)
             continue
-        del pickler
-        out = handed.parts[0] if len(handed.parts) == 1 else b"".join(handed.parts)
         return [_preamble(order, texts), memoryview(out)[2:]]  # its PROTO 2 dropped: the preamble has it

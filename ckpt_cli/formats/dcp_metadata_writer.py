@@ -7,7 +7,9 @@ are made only as the pickler writes them. Facts: docs/formats.md §1.5-1.9.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,22 +119,30 @@ def metadata_parts(
     order in a real save)."""
     pickler.register(chunk_class, _chunk_state)
     sdm: dict[str, Any] = {}
-    storage_data: dict[Any, Any] = {}
     dtypes: dict[DType, None] = {}
+    properties: dict[DType, Instance] = {}  # one description per dtype, written in full for each tensor all the same
     for fqn, (entry, listed) in chunks.items():  # sizes as TorchSize: torch.Size(dims) when pickled, a tuple here
-        sdm[fqn] = Instance(
-            _cls("TensorStorageMetadata"), {"properties": _properties(entry), "size": TorchSize(entry.shape), "chunks": listed}
-        )
+        described = properties.setdefault(entry.dtype, _properties(entry))
+        sdm[fqn] = Instance(_cls("TensorStorageMetadata"), {"properties": described, "size": TorchSize(entry.shape), "chunks": listed})
         dtypes[entry.dtype] = None
-        for i, item in enumerate(listed):
-            storage_data[_IndexOf(item, i)] = _StoredAt(item)
     for item in objects:
         sdm[item.fqn] = Instance(_cls("BytesStorageMetadata"))
-        storage_data[_IndexOf(item, None)] = _StoredAt(item)
     if order:
         sdm = {key: sdm[key] for key in order if key in sdm} | sdm
+    count = sum(len(listed) for _, listed in chunks.values()) + len(objects)
+
+    def indexed() -> Iterator[tuple[Any, int | None]]:  # storage_data's keys in the order a dict of them would hold
+        for _, listed in chunks.values():
+            yield from zip(listed, range(len(listed)))
+        yield from ((item, None) for item in objects)
+
+    def batches() -> Iterator[list[tuple[_IndexOf, _StoredAt]]]:
+        it = indexed()
+        while batch := [(_IndexOf(item, i), _StoredAt(item)) for item, i in itertools.islice(it, pickler.BATCH)]:
+            yield batch
+
     body = hashlib.sha256()  # item by item: the repr of 200,000 entries at once is tens of MB
-    placed = sorted((key.item for key in storage_data), key=lambda item: item.key)
+    placed = sorted((item for item, _ in indexed()), key=lambda item: item.key)
     for value in [*((item.key, (item.file, item.pos, item.length)) for item in placed), *sorted(planner)]:
         body.update(repr(value).encode())
     save_id = str(uuid.UUID(bytes=body.digest()[:16], version=4))  # reproducible, unlike uuid4()
@@ -140,10 +150,12 @@ def metadata_parts(
         _cls("StorageMeta"),
         {"checkpoint_id": Reduce(Global("pathlib", "PosixPath"), (str(dest),)), "save_id": save_id, "load_id": None, "modules": []},
     )
+    # storage_data, two records for each chunk, is written a thousand entries at a time where its marker stands
+    storage_data = pickler.SplicedDict(f"\0ckpt storage_data {uuid.uuid4()}\0", count, batches)
     meta = {
         "state_dict_metadata": sdm,
         "planner_data": planner,
-        "storage_data": storage_data,
+        "storage_data": storage_data.marker,
         "storage_meta": storage_meta,
         "version": "1.0.0",
     }
@@ -155,10 +167,12 @@ def metadata_parts(
     if chunks:
         expected += [_cls(n) for n in ("TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata")]
         expected += [Global("torch.serialization", "_get_layout"), _cls("_MEM_FORMAT_ENCODING"), Global("torch", "Size"), *dtypes]
-    if storage_data:
+    if count:
         expected += [_cls("MetadataIndex"), _STORAGE_INFO]
     stand_ins = [(chunk_class, _cls("ChunkStorageMetadata")), (_IndexOf, _cls("MetadataIndex")), (_StoredAt, _STORAGE_INFO)]
     # keys and file names written once each: without the memo every chunk would repeat them (torch's own `.metadata`
     # refers to them; so the file and whatever reads it stay as small)
-    texts = [*sdm, *{key.item.file: None for key in storage_data}]
-    return pickler.dump_parts(Instance(_cls("Metadata"), meta), expected=expected, shared=False, strings=texts, stand_ins=stand_ins)
+    texts = [*sdm, *{item.file: None for item, _ in indexed()}]
+    return pickler.dump_parts(
+        Instance(_cls("Metadata"), meta), expected=expected, shared=False, strings=texts, stand_ins=stand_ins, spliced=storage_data
+    )

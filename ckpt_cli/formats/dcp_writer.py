@@ -27,6 +27,7 @@ from ckpt_cli.core.model import (
     Box,
     Checkpoint,
     FlatRange,
+    LazyPieces,
     ObjectEntry,
     Opaque,
     PathKey,
@@ -409,6 +410,9 @@ class RankFile:
 def _metadata_segments(
     chunks: dict[str, tuple[TensorEntry, list[Item]]], planner: dict[str, Any], values: list[Item], dest: Path, order: list[str]
 ) -> list[Any]:
+    for entry, _ in chunks.values():  # written after every data file: the pieces the sources made are read no more
+        if isinstance(entry.pieces, LazyPieces):
+            entry.pieces.release()
     return [Literal(part) for part in metadata_parts(chunks, planner, values, dest, order, chunk_class=Item)]
 
 
