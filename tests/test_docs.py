@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -44,3 +45,19 @@ def test_completion_scripts_parse():
 def test_help_works(ckpt, command):
     res = ckpt(command, "--help")
     assert res.code == 0 and "Usage" in res.out
+
+
+def test_help_names_values_by_what_they_are():
+    """Every option that takes a value names it (GLOB, N, DTYPE, FILE...), not by its Python type or parameter name:
+    `<str>`, `<list[str]>`, `FILTER_` read as noise in --help, the man page and the completions."""
+    from typer.testing import CliRunner
+
+    from ckpt_cli.cli.app import app
+
+    for c in docgen.commands():
+        for o in c.options:
+            if o.takes_value:
+                assert re.fullmatch(r"[A-Z][A-Z=]*", o.metavar), (c.name, o.names, o.metavar)  # not FILTER_, FORMAT_
+                assert o.metavar not in {"TEXT", "STR", "INTEGER", "INT", "FLOAT", "PATH"}, (c.name, o.names)
+        shown = CliRunner().invoke(app, [c.name, "--help"], env={"COLUMNS": "200"}).output
+        assert not re.search(r"<(str|int|float|list)", shown), (c.name, shown)

@@ -23,7 +23,7 @@ def inspect(
     json_: Json = False,
     yaml_: Annotated[bool, typer.Option("--yaml", help="YAML on stdout.")] = False,
     tensors: Annotated[bool, typer.Option("--tensors", help="Add the table of tensors (name, dtype, shape, role).")] = False,
-    filter_: Annotated[Optional[list[str]], typer.Option("--filter", help="Only tensors matching this glob (repeatable).")] = None,
+    filter_: Annotated[Optional[list[str]], typer.Option("--filter", metavar="GLOB", help="Only tensors matching this glob (repeatable).")] = None,
     tree: Annotated[
         bool,
         typer.Option(
@@ -32,7 +32,7 @@ def inspect(
             "model weights, optimizer and other state one line each (--filter opens them).",
         ),
     ] = False,
-    depth: Annotated[Optional[int], typer.Option("--depth", help="--tree: show N levels below each role.", min=0)] = None,
+    depth: Annotated[Optional[int], typer.Option("--depth", metavar="N", help="--tree: show N levels below each role.", min=0)] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="--tree as a Markdown table, for a model card.")] = False,
     format_: Format = None,
     tag: Tag = None,

@@ -25,16 +25,16 @@ def verify(
     deep: Annotated[bool, typer.Option("--deep", help="Read every byte: zip CRCs, per-tensor checksums, unreadable records.")] = False,
     finite: Annotated[bool, typer.Option("--finite", help="Count NaN/Inf in floating-point tensors; any is a problem.")] = False,
     write_manifest: Annotated[
-        Optional[Path], typer.Option("--write-manifest", help="Record per-file and per-tensor SHA-256 in FILE.")
+        Optional[Path], typer.Option("--write-manifest", metavar="FILE", help="Record per-file and per-tensor SHA-256 in FILE.")
     ] = None,
-    manifest: Annotated[Optional[Path], typer.Option("--manifest", help="Check against a manifest from --write-manifest.")] = None,
+    manifest: Annotated[Optional[Path], typer.Option("--manifest", metavar="FILE", help="Check against a manifest from --write-manifest.")] = None,
     against: Annotated[
-        Optional[Path], typer.Option("--against", help="Compare tensor by tensor with another checkpoint (any format).")
+        Optional[Path], typer.Option("--against", metavar="CKPT", help="Compare tensor by tensor with another checkpoint (any format).")
     ] = None,
-    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance for --against (default: bit-exact).")] = 0.0,
-    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance for --against (default: bit-exact).")] = 0.0,
+    atol: Annotated[float, typer.Option("--atol", metavar="TOL", help="Absolute tolerance for --against (default: bit-exact).")] = 0.0,
+    rtol: Annotated[float, typer.Option("--rtol", metavar="TOL", help="Relative tolerance for --against (default: bit-exact).")] = 0.0,
     policy: Annotated[
-        Optional[Path], typer.Option("--policy", help="YAML: expected tensors, dtypes, shapes, tolerances, training state.")
+        Optional[Path], typer.Option("--policy", metavar="FILE", help="YAML: expected tensors, dtypes, shapes, tolerances, training state.")
     ] = None,
     json_: Json = False,
     format_: Format = None,
