@@ -61,3 +61,26 @@ def test_help_names_values_by_what_they_are():
                 assert o.metavar not in {"TEXT", "STR", "INTEGER", "INT", "FLOAT", "PATH"}, (c.name, o.names)
         shown = CliRunner().invoke(app, [c.name, "--help"], env={"COLUMNS": "200"}).output
         assert not re.search(r"<(str|int|float|list)", shown), (c.name, shown)
+
+
+def test_examples_are_commands_of_the_tested_tour():
+    """Each command's --help ends with examples, every one a command the README/docs tour runs (tests/test_readme.py),
+    so an example cannot drift from what the tool does; the man page lists them, and every description there and in
+    the completions is whole sentences (the convert one was cut mid-sentence)."""
+    from test_readme import PAGES, console_blocks
+    from typer.testing import CliRunner
+
+    from ckpt_cli.cli.app import app
+    from ckpt_cli.cli.examples import EXAMPLES
+
+    toured = {step.command for page in PAGES for block in console_blocks(page.read_text()) for step in block}
+    man = (ROOT / "man/ckpt.1").read_text()
+    for c in docgen.commands():
+        assert EXAMPLES[c.name], c.name
+        shown = CliRunner().invoke(app, [c.name, "--help"], env={"COLUMNS": "200"}).output
+        for line in EXAMPLES[c.name]:
+            assert line in toured, f"{line!r} is not a command of the tested tour"
+            assert f"$ {line}" in shown, (c.name, line)
+            assert docgen._roff(line) in man
+        assert c.help.endswith(".") and c.summary.endswith("."), c.name
+    assert ".B 143" in man

@@ -14,6 +14,7 @@ import typer
 
 from ckpt_cli import __version__
 from ckpt_cli.cli import convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, verify_cmd
+from ckpt_cli.cli.examples import epilog
 from ckpt_cli.cli.output import error
 from ckpt_cli.core import interrupt
 from ckpt_cli.errors import CkptError, Terminated, UnsafePickleError
@@ -47,15 +48,15 @@ def root(
     """Inspect, verify and convert training checkpoints."""
 
 
-app.command("inspect")(inspect_cmd.inspect)
-app.command("verify")(verify_cmd.verify)
-app.command("convert")(convert_cmd.convert)
-app.command("reshard")(convert_cmd.reshard)
-app.command("merge")(convert_cmd.merge)
-app.command("split")(convert_cmd.split)
-app.command("demo")(demo_cmd.demo)
-app.command("ls")(ls_cmd.ls)
-app.command("diff")(diff_cmd.diff)
+app.command("inspect", epilog=epilog("inspect"))(inspect_cmd.inspect)
+app.command("verify", epilog=epilog("verify"))(verify_cmd.verify)
+app.command("convert", epilog=epilog("convert"))(convert_cmd.convert)
+app.command("reshard", epilog=epilog("reshard"))(convert_cmd.reshard)
+app.command("merge", epilog=epilog("merge"))(convert_cmd.merge)
+app.command("split", epilog=epilog("split"))(convert_cmd.split)
+app.command("demo", epilog=epilog("demo"))(demo_cmd.demo)
+app.command("ls", epilog=epilog("ls"))(ls_cmd.ls)
+app.command("diff", epilog=epilog("diff"))(diff_cmd.diff)
 
 
 def _hint(exc: CkptError) -> str:

@@ -119,7 +119,10 @@ def convert(
     src: Source,
     dest: Dest,
     to: Annotated[
-        str, typer.Option("--to", metavar="FORMAT", help=f"Target format: {', '.join(n for n, f in FORMATS.items() if f.writable)}.", show_default=False)
+        str,
+        typer.Option(
+            "--to", metavar="FORMAT", help=f"Target format: {', '.join(n for n, f in FORMATS.items() if f.writable)}.", show_default=False
+        ),
     ],
     world_size: WorldSize = None,
     tp: TensorParallel = None,

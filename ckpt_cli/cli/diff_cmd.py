@@ -24,17 +24,28 @@ SideB = Annotated[Path, typer.Argument(metavar="B", help="The second checkpoint 
 def diff(
     a: SideA,
     b: SideB,
-    atol: Annotated[float, typer.Option("--atol", metavar="TOL", help="Absolute tolerance: |a-b| <= atol + rtol*|b| (default: bit-exact).")] = 0.0,
+    atol: Annotated[
+        float, typer.Option("--atol", metavar="TOL", help="Absolute tolerance: |a-b| <= atol + rtol*|b| (default: bit-exact).")
+    ] = 0.0,
     rtol: Annotated[float, typer.Option("--rtol", metavar="TOL", help="Relative tolerance, as torch.allclose (default: bit-exact).")] = 0.0,
-    filter_: Annotated[Optional[list[str]], typer.Option("--filter", metavar="GLOB", help="Only tensors whose names match this glob (repeatable).")] = None,
+    filter_: Annotated[
+        Optional[list[str]], typer.Option("--filter", metavar="GLOB", help="Only tensors whose names match this glob (repeatable).")
+    ] = None,
     depth: Annotated[
-        Optional[int], typer.Option("--depth", metavar="N", help="Group by the first N name components (default: up to the layer index).", min=1)
+        Optional[int],
+        typer.Option("--depth", metavar="N", help="Group by the first N name components (default: up to the layer index).", min=1),
     ] = None,
     json_: Json = False,
-    format_a: Annotated[Optional[str], typer.Option("--format-a", metavar="FORMAT", help=f"Format of A (default: detected): {', '.join(FORMATS)}.")] = None,
+    format_a: Annotated[
+        Optional[str], typer.Option("--format-a", metavar="FORMAT", help=f"Format of A (default: detected): {', '.join(FORMATS)}.")
+    ] = None,
     format_b: Annotated[Optional[str], typer.Option("--format-b", metavar="FORMAT", help="Format of B (default: detected).")] = None,
-    tag_a: Annotated[Optional[str], typer.Option("--tag-a", metavar="TAG", help="Which checkpoint of run folder A (default: the newest).")] = None,
-    tag_b: Annotated[Optional[str], typer.Option("--tag-b", metavar="TAG", help="Which checkpoint of run folder B (default: the newest).")] = None,
+    tag_a: Annotated[
+        Optional[str], typer.Option("--tag-a", metavar="TAG", help="Which checkpoint of run folder A (default: the newest).")
+    ] = None,
+    tag_b: Annotated[
+        Optional[str], typer.Option("--tag-b", metavar="TAG", help="Which checkpoint of run folder B (default: the newest).")
+    ] = None,
     trust_pickle: TrustPickle = False,
 ) -> None:
     """Compare two checkpoints: tensors added, removed, renamed or changed (max |a-b|, relative L2, cosine), training state."""

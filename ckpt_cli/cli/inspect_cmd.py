@@ -23,7 +23,9 @@ def inspect(
     json_: Json = False,
     yaml_: Annotated[bool, typer.Option("--yaml", help="YAML on stdout.")] = False,
     tensors: Annotated[bool, typer.Option("--tensors", help="Add the table of tensors (name, dtype, shape, role).")] = False,
-    filter_: Annotated[Optional[list[str]], typer.Option("--filter", metavar="GLOB", help="Only tensors matching this glob (repeatable).")] = None,
+    filter_: Annotated[
+        Optional[list[str]], typer.Option("--filter", metavar="GLOB", help="Only tensors matching this glob (repeatable).")
+    ] = None,
     tree: Annotated[
         bool,
         typer.Option(

@@ -13,7 +13,9 @@ from ckpt_cli.core import storage
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
 
-Root = Annotated[Path, typer.Argument(metavar="ROOT", help="A run root: the folder a training run saves its checkpoints under.", show_default=False)]
+Root = Annotated[
+    Path, typer.Argument(metavar="ROOT", help="A run root: the folder a training run saves its checkpoints under.", show_default=False)
+]
 
 
 def ls(root: Root, json_: Json = False, trust_pickle: TrustPickle = False) -> None:

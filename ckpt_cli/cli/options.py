@@ -10,13 +10,23 @@ import typer
 from ckpt_cli.formats.registry import FORMATS
 
 Source = Annotated[
-    Path, typer.Argument(metavar="SRC", help="Checkpoint file or folder (or a run folder holding several); s3://bucket/prefix too.", show_default=False)
+    Path,
+    typer.Argument(
+        metavar="SRC", help="Checkpoint file or folder (or a run folder holding several); s3://bucket/prefix too.", show_default=False
+    ),
 ]
 Dest = Annotated[
-    Path, typer.Argument(metavar="DST", help="Destination, a path or s3://bucket/prefix (refused if it exists, unless --overwrite).", show_default=False)
+    Path,
+    typer.Argument(
+        metavar="DST", help="Destination, a path or s3://bucket/prefix (refused if it exists, unless --overwrite).", show_default=False
+    ),
 ]
-Format = Annotated[Optional[str], typer.Option("--format", metavar="FORMAT", help=f"Source format (default: detected): {', '.join(FORMATS)}.")]
-Tag = Annotated[Optional[str], typer.Option("--tag", metavar="TAG", help="Which checkpoint of a run folder (default: latest, else highest step).")]
+Format = Annotated[
+    Optional[str], typer.Option("--format", metavar="FORMAT", help=f"Source format (default: detected): {', '.join(FORMATS)}.")
+]
+Tag = Annotated[
+    Optional[str], typer.Option("--tag", metavar="TAG", help="Which checkpoint of a run folder (default: latest, else highest step).")
+]
 TrustPickle = Annotated[
     bool, typer.Option("--trust-pickle", help="Allow pickled classes outside the allow list (runs code from the file).")
 ]
@@ -33,14 +43,19 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or n
 DType = Annotated[
     str,
     typer.Option(
-        "--dtype", metavar="DTYPE",
+        "--dtype",
+        metavar="DTYPE",
         help="keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision); "
         "a quantized source (FP8 block-scaled, MXFP4) is dequantized.",
     ),
 ]
 Quantize = Annotated[
     Optional[str],
-    typer.Option("--quantize", metavar="METHOD", help="fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships."),
+    typer.Option(
+        "--quantize",
+        metavar="METHOD",
+        help="fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships.",
+    ),
 ]
 MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", metavar="SIZE", help="hf: largest shard, e.g. 5GB, 500MB, 2GiB.")]
 NumShards = Annotated[Optional[int], typer.Option("--num-shards", metavar="N", help="hf: exact number of shards.", min=1)]
@@ -48,14 +63,17 @@ WorldSize = Annotated[Optional[int], typer.Option("--world-size", metavar="N", h
 TensorParallel = Annotated[
     Optional[int],
     typer.Option(
-        "--tp", metavar="T",
+        "--tp",
+        metavar="T",
         help="dcp: tensor-parallel size T: lay out FSDP2 + tensor parallel on a (N/T) x T (dp x tp) mesh of the --world-size N "
         "ranks, each tensor split along the dim its source chunks show.",
         min=1,
     ),
 ]
 WeightsOnly = Annotated[bool, typer.Option("--weights-only", help="Model weights only (no optimizer or training state).")]
-Select = Annotated[Optional[list[str]], typer.Option("--select", metavar="GLOB", help="Keep tensors whose names match this glob (repeatable).")]
+Select = Annotated[
+    Optional[list[str]], typer.Option("--select", metavar="GLOB", help="Keep tensors whose names match this glob (repeatable).")
+]
 StripPrefix = Annotated[Optional[str], typer.Option("--strip-prefix", metavar="PREFIX", help="Remove this prefix from tensor names.")]
 AddPrefix = Annotated[Optional[str], typer.Option("--add-prefix", metavar="PREFIX", help="Add this prefix to tensor names.")]
 WriteManifest = Annotated[
@@ -66,30 +84,41 @@ WriteManifest = Annotated[
         metavar="FILE",
     ),
 ]
-Workers = Annotated[Optional[int], typer.Option("--workers", metavar="K", help="Files written at once (default: CPU count, at most 4).", min=1)]
+Workers = Annotated[
+    Optional[int], typer.Option("--workers", metavar="K", help="Files written at once (default: CPU count, at most 4).", min=1)
+]
 Layout = Annotated[
     Optional[str],
     typer.Option(
-        "--layout", metavar="LAYOUT",
+        "--layout",
+        metavar="LAYOUT",
         help="dcp target: key layout of the training state, get_state_dict (model/optim) or torchtitan "
         "(model keys at the top, optimizer flattened); default: get_state_dict from DeepSpeed, else as the source.",
     ),
 ]
 ZeroStage = Annotated[
-    Optional[int], typer.Option("--zero-stage", metavar="STAGE", help="deepspeed target from another framework: ZeRO stage 1, 2 or 3.", min=1, max=3)
+    Optional[int],
+    typer.Option("--zero-stage", metavar="STAGE", help="deepspeed target from another framework: ZeRO stage 1, 2 or 3.", min=1, max=3),
 ]
 DSConfig = Annotated[
     Optional[Path],
-    typer.Option("--ds-config", metavar="FILE", help="deepspeed target: the run's DeepSpeed config (JSON): stage, precision, clipping, batch size."),
+    typer.Option(
+        "--ds-config", metavar="FILE", help="deepspeed target: the run's DeepSpeed config (JSON): stage, precision, clipping, batch size."
+    ),
 ]
 Rename = Annotated[
     Optional[list[str]],
-    typer.Option("--rename", metavar="REGEX=REPL", help="Rename parameters, REGEX=REPLACEMENT (repeatable, in order): training-state conversions and exports."),
+    typer.Option(
+        "--rename",
+        metavar="REGEX=REPL",
+        help="Rename parameters, REGEX=REPLACEMENT (repeatable, in order): training-state conversions and exports.",
+    ),
 ]
 NameMapFile = Annotated[
     Optional[Path],
     typer.Option(
-        "--name-map", metavar="FILE",
+        "--name-map",
+        metavar="FILE",
         help="YAML name map: strip_segments, rename [{from, to}], tied {alias: owner}; weight exports (hf, safetensors, torch) "
         "also split [{from, to, groups, layers}]: fused QKV, gate/up and layer-stacked tensors by rows.",
     ),
@@ -97,7 +126,8 @@ NameMapFile = Annotated[
 PerRankState = Annotated[
     str,
     typer.Option(
-        "--per-rank-state", metavar="RULE",
+        "--per-rank-state",
+        metavar="RULE",
         help="Per-rank values (keys rank_R / dp_rank_R; a run folder's rng_state_R / random_states_R files) under a new "
         "world size: wrap (new rank r takes old rank r mod W), first (all take rank 0's) or drop.",
     ),

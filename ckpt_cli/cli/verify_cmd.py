@@ -27,7 +27,9 @@ def verify(
     write_manifest: Annotated[
         Optional[Path], typer.Option("--write-manifest", metavar="FILE", help="Record per-file and per-tensor SHA-256 in FILE.")
     ] = None,
-    manifest: Annotated[Optional[Path], typer.Option("--manifest", metavar="FILE", help="Check against a manifest from --write-manifest.")] = None,
+    manifest: Annotated[
+        Optional[Path], typer.Option("--manifest", metavar="FILE", help="Check against a manifest from --write-manifest.")
+    ] = None,
     against: Annotated[
         Optional[Path], typer.Option("--against", metavar="CKPT", help="Compare tensor by tensor with another checkpoint (any format).")
     ] = None,
