@@ -38,7 +38,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -l per-rank-state -x -
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l quantize -r -d 'fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -F
-complete -c ckpt -n '__fish_seen_subcommand_from demo' -l overwrite -d 'Replace an existing checkpoint, empty folder or (one-file output) file; never a source or a folder holding one.'
+complete -c ckpt -n '__fish_seen_subcommand_from demo' -l overwrite -d 'Write the samples afresh into an existing folder.'
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -F
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l atol -r -d 'Absolute tolerance: |a-b| <= atol + rtol*|b| (default: bit-exact).'

@@ -67,13 +67,14 @@ def test_examples_are_commands_of_the_tested_tour():
     """Each command's --help ends with examples, every one a command the README/docs tour runs (tests/test_readme.py),
     so an example cannot drift from what the tool does; the man page lists them, and every description there and in
     the completions is whole sentences (the convert one was cut mid-sentence)."""
-    from test_readme import PAGES, console_blocks
+    from test_readme import PAGES, console_blocks, front_door_commands
     from typer.testing import CliRunner
 
     from ckpt_cli.cli.app import app
     from ckpt_cli.cli.examples import EXAMPLES
 
     toured = {step.command for page in PAGES for block in console_blocks(page.read_text()) for step in block}
+    toured.update(front_door_commands())
     man = (ROOT / "man/ckpt.1").read_text()
     for c in docgen.commands():
         assert EXAMPLES[c.name], c.name

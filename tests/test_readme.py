@@ -3,8 +3,8 @@
 Every ```console block of README.md and of the PAGES is a test. In a block, a line starting with `$ ` is a command and
 the lines after it, up to the next command, are its expected output (stdout and stderr together, in the
 order a terminal shows them). All blocks run in order (the README's, then each page's in PAGES order) in one temporary directory, as a
-newcomer would type them after `ckpt demo demo` (the README's first block), so later blocks use what earlier
-ones wrote.
+newcomer would type them after the README's **Try it** command (which writes `demo/`), so later blocks use what
+earlier ones wrote.
 Each command runs in its own `bash -c` with the venv's `ckpt` first on PATH and a fixed terminal width.
 
 The output must match byte for byte, sizes and counts included; nothing is normalised, because nothing
@@ -71,6 +71,13 @@ def run_command(command: str, cwd: Path) -> str:
     return proc.stdout
 
 
+def front_door_commands() -> list[str]:
+    """The ckpt commands of the README's **Try it** line (after its pip installs): the state the tour starts from."""
+    block = re.search(r"\*\*Try it\*\*.*?```bash\n(.*?)\n```", README.read_text(), flags=re.DOTALL)
+    assert block, "the README has no Try it command"
+    return [part.strip() for part in block.group(1).split("&&") if part.strip().startswith("ckpt ")]
+
+
 PAGE_BLOCKS = [(page, steps) for page in PAGES for steps in console_blocks(page.read_text())]
 BLOCKS = [steps for _, steps in PAGE_BLOCKS]
 
@@ -96,7 +103,11 @@ class Tour:
 
 @pytest.fixture(scope="session")
 def tour(tmp_path_factory) -> Tour:
-    return Tour(tmp_path_factory.mktemp("readme"))
+    """A newcomer's folder after the README's Try it command (the tour starts where the front door leaves)."""
+    cwd = tmp_path_factory.mktemp("readme")
+    for command in front_door_commands():
+        run_command(command, cwd)
+    return Tour(cwd)
 
 
 def _block_id(index: int) -> str:
@@ -105,7 +116,8 @@ def _block_id(index: int) -> str:
 
 
 def test_readme_has_console_examples():
-    assert BLOCKS and BLOCKS[0][0].command == "ckpt demo demo", "the README's first console block runs the demo"
+    assert front_door_commands()[0] == "ckpt demo demo", "the Try it command writes the demo"
+    assert BLOCKS and BLOCKS[0][0].command == "ckpt demo demo --overwrite", "the tour starts by writing the demo afresh"
     assert all(BLOCKS), "an empty console block"
 
 

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
 from ckpt_cli.cli import output
-from ckpt_cli.cli.options import Dest, Overwrite
+
+DemoDir = Annotated[
+    Path,
+    typer.Argument(metavar="DIR", help="Folder to write the samples into (refused if it exists, unless --overwrite).", show_default=False),
+]
+DemoOverwrite = Annotated[bool, typer.Option("--overwrite", help="Write the samples afresh into an existing folder.")]
 
 
-def demo(dest: Dest, overwrite: Overwrite = False) -> None:
+def demo(dest: DemoDir, overwrite: DemoOverwrite = False) -> None:
     """Write small, real sample checkpoints in every format into DIR, to try every command on."""
     from ckpt_cli.ops.demo import write_demo
 

@@ -1,5 +1,5 @@
 """Each command's examples, shown under its --help and in the man page. Every one is a command of the tested tour
-(the console blocks of README.md and docs/, run by tests/test_readme.py after `ckpt demo demo`), so none can rot:
+(the README's Try it command, then the console blocks of README.md and docs/, run by tests/test_readme.py), so none can rot:
 tests/test_docs.py checks that each appears there verbatim."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ EXAMPLES: dict[str, list[str]] = {
         "ckpt merge demo/hf out/model-bf16.safetensors --dtype bf16",
     ],
     "split": ["ckpt split demo/model.safetensors out/split --max-shard-size 30kB --dry-run"],
-    "demo": ["ckpt demo demo"],
+    "demo": ["ckpt demo demo", "ckpt demo demo --overwrite"],
     "ls": ["ckpt ls demo/run"],
     "diff": [
         "ckpt diff demo/hf demo/model.safetensors",
