@@ -144,6 +144,22 @@ def test_run_folder_tags(ckpt, tmp_path):
     assert ckpt("merge", run, tmp_path / "m1.safetensors", "--tag", "step_1000", "-q").code == 0
     assert load_file(tmp_path / "m1.safetensors")["w"][0] == 1000
     assert ckpt("merge", run, tmp_path / "m2.safetensors", "--tag", "step_3").code == 2
+    for by_step in ("500", "step_500"):  # a step number, or the folder name: the same checkpoint
+        assert json.loads(ckpt("inspect", run, "--json", "--tag", by_step).out)["tag"] == "step_500"
+    assert ckpt("inspect", run, "--tag", "5").code == 2
+
+
+def test_a_tag_names_a_checkpoint_by_name_stem_or_step():
+    from ckpt_cli.core.tags import named
+
+    names = ["step_100.safetensors", "step_1000.safetensors", "global_step3", "checkpoint-20", "run1/global_step_7/actor"]
+    assert named("step_100.safetensors", names) == ["step_100.safetensors"]
+    assert named("step_100", names) == ["step_100.safetensors"]
+    assert named("100", names) == ["step_100.safetensors"] and named("1000", names) == ["step_1000.safetensors"]
+    assert named("3", names) == ["global_step3"] and named("20", names) == ["checkpoint-20"]
+    assert named("7", names) == ["run1/global_step_7/actor"]
+    assert named("10", names) == [] and named("step", names) == []
+    assert named("5", ["step_5", "step_5.safetensors"]) == ["step_5", "step_5.safetensors"]  # ambiguous: the caller refuses
 
 
 def test_progress_only_on_a_terminal(small, tmp_path):

@@ -14,6 +14,7 @@ from ckpt_cli.core import dtypes, storage
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FlatRange, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.plan import OutputFile, TensorData, WritePlan
+from ckpt_cli.core.tags import named as tags_named
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry, run_read, runs
 from ckpt_cli.ops.request import Job, Request
@@ -126,12 +127,13 @@ def run_of(found: Found, root: Path) -> str:
 def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) -> Checkpoint:
     """The checkpoint `--tag` names (a path under the root, or a folder name), else the newest complete one."""
     if tag is not None:
-        named = [f for f in found if relative(f, root) == tag or f.path.name == tag]
+        by_path = {relative(f, root): f for f in found}
+        named = [by_path[r] for r in tags_named(tag, list(by_path))] or [f for f in found if f.path.name == tag]
         if len(named) != 1:
             known = ", ".join(relative(f, root) for f in found)
             raise UsageError(f"{root}: {'no' if not named else 'more than one'} checkpoint '{tag}' under this run root (found: {known})")
         ckpt = open_exact(named[0].path, None, None, trust_pickle)
-        ckpt.tag = ckpt.tag or tag
+        ckpt.tag = ckpt.tag or relative(named[0], root)
         return ckpt
     parents = sorted({run_of(f, root) for f in found})
     if len(parents) > 1:  # several runs (or Lightning versions): which one is "newest" is the user's call
