@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,7 +22,7 @@ def test_completions_and_man_page_are_current():
 
 def test_every_command_and_option_has_help():
     cmds = docgen.commands()
-    assert {c.name for c in cmds} == {"inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls", "diff"}
+    assert {c.name for c in cmds} == {"inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls", "diff", "completion"}
     for c in cmds:
         assert c.help, c.name
         for o in c.options:
@@ -85,3 +86,48 @@ def test_examples_are_commands_of_the_tested_tour():
             assert docgen._roff(line) in man
         assert c.help.endswith(".") and c.summary.endswith("."), c.name
     assert ".B 143" in man
+
+
+def _bash_complete(line: str, cwd: Path) -> list[str]:
+    """What the bash script offers for `line` in a bash without the bash-completion package (--norc)."""
+    words = line.split(" ")
+    program = (
+        f"source {ROOT / 'completions/ckpt.bash'}; COMP_WORDS=({' '.join(shlex.quote(w) for w in words)}); "
+        f'COMP_CWORD={len(words) - 1}; _ckpt; printf "%s\\n" "${{COMPREPLY[@]}}"'
+    )
+    done = subprocess.run(["bash", "--norc", "--noprofile", "-c", program], cwd=cwd, capture_output=True, text=True, check=True)
+    assert not done.stderr, done.stderr  # `_init_completion: command not found` before
+    return sorted(done.stdout.split())
+
+
+def test_bash_completion_works_without_the_bash_completion_package(tmp_path):
+    (tmp_path / "demo").mkdir()
+    assert _bash_complete("ckpt con", tmp_path) == ["convert"]
+    assert _bash_complete("ckpt completion z", tmp_path) == ["zsh"]
+    assert _bash_complete("ckpt convert demo out --to h", tmp_path) == ["hf"]
+    assert _bash_complete("ckpt diff --format-a dc", tmp_path) == ["dcp", "dcp-hf"]
+    assert _bash_complete("ckpt inspect --tr", tmp_path) == ["--tree", "--trust-pickle"]
+    assert _bash_complete("ckpt inspect de", tmp_path) == ["demo"]
+
+
+@pytest.mark.skipif(not shutil.which("fish"), reason="fish is not installed")
+def test_fish_completion_offers_the_same(tmp_path):
+    def complete(line: str) -> list[str]:
+        program = f"source {ROOT / 'completions/ckpt.fish'}; complete -C '{line}'"
+        out = subprocess.run(["fish", "--no-config", "-c", program], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+        return sorted(row.split("\t")[0] for row in out.splitlines())
+
+    assert complete("ckpt completion z") == ["zsh"]
+    assert complete("ckpt convert demo out --to h") == ["hf"]
+    assert "convert" in complete("ckpt con")
+
+
+def test_completion_command_prints_the_generated_scripts():
+    from typer.testing import CliRunner
+
+    from ckpt_cli.cli.app import app
+
+    for shell, rel in (("bash", "completions/ckpt.bash"), ("zsh", "completions/_ckpt"), ("fish", "completions/ckpt.fish")):
+        done = CliRunner().invoke(app, ["completion", shell])
+        assert done.exit_code == 0 and done.output == (ROOT / rel).read_text()
+    assert CliRunner().invoke(app, ["completion", "tcsh"]).exit_code == 2

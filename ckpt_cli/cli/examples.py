@@ -32,6 +32,7 @@ EXAMPLES: dict[str, list[str]] = {
     "split": ["ckpt split demo/model.safetensors out/split --max-shard-size 30kB --dry-run"],
     "demo": ["ckpt demo demo", "ckpt demo demo --overwrite"],
     "ls": ["ckpt ls demo/run"],
+    "completion": ["ckpt completion bash > ckpt.bash"],
     "diff": [
         "ckpt diff demo/hf demo/model.safetensors",
         "ckpt diff demo/dcp demo/deepspeed",
