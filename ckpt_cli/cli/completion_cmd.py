@@ -9,8 +9,6 @@ import typer
 
 from ckpt_cli.cli import output
 
-SHELLS = {"bash": "completions/ckpt.bash", "zsh": "completions/_ckpt", "fish": "completions/ckpt.fish"}
-
 
 class ShellName(str, Enum):
     bash = "bash"
@@ -21,12 +19,13 @@ class ShellName(str, Enum):
 Shell = Annotated[ShellName, typer.Argument(metavar="SHELL", help="bash, zsh or fish.", show_default=False)]
 
 
-def completion(shell: Shell) -> None:
+def completion(ctx: typer.Context, shell: Shell) -> None:
     """Print the completion script for bash, zsh or fish.
 
     bash: `ckpt completion bash > ~/.local/share/bash-completion/completions/ckpt` (or source it from ~/.bashrc; it
     works without the bash-completion package). zsh: write it as `_ckpt` in a folder of your $fpath. fish:
     `ckpt completion fish > ~/.config/fish/completions/ckpt.fish`."""
-    from ckpt_cli.cli import docgen  # it reads the whole command tree: only for this command
+    from ckpt_cli.cli import scripts  # it names every format: imported only for this command (`ckpt --help` imports none)
 
-    output.emit(docgen.render_all()[SHELLS[shell.value]].rstrip("\n"))
+    tree = scripts.commands(ctx.find_root().command)
+    output.emit(scripts.render_all(tree)[scripts.SHELLS[shell.value]].rstrip("\n"))

@@ -25,7 +25,8 @@ import gc
 import io
 import math
 import pickle
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,9 @@ class StorageRef(Frozen):
     numel: int
 
 
+_NO_ATTRS: Mapping[str, Any] = types.MappingProxyType({})
+
+
 @frozen
 class TensorRef(Frozen):
     """A tensor as pickled: a view (offset, size, stride) of a storage. `attrs`: Python attributes.
@@ -122,7 +126,7 @@ class TensorRef(Frozen):
     stride: tuple[int, ...]
     dtype: DType
     requires_grad: bool = False
-    attrs: dict[str, Any] = field(default_factory=dict)
+    attrs: Mapping[str, Any] = field(default_factory=lambda: _NO_ATTRS)  # one shared empty mapping: most tensors have none
     is_parameter: bool = False
 
 
@@ -155,10 +159,23 @@ def _ints(value: Any, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _shared(dims: tuple[int, ...]) -> tuple[int, ...]:
+    """One object for equal shapes and strides: a model-states file of 20,000 per-expert tensors holds a few distinct."""
+    found = _DIMS.get(dims)
+    if found is None:
+        found = dims
+        if len(_DIMS) < _SIZES_KEPT:
+            _DIMS[dims] = dims
+    return found
+
+
+_DIMS: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
 def _view(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: DType, requires_grad: Any) -> TensorRef:
     if not isinstance(storage, StorageRef) or type(storage_offset) is not int:
         raise PickleRefused("a tensor without a storage reference")
-    shape, strides = _ints(size, "size"), _ints(stride, "stride")
+    shape, strides = _shared(_ints(size, "size")), _shared(_ints(stride, "stride"))
     if len(shape) != len(strides):
         raise PickleRefused("a tensor whose size and stride differ in length")
     return TensorRef(storage, storage_offset, shape, strides, dtype, requires_grad is True)

@@ -33,7 +33,7 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
 from ckpt_cli.formats import deepspeed_moe
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
-from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, ZeroFile, stage3_frozen_pieces
+from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, WholePiece, ZeroFile, stage3_frozen_pieces
 from ckpt_cli.formats.deepspeed_variants import refuse_variants
 from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
 
@@ -210,10 +210,7 @@ class RankFile:
     def whole(self, ref: TensorRef) -> LazyPieces:
         """The stored tensor as the one piece of a logical tensor of its shape, located when data is read (inspect of
         a model-states file of thousands of tensors locates none)."""
-        return LazyPieces(functools.partial(self.whole_piece, ref), 1)
-
-    def whole_piece(self, ref: TensorRef) -> list[Piece]:
-        return [Piece(Box((0,) * len(ref.shape), ref.shape), self.array(ref))]
+        return LazyPieces(WholePiece(self, ref), 1)
 
 
 class LazyRanks(Mapping[int, RankFile]):

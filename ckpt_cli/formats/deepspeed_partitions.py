@@ -64,6 +64,19 @@ def optimizer_states(optims: Mapping[int, ZeroFile]) -> dict[int, Any]:
     return out
 
 
+class WholePiece:
+    """Makes a stored tensor's one piece (slotted, not a closure: an MoE model-states file holds 20,000)."""
+
+    __slots__ = ("file", "ref")
+
+    def __init__(self, file: ZeroFile, ref: TensorRef) -> None:
+        self.file, self.ref = file, ref
+
+    def __call__(self) -> list[Piece]:
+        ref = self.ref
+        return [Piece(Box((0,) * len(ref.shape), ref.shape), self.file.array(ref))]
+
+
 class SlotPieces:
     """Makes one param's pieces of a stage 1/2 flat buffer (slotted, not a closure: an MoE checkpoint holds 60,000)."""
 
