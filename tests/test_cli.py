@@ -200,3 +200,9 @@ def test_workers_do_not_change_the_output(ckpt, tmp_path):
         assert res.code == 0, res.err
     for f in (tmp_path / "out1").iterdir():
         assert f.read_bytes() == (tmp_path / "out3" / f.name).read_bytes()
+
+
+def test_ls_of_a_folder_without_checkpoints_suggests_no_option_it_lacks(ckpt, tmp_path):
+    (tmp_path / "root" / "logs").mkdir(parents=True)
+    res = ckpt("ls", tmp_path / "root")
+    assert res.code == 2 and "no checkpoint" in res.err and "use --format" not in res.err and "ckpt inspect SRC --format" in res.err

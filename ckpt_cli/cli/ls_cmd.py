@@ -32,7 +32,7 @@ def ls(root: Root, json_: Json = False, trust_pickle: TrustPickle = False) -> No
         raise UsageError(f"{root}: not a folder" if root.exists() else f"{root}: no such file or folder")
     rows = runs.listing(root, trust_pickle)
     if not rows:
-        raise UsageError(runs.not_found_message(root))
+        raise UsageError(runs.not_found_message(root, listing=True))
     if json_:
         output.emit_json({"root": str(root), "checkpoints": rows})
     else:

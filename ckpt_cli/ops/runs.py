@@ -158,13 +158,18 @@ def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) 
     raise DataError(f"{root}: none of its {len(found)} checkpoints is complete; {skipped[0]}")
 
 
-def not_found_message(path: Path) -> str:
-    """Why `path` holds no checkpoint, and where to point instead when it is inside one."""
+def not_found_message(path: Path, listing: bool = False) -> str:
+    """Why `path` holds no checkpoint, and where to point instead when it is inside one (`listing`: for `ckpt ls`,
+    which takes no --format)."""
     inside = runs.is_part_of(path)
     if inside is not None:
         run, at = inside
         return f"{path}: not a checkpoint by itself; it is inside the {run.framework} checkpoint {at}: point at that folder"
     known = ", ".join(registry.FORMATS)
+    if listing:
+        return (
+            f"{path}: no checkpoint in any known format ({known}) below it; ckpt inspect SRC --format NAME reads one that is not detected"
+        )
     return f"{path}: not a checkpoint in any known format ({known}), and no checkpoint below it; use --format to say which"
 
 
