@@ -206,3 +206,20 @@ def test_ls_of_a_folder_without_checkpoints_suggests_no_option_it_lacks(ckpt, tm
     (tmp_path / "root" / "logs").mkdir(parents=True)
     res = ckpt("ls", tmp_path / "root")
     assert res.code == 2 and "no checkpoint" in res.err and "use --format" not in res.err and "ckpt inspect SRC --format" in res.err
+
+
+def test_filter_is_the_glob_option_of_every_command_and_select_still_works(ckpt, small, tmp_path):
+    """One vocabulary: --filter in inspect, diff and every writing command; the writers' former --select is hidden
+    from --help and still taken, with a note."""
+    from typer.testing import CliRunner
+
+    from ckpt_cli.cli.app import app
+
+    for command in ("inspect", "diff", "convert", "reshard", "merge", "split"):
+        shown = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+        assert "--filter" in shown and "--select" not in shown, command
+    kept = ckpt("merge", small, tmp_path / "a.safetensors", "--filter", "a*")
+    former = ckpt("merge", small, tmp_path / "b.safetensors", "--select", "a*")
+    assert kept.code == former.code == 0 and "--select is now --filter" in former.err
+    assert load_file(tmp_path / "a.safetensors").keys() == load_file(tmp_path / "b.safetensors").keys()
+    assert ckpt("merge", small, tmp_path / "c.safetensors", "--filter", "nothing*").code == 2

@@ -388,7 +388,7 @@ REFUSALS = {
     "bad-layout": ("DS", (*TO_DCP, "--layout", "megatron"), "--layout"),
     "bad-regex": ("DS", (*TO_DCP, "--rename", "(=x"), "bad regular expression"),
     "bad-group": ("DS", (*TO_DCP, "--rename", "(embed)=\\2"), "invalid group"),
-    "select-with-state": ("DS", (*TO_DCP, "--select", "embed*", "--layout", "torchtitan"), "--select"),
+    "select-with-state": ("DS", (*TO_DCP, "--filter", "embed*", "--layout", "torchtitan"), "--filter"),
     "missing-name-map": ("DS", (*TO_DCP, "--name-map", "NONE"), "name map"),
 }
 

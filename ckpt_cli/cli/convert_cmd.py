@@ -28,6 +28,7 @@ from ckpt_cli.cli.options import (
     Quiet,
     Rename,
     Select,
+    SelectOld,
     Source,
     StripPrefix,
     Tag,
@@ -130,7 +131,8 @@ def convert(
     max_shard_size: MaxShardSize = None,
     num_shards: NumShards = None,
     weights_only: WeightsOnly = False,
-    select: Select = None,
+    filter_: Select = None,
+    select: SelectOld = None,
     strip_prefix: StripPrefix = None,
     add_prefix: AddPrefix = None,
     format_: Format = None,
@@ -152,13 +154,21 @@ def convert(
 ) -> None:
     """Convert any readable checkpoint to another format, streamed. Between DeepSpeed and dcp the whole training
     state moves (weights, Adam moments, param groups, step, scheduler, dataloader), so a run resumes in the other framework."""
+    globs = _globs(filter_, select, quiet)
     request = _api().convert_request(
         src, dest, to=to, world_size=world_size, tp=tp, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
-        weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
+        weights_only=weights_only, select=globs, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
         per_rank_state=per_rank_state, quantize=quantize,
     )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))
+
+
+def _globs(filters: list[str] | None, former: list[str] | None, quiet: bool) -> list[str] | None:
+    """--filter's globs, with those given by its former name --select (said in a note)."""
+    if former:
+        output.info("note: --select is now --filter, as in inspect and diff; --select is still taken in this release", quiet)
+    return [*(filters or []), *(former or [])] or None
 
 
 def reshard(
@@ -170,7 +180,8 @@ def reshard(
     max_shard_size: MaxShardSize = None,
     dtype: DType = "keep",
     weights_only: WeightsOnly = False,
-    select: Select = None,
+    filter_: Select = None,
+    select: SelectOld = None,
     strip_prefix: StripPrefix = None,
     add_prefix: AddPrefix = None,
     format_: Format = None,
@@ -189,9 +200,10 @@ def reshard(
 ) -> None:
     """Same format, new layout: --world-size N (dcp, deepspeed; dcp on an N/T x T mesh with --tp T) or --num-shards/--max-shard-size (hf).
     With --tp, FSDP2 + tensor parallel: each tensor split along the dims its source chunks show."""
+    globs = _globs(filter_, select, quiet)
     request = _api().reshard_request(
         src, dest, world_size=world_size, tp=tp, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
-        weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
+        weights_only=weights_only, select=globs, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
     )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))
@@ -204,7 +216,8 @@ def merge(
     all_: Annotated[
         bool, typer.Option("--all/--weights-only", help="Keep optimizer and training state (torch .pt only); default: model weights.")
     ] = False,
-    select: Select = None,
+    filter_: Select = None,
+    select: SelectOld = None,
     strip_prefix: StripPrefix = None,
     add_prefix: AddPrefix = None,
     format_: Format = None,
@@ -218,8 +231,9 @@ def merge(
     write_manifest: WriteManifest = None,
 ) -> None:
     """All shards into one file: DST.safetensors or DST.pt (model weights unless --all)."""
+    globs = _globs(filter_, select, quiet)
     request = _api().merge_request(
-        src, dest, keep_all=all_, dtype=dtype, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix,
+        src, dest, keep_all=all_, dtype=dtype, select=globs, strip_prefix=strip_prefix, add_prefix=add_prefix,
         format=format_, tag=tag, trust_pickle=trust_pickle,
     )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))
@@ -231,7 +245,8 @@ def split(
     max_shard_size: MaxShardSize = None,
     num_shards: NumShards = None,
     dtype: DType = "keep",
-    select: Select = None,
+    filter_: Select = None,
+    select: SelectOld = None,
     strip_prefix: StripPrefix = None,
     add_prefix: AddPrefix = None,
     format_: Format = None,
@@ -245,8 +260,9 @@ def split(
     write_manifest: WriteManifest = None,
 ) -> None:
     """One file (or any checkpoint) into a Hugging Face sharded folder with an index (default shards: 5GB)."""
+    globs = _globs(filter_, select, quiet)
     request = _api().split_request(
-        src, dest, max_shard_size=max_shard_size, num_shards=num_shards, dtype=dtype, select=select, strip_prefix=strip_prefix,
+        src, dest, max_shard_size=max_shard_size, num_shards=num_shards, dtype=dtype, select=globs, strip_prefix=strip_prefix,
         add_prefix=add_prefix, format=format_, tag=tag, trust_pickle=trust_pickle,
     )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))

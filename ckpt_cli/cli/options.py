@@ -72,7 +72,10 @@ TensorParallel = Annotated[
 ]
 WeightsOnly = Annotated[bool, typer.Option("--weights-only", help="Model weights only (no optimizer or training state).")]
 Select = Annotated[
-    Optional[list[str]], typer.Option("--select", metavar="GLOB", help="Keep tensors whose names match this glob (repeatable).")
+    Optional[list[str]], typer.Option("--filter", metavar="GLOB", help="Keep tensors whose names match this glob (repeatable).")
+]
+SelectOld = Annotated[  # the writing commands' former spelling: one vocabulary now, as inspect and diff
+    Optional[list[str]], typer.Option("--select", metavar="GLOB", hidden=True, help="The former name of --filter.")
 ]
 StripPrefix = Annotated[Optional[str], typer.Option("--strip-prefix", metavar="PREFIX", help="Remove this prefix from tensor names.")]
 AddPrefix = Annotated[Optional[str], typer.Option("--add-prefix", metavar="PREFIX", help="Add this prefix to tensor names.")]

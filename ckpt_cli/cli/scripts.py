@@ -58,7 +58,7 @@ def commands(group: Any) -> list[Cmd]:
         arguments = [(p.metavar or p.name).upper() for p in cmd.params if p.param_type_name == "argument"]
         options = []
         for p in cmd.params:
-            if p.param_type_name != "option":
+            if p.param_type_name != "option" or p.hidden:
                 continue
             names = list(p.opts) + list(p.secondary_opts)
             metavar = (p.metavar or p.name or "VALUE").upper()

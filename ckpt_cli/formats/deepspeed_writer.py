@@ -107,7 +107,7 @@ class DeepSpeedWriter:
             raise UsageError("writing deepspeed needs --world-size N (the new data-parallel size)")
         if {n: t.dtype for n, t in ckpt.tensors.items()} != src.dtypes:
             raise UsageError(
-                "reshard of a DeepSpeed checkpoint copies every tensor as it is: --select, prefixes, --dtype "
+                "reshard of a DeepSpeed checkpoint copies every tensor as it is: --filter, prefixes, --dtype "
                 "and --weights-only do not apply"
             )
         zero_config = (src.model.tree.get("ds_config") or {}).get("zero_optimization") or {}

@@ -104,7 +104,7 @@ def training_view(
     assert target.training is not None
     if t != transform.Transform():
         raise UsageError(
-            "carrying training state between frameworks keeps every tensor as it is: --select, --strip-prefix, --add-prefix "
+            "carrying training state between frameworks keeps every tensor as it is: --filter, --strip-prefix, --add-prefix "
             "and --dtype do not apply (rename parameters with --rename or --name-map; --weights-only writes the weights alone)"
         )
     if not write.world_size:

@@ -73,7 +73,7 @@ def apply(ckpt: Checkpoint, t: Transform) -> Checkpoint:
             name, path = _rename(obj.name, obj.path, t)
             objects[name] = obj if name == obj.name and path == obj.path else dataclasses.replace(obj, name=name, path=path)
     if t.select and not tensors:
-        raise UsageError(f"--select {' '.join(t.select)} matches no tensor")
+        raise UsageError(f"--filter {' '.join(t.select)} matches no tensor")
     containers = ckpt.containers if not (t.strip_prefix or t.add_prefix) else {}
     return dataclasses.replace(ckpt, tensors=tensors, objects=objects, containers=containers, notes=list(ckpt.notes))
 
