@@ -213,16 +213,9 @@ def _splice(out: bytes, pickler: pickle.Pickler, handed: _Handed, spliced: Splic
     return parts
 
 
-def dumps(
-    obj: Any,
-    persistent_id: Callable[[Any], Any] | None = None,
-    expected: Iterable[Global | DType] = (),
-    shared: bool = True,
-    strings: Iterable[str] = (),
-    stand_ins: Iterable[tuple[type, Global]] = (),
-) -> bytes:
-    """`dump_parts` joined."""
-    return b"".join(dump_parts(obj, persistent_id, expected, shared, strings, stand_ins))
+def dumps(obj: Any, *args: Any, **options: Any) -> bytes:
+    """`dump_parts` (same arguments) joined into one bytes object."""
+    return b"".join(dump_parts(obj, *args, **options))
 
 
 def dump_parts(

@@ -91,19 +91,6 @@ pickler.register(_IndexOf, _index_state)
 pickler.register(_StoredAt, _stored_state)
 
 
-def metadata_bytes(
-    chunks: dict[str, tuple[TensorEntry, list[Any]]],
-    planner: dict[str, Any],
-    objects: list[Any],
-    dest: Path,
-    order: list[str] | None = None,
-    *,
-    chunk_class: type,
-) -> bytes:
-    """`metadata_parts` joined."""
-    return b"".join(metadata_parts(chunks, planner, objects, dest, order, chunk_class=chunk_class))
-
-
 def metadata_parts(
     chunks: dict[str, tuple[TensorEntry, list[Any]]],
     planner: dict[str, Any],
