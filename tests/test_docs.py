@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_cli.cli import docgen
+from ckpt_cli.cli import docgen, scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_examples_are_commands_of_the_tested_tour():
         for line in EXAMPLES[c.name]:
             assert line in toured, f"{line!r} is not a command of the tested tour"
             assert f"$ {line}" in shown, (c.name, line)
-            assert docgen._roff(line) in man
+            assert scripts._roff(line) in man
         assert c.help.endswith(".") and c.summary.endswith("."), c.name
     assert ".B 143" in man
 

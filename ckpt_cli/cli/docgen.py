@@ -13,7 +13,7 @@ import typer.main
 
 from ckpt_cli.cli import scripts
 from ckpt_cli.cli.app import app
-from ckpt_cli.cli.scripts import Cmd, _roff  # noqa: F401 - for the tests
+from ckpt_cli.cli.scripts import Cmd
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from ckpt_cli.errors import UsageError
+
 STEP = re.compile(r"(?:step|checkpoint)[-_=]?(\d+)", re.IGNORECASE)
 
 
@@ -21,3 +23,12 @@ def named(tag: str, names: list[str]) -> list[str]:
         if found:
             return found
     return []
+
+
+def pick(tag: str, names: list[str], where: str, kind: str) -> str:
+    """The one name `tag` names; UsageError (naming `where` and what it holds) when it names none or several."""
+    chosen = named(tag, names)
+    if len(chosen) != 1:
+        how = "no" if not chosen else "more than one"
+        raise UsageError(f"{where}: {how} {kind} '{tag}' (found: {', '.join(names) or 'none'})")
+    return chosen[0]

@@ -27,7 +27,7 @@ from ckpt_cli.core.pickle_guard import charge
 from ckpt_cli.core.pickler import Global, Instance, Reduce
 from ckpt_cli.core.safe_pickle import Sealed, TensorRef
 from ckpt_cli.core.storage import location
-from ckpt_cli.core.tags import named as tags_named
+from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
@@ -138,12 +138,8 @@ def resolve_tag(path: Path, tag: str | None) -> tuple[Path, str, list[str]]:
         return path, path.name, []
     tags = list_tags(path)
     if tag is not None:
-        chosen = tags_named(tag, tags)
-        if len(chosen) != 1:
-            raise UsageError(
-                f"{path}: {'no' if not chosen else 'more than one'} DeepSpeed tag '{tag}' (found: {', '.join(tags) or 'none'})"
-            )
-        return path / chosen[0], chosen[0], []
+        tag = pick_tag(tag, tags, str(path), "DeepSpeed tag")
+        return path / tag, tag, []
     latest = path / LATEST
     if present(latest):  # a FIFO or device there is refused by name, not passed over
         named = plain_component(read_regular_text(latest, max_bytes=4096).strip(), str(latest))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpt_cli.core.tags import named as tags_named
+from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -177,12 +177,7 @@ def resolve(path: Path, format_name: str | None = None, tag: str | None = None) 
         return Resolved(path, fmt, tag, None)
     tags = list_tags(path)
     if tag is not None:
-        chosen = tags_named(tag, tags)
-        if len(chosen) != 1:
-            raise UsageError(
-                f"{path}: {'no' if not chosen else 'more than one'} checkpoint tag '{tag}' (found: {', '.join(tags) or 'none'})"
-            )
-        tag = chosen[0]
+        tag = pick_tag(tag, tags, str(path), "checkpoint tag")
         inner = path / tag
         return Resolved(inner, get(format_name) if format_name else detect(inner), tag, None)  # type: ignore[arg-type]
     if fmt is not None:

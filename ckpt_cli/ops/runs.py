@@ -15,12 +15,12 @@ from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FlatRange, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.plan import OutputFile, TensorData, WritePlan
 from ckpt_cli.core.tags import named as tags_named
+from ckpt_cli.core.tags import step_in
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry, run_read, runs
 from ckpt_cli.ops.request import Job, Request
 from ckpt_cli.ops.structure import structure_problems
 
-NAME_STEP = re.compile(r"(?:step|checkpoint)[-_=]?(\d+)", re.IGNORECASE)
 SEARCH_DEPTH = 4  # Lightning: ROOT/lightning_logs/version_0/checkpoints/NAME.ckpt
 # Files inside run checkpoints that the root search must not take for checkpoints of their own.
 COMPANION_FILE = re.compile(r"(training_args\.bin|optimizer.*|scheduler.*|rng_state.*|random_states.*|custom_checkpoint.*|meta\.pt)")
@@ -40,9 +40,9 @@ class Found:
         accelerate's checkpoint_3 counts saves), or its folder's (global_step_N/actor); None for names without one
         (last.ckpt, epoch=3-val_loss=0.12.ckpt)."""
         for part in (self.path.name, self.path.parent.name):  # verl, SkyRL: global_step_N/actor, step_N/policy
-            named = NAME_STEP.findall(part)
-            if named:
-                return int(named[-1])
+            step = step_in(part)
+            if step is not None:
+                return step
         return None
 
     def order(self) -> tuple[int, int]:
@@ -119,7 +119,7 @@ def run_of(found: Found, root: Path) -> str:
     if found.path == root:
         return "."
     folder = found.path.parent.relative_to(root)
-    if found.path.name == found.path.parent.name or not NAME_STEP.search(found.path.parent.name):
+    if found.path.name == found.path.parent.name or step_in(found.path.parent.name) is None:
         return str(folder)
     return str(folder.parent) + "/*"
 
