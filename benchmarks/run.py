@@ -11,7 +11,8 @@ For each size (GB on disk) it builds once, and reuses from WORKDIR afterwards (b
   deepspeed2   a ZeRO-2 fp32 checkpoint saved by real DeepSpeed + AdamW on 2 ranks (deepspeed_build.py)
   deepspeed3   the same at ZeRO-3
 
-and times, on each source, `ckpt inspect`, `ckpt verify --deep`, the conversions that start from it
+and times, on each source, `ckpt inspect`, `ckpt verify --deep` (and with `--finite`: held to 1.5x of
+`--deep`), the conversions that start from it
 (split, merge, convert, reshard) and, beside each conversion, the peer a user would otherwise run on
 the same input (a full load + save with safetensors / huggingface_hub, torch's dcp_to_torch_save,
 DeepSpeed's zero_to_fp32.py and ds_to_universal), and `cp -r` of the source, without and with a
@@ -51,6 +52,7 @@ BUILDS = {"safetensors": "hf", "hf": "hf", "dcp": "dcp", "deepspeed2": "zero2", 
 SHARD = "250MB"  # hf shards: of the built folder, and of `ckpt split`
 EXPORT_SHARD = "200MB"  # `ckpt convert` DCP -> hf: several shards, so that --workers has files to share
 RSS_FLAT, RSS_MAX, CP_MAX = 1.15, 500e6, 1.3  # the issue's targets
+FINITE_MAX = 1.5  # verify --finite (alone or with --deep) over verify --deep: the NaN/Inf count rides the same read
 CP_BOUND = ("split", "merge", "convert", "reshard")  # operations held to CP_MAX x cp -r
 
 NAIVE_SPLIT = """\
@@ -121,6 +123,7 @@ class Row:
     vs_peer_rss: float | None = None
     vs_cp: float | None = None
     vs_cp_sync: float | None = None
+    vs_deep: float | None = None  # verify --finite rows: wall over that of verify --deep
 
 
 def gb_tag(size: float) -> str:
@@ -147,6 +150,8 @@ def tasks(group: str, src: Path, out: Path) -> list[Task]:
         Task("cp_sync", "cp -r + sync (floor)", "floor", ["sh", "-c", 'cp -r "$0" "$1" && sync', str(src), str(copy)], copy),
         Task("inspect", "ckpt inspect", "ckpt", [*CKPT, "inspect", str(src)]),
         Task("verify", "ckpt verify --deep", "ckpt", [*CKPT, "verify", "--deep", str(src)]),
+        Task("verify_finite", "ckpt verify --finite", "ckpt", [*CKPT, "verify", "--finite", str(src)]),
+        Task("verify_finite_deep", "ckpt verify --deep --finite", "ckpt", [*CKPT, "verify", "--deep", "--finite", str(src)]),
     ]
     if group == "safetensors":
         hf = src.with_name(src.name.replace("model-", "hf-", 1).removesuffix(".safetensors"))  # built beside it
@@ -401,6 +406,9 @@ def add_ratios(rows: list[Row]) -> None:
             cp, cp_sync = by.get((r.group, "cp", r.size_gb)), by.get((r.group, "cp_sync", r.size_gb))
             r.vs_cp = r.wall_s / cp.wall_s if cp else None
             r.vs_cp_sync = r.wall_s / cp_sync.wall_s if cp_sync else None
+        deep = by.get((r.group, "verify", r.size_gb))
+        if r.key.startswith("verify_finite") and deep:
+            r.vs_deep = r.wall_s / deep.wall_s
 
 
 # ------------------------------------------------------------------------------------------ printing
@@ -488,6 +496,7 @@ def main_table(rows: list[Row], groups: list[str], sizes: list[float]) -> list[s
                     mark = "+"
                 io = f"{r.input_bytes / 1e9:.2f} -> {r.output_bytes / 1e9:.2f}" if r.output_bytes else f"{r.input_bytes / 1e9:.2f}"
                 peer = f"{ratio(r.vs_peer_time)}; {ratio(r.vs_peer_rss)}" if r.vs_peer_time is not None else ""
+                peer = f"{ratio(r.vs_deep)} --deep" if r.vs_deep is not None else peer
                 label = ("  " if r.kind == "peer" else "") + r.label
                 lines.append(
                     f"{label:<54} {gb_tag(r.size_gb):>7} {io:>13} {r.wall_s:7.2f}s {mb(r.peak_rss_bytes):>9}{mark}"
@@ -573,6 +582,8 @@ def misses(rows: list[Row], flat: list[Flatness], sizes: list[float]) -> list[st
             found.append(f"{name}: wall {r.vs_peer_time:.2f}x its peer")
         if r.vs_peer_rss is not None and r.vs_peer_rss >= 1:
             found.append(f"{name}: peak RSS {r.vs_peer_rss:.2f}x its peer")
+        if r.vs_deep is not None and r.vs_deep > FINITE_MAX:
+            found.append(f"{name}: wall {r.vs_deep:.2f}x verify --deep > {FINITE_MAX}x")
     for f in flat:
         if f.ratio > RSS_FLAT:
             found.append(f"[{f.group}] {f.label}: peak RSS {f.ratio:.2f}x from {gb_tag(min(sizes))} to {gb_tag(max(sizes))} > {RSS_FLAT}x")

@@ -23,14 +23,14 @@ _ckpt() {
     case "${words[1]}" in
         completion) opts="--help -h" ;;
         convert) opts="--to --world-size --tp --dtype --max-shard-size --num-shards --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --layout --zero-stage --ds-config --rename --name-map --per-rank-state --quantize --help -h" ;;
-        demo) opts="--overwrite --help -h" ;;
-        diff) opts="--atol --rtol --filter --depth --json --format-a --format-b --tag-a --tag-b --trust-pickle --help -h" ;;
-        inspect) opts="--json --yaml --tensors --filter --tree --depth --markdown --format --tag --trust-pickle --help -h" ;;
-        ls) opts="--json --trust-pickle --help -h" ;;
+        demo) opts="--overwrite --json --quiet -q --help -h" ;;
+        diff) opts="--atol --rtol --filter --depth --json --format-a --format-b --tag-a --tag-b --trust-pickle --quiet -q --help -h" ;;
+        inspect) opts="--json --yaml --tensors --filter --tree --depth --markdown --format --tag --trust-pickle --quiet -q --help -h" ;;
+        ls) opts="--json --format --tag --trust-pickle --quiet -q --help -h" ;;
         merge) opts="--dtype --all --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         reshard) opts="--world-size --tp --num-shards --max-shard-size --dtype --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --layout --rename --name-map --per-rank-state --help -h" ;;
         split) opts="--max-shard-size --num-shards --dtype --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
-        verify) opts="--deep --finite --write-manifest --manifest --against --atol --rtol --policy --json --format --tag --trust-pickle --overwrite --help -h" ;;
+        verify) opts="--deep --finite --write-manifest --manifest --against --atol --rtol --policy --json --format --tag --trust-pickle --overwrite --quiet -q --help -h" ;;
     esac
     if [[ "$cur" == -* ]]; then
         COMPREPLY=($(compgen -W "$opts" -- "$cur"))

@@ -42,6 +42,8 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -l quantize -r -d 'fp8
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -F
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -l overwrite -d 'Write the samples afresh into an existing folder.'
+complete -c ckpt -n '__fish_seen_subcommand_from demo' -l json -d 'Machine-readable JSON on stdout.'
+complete -c ckpt -n '__fish_seen_subcommand_from demo' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -F
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l atol -r -d 'Absolute tolerance: |a-b| <= atol + rtol*|b| (default: bit-exact).'
@@ -54,6 +56,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from diff' -l format-b -x -a 'deepsp
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l tag-a -r -d 'Which checkpoint of run folder A (default: the newest).'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l tag-b -r -d 'Which checkpoint of run folder B (default: the newest).'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l trust-pickle -d 'Allow pickled classes outside the allow list (runs code from the file).'
+complete -c ckpt -n '__fish_seen_subcommand_from diff' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from diff' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -F
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l json -d 'Machine-readable JSON on stdout.'
@@ -66,10 +69,14 @@ complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l markdown -d '--tree
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l format -x -a 'deepspeed megatron dcp dtensor dcp-hf hf safetensors torch' -d 'Source format (default: detected): deepspeed, megatron, dcp, dtensor, dcp-hf, hf, safetensors, torch.'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l tag -r -d 'Which checkpoint of a run folder (default: latest, else highest step).'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l trust-pickle -d 'Allow pickled classes outside the allow list (runs code from the file).'
+complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from inspect' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from ls' -F
 complete -c ckpt -n '__fish_seen_subcommand_from ls' -l json -d 'Machine-readable JSON on stdout.'
+complete -c ckpt -n '__fish_seen_subcommand_from ls' -l format -x -a 'deepspeed megatron dcp dtensor dcp-hf hf safetensors torch' -d 'Only checkpoints of this format: deepspeed, megatron, dcp, dtensor, dcp-hf, hf, safetensors, torch.'
+complete -c ckpt -n '__fish_seen_subcommand_from ls' -l tag -r -d 'Only the checkpoints this tag names: by name, name stem or step (100, step_100, global_step100).'
 complete -c ckpt -n '__fish_seen_subcommand_from ls' -l trust-pickle -d 'Allow pickled classes outside the allow list (runs code from the file).'
+complete -c ckpt -n '__fish_seen_subcommand_from ls' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from ls' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -F
 complete -c ckpt -n '__fish_seen_subcommand_from merge' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision); a quantized source (FP8 block-scaled, MXFP4) is dequantized.'
@@ -142,4 +149,5 @@ complete -c ckpt -n '__fish_seen_subcommand_from verify' -l format -x -a 'deepsp
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -l tag -r -d 'Which checkpoint of a run folder (default: latest, else highest step).'
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -l trust-pickle -d 'Allow pickled classes outside the allow list (runs code from the file).'
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -l overwrite -d 'Let --write-manifest replace a previous manifest (never any other file).'
+complete -c ckpt -n '__fish_seen_subcommand_from verify' -l quiet -s q -d 'No progress bar or notes on stderr.'
 complete -c ckpt -n '__fish_seen_subcommand_from verify' -l help -s h -d 'Show this message and exit.'

@@ -98,7 +98,7 @@ def _run(request: api.Request, out: Output) -> None:
     for note in prepared.notes:
         output.info(f"note: {note}", quiet)
     started = time.monotonic()
-    with output.progress(lambda: prepared.total_bytes, f"{prepared.format} -> {dest.name}", quiet) as bar:
+    with output.progress(lambda: prepared.total_bytes, f"{prepared.source_format} -> {prepared.format}", quiet) as bar:
         try:
             report = prepared.write(out.overwrite, bar, out.workers)
         except KeyboardInterrupt as exc:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from ckpt_cli.cli import output
-from ckpt_cli.cli.options import Json, TrustPickle
+from ckpt_cli.cli.options import Json, Quiet, TrustPickle
 from ckpt_cli.formats.registry import FORMATS
 
 if TYPE_CHECKING:
@@ -47,13 +47,15 @@ def diff(
         Optional[str], typer.Option("--tag-b", metavar="TAG", help="Which checkpoint of run folder B (default: the newest).")
     ] = None,
     trust_pickle: TrustPickle = False,
+    quiet: Quiet = False,
 ) -> None:
     """Compare two checkpoints: tensors added, removed, renamed or changed (max |a-b|, relative L2, cosine), training state."""
     from ckpt_cli.ops.diff import DiffOptions
     from ckpt_cli.ops.diff import diff as diff_op
 
     options = DiffOptions(atol, rtol, tuple(filter_ or ()), depth, format_a, format_b, tag_a, tag_b, trust_pickle)
-    report = diff_op(a, b, options)
+    with output.reading(f"diff {a.name} {b.name}", quiet):
+        report = diff_op(a, b, options)
     if json_:
         output.emit_json(report.to_json())
     else:

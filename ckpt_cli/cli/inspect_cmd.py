@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ckpt_cli.cli import output
-from ckpt_cli.cli.options import Format, Json, Source, Tag, TrustPickle
+from ckpt_cli.cli.options import Format, Json, Quiet, Source, Tag, TrustPickle
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
 
@@ -39,18 +39,20 @@ def inspect(
     format_: Format = None,
     tag: Tag = None,
     trust_pickle: TrustPickle = False,
+    quiet: Quiet = False,
 ) -> None:
     """Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state."""
     _refuse_conflicts(json_, yaml_, tensors, tree or depth is not None or markdown, markdown)
     if tree or depth is not None or markdown:
-        with _api().open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt:
+        with output.reading(f"inspect {src.name}", quiet), _api().open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt:
             view = ckpt.tree(depth, filter_ or ())
         if json_ or yaml_:
             output.emit_json(view.to_json()) if json_ else output.emit_yaml(view.to_json())
         else:
             output.emit(view.markdown() if markdown else view.text())
         return
-    doc = _api().inspect(src, filters=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
+    with output.reading(f"inspect {src.name}", quiet):
+        doc = _api().inspect(src, filters=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
     if json_:
         output.emit_json(doc)
     elif yaml_:

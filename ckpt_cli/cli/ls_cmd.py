@@ -3,34 +3,60 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
 from ckpt_cli.cli import output
-from ckpt_cli.cli.options import Json, TrustPickle
+from ckpt_cli.cli.options import Json, Quiet, TrustPickle
 from ckpt_cli.core import storage
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
+from ckpt_cli.formats.registry import FORMATS
 
 Root = Annotated[
     Path, typer.Argument(metavar="ROOT", help="A run root: the folder a training run saves its checkpoints under.", show_default=False)
 ]
 
 
-def ls(root: Root, json_: Json = False, trust_pickle: TrustPickle = False) -> None:
+ListFormat = Annotated[
+    Optional[str], typer.Option("--format", metavar="FORMAT", help=f"Only checkpoints of this format: {', '.join(FORMATS)}.")
+]
+ListTag = Annotated[
+    Optional[str],
+    typer.Option(
+        "--tag", metavar="TAG", help="Only the checkpoints this tag names: by name, name stem or step (100, step_100, global_step100)."
+    ),
+]
+
+
+def ls(
+    root: Root,
+    json_: Json = False,
+    format_: ListFormat = None,
+    tag: ListTag = None,
+    trust_pickle: TrustPickle = False,
+    quiet: Quiet = False,
+) -> None:
     """List every checkpoint under a run root, marking the newest complete one of each run.
 
     Each row: path, framework, format, step, world size, size, and whether the structural check passes.
     Exit 1 when none is complete."""
     from ckpt_cli.ops import runs
 
+    if format_ is not None and format_ not in FORMATS:
+        raise UsageError(f"unknown format '{format_}' (known: {', '.join(FORMATS)})")
+
     root = storage.location(root)  # s3://bucket/prefix too
     if storage.is_remote(root):
         storage.fresh()
     if not root.is_dir():
         raise UsageError(f"{root}: not a folder" if root.exists() else f"{root}: no such file or folder")
-    rows = runs.listing(root, trust_pickle)
+    with output.reading(f"ls {root.name}", quiet):
+        rows = runs.listing(root, trust_pickle, format_, tag)
+    if not rows and (format_ or tag):
+        wanted = " and ".join(w for w in (f"--format {format_}" if format_ else "", f"--tag {tag}" if tag else "") if w)
+        raise UsageError(f"{root}: no checkpoint matches {wanted} (ckpt ls {root} lists them all)")
     if not rows:
         raise UsageError(runs.not_found_message(root, listing=True))
     if json_:

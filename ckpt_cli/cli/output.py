@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+# Seconds before any progress shows: quick commands print nothing extra (CKPT_PROGRESS_DELAY=0: at once).
+DELAY = float(os.environ.get("CKPT_PROGRESS_DELAY", "0.5"))
 
 
 def emit_json(doc: Any) -> None:
@@ -40,10 +46,72 @@ def progress(total_of: Callable[[], int], label: str, quiet: bool) -> Iterator[C
     if total <= 0:
         yield None
         return
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False)
+    bar = _bar(total, label)
     try:
         yield bar.update
     finally:
         bar.close()
+
+
+def _bar(total: int | None, label: str) -> Any:
+    """Decimal units (kB, MB, GB), as every summary line prints sizes."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr, leave=False, delay=DELAY)
+
+
+@contextmanager
+def reading(label: str, quiet: bool) -> Iterator[None]:
+    """Progress of a read-only command on stderr when it is a terminal: the time spent opening the checkpoint
+    ("LABEL: reading metadata 3s"), then a byte bar for each pass that reads data (checksums, hashes, values)."""
+    if quiet or not sys.stderr.isatty():
+        yield
+        return
+    from ckpt_cli.core import meter
+
+    bars = _Passes(label)
+    try:
+        with meter.metered(bars):
+            yield
+    finally:
+        bars.close()
+
+
+class _Passes:
+    """A core.meter.Meter on the terminal: a clock while metadata are read, then one bar per pass."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.bar = label, None
+        self.opening = threading.Event()
+        self.clock = threading.Thread(target=self._tick, daemon=True)
+        self.clock.start()
+
+    def _tick(self) -> None:
+        start, shown = time.monotonic(), False
+        while not self.opening.wait(max(DELAY, 0.1)):
+            if time.monotonic() - start >= 2 * DELAY:
+                sys.stderr.write(f"\r{self.label}: reading metadata {time.monotonic() - start:.0f}s")
+                sys.stderr.flush()
+                shown = True
+        if shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+    def _stop_clock(self) -> None:
+        self.opening.set()
+        self.clock.join()
+
+    def stage(self, label: str, total: int) -> None:
+        self._stop_clock()
+        if self.bar is not None:
+            self.bar.close()
+        self.bar = _bar(total or None, f"{self.label}: {label}")
+
+    def advance(self, nbytes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def close(self) -> None:
+        self._stop_clock()
+        if self.bar is not None:
+            self.bar.close()

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ckpt_cli.cli import output
-from ckpt_cli.cli.options import Format, Json, Source, Tag, TrustPickle
+from ckpt_cli.cli.options import Format, Json, Quiet, Source, Tag, TrustPickle
 
 
 def _api():  # noqa: ANN202 - the API module, imported when a command runs (`ckpt --help` imports no format)
@@ -45,12 +45,14 @@ def verify(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", help="Let --write-manifest replace a previous manifest (never any other file).")
     ] = False,
+    quiet: Quiet = False,
 ) -> None:
     """Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare."""
-    report = _api().verify(
-        src, deep=deep, finite=finite, against=against, atol=atol, rtol=rtol, manifest=manifest, write_manifest=write_manifest,
-        overwrite=overwrite, policy=policy, format=format_, tag=tag, trust_pickle=trust_pickle,
-    )  # fmt: skip
+    with output.reading(f"verify {src.name}", quiet):
+        report = _api().verify(
+            src, deep=deep, finite=finite, against=against, atol=atol, rtol=rtol, manifest=manifest, write_manifest=write_manifest,
+            overwrite=overwrite, policy=policy, format=format_, tag=tag, trust_pickle=trust_pickle,
+        )  # fmt: skip
     if json_:
         output.emit_json(report.to_json())
     elif report.ok:
@@ -59,7 +61,7 @@ def verify(
             f"{report.stats.get('tensors', 0)} tensors in {report.stats.get('files', 0)} files"
         )
         for note in report.notes:
-            output.info(f"note: {note}")
+            output.info(f"note: {note}", quiet)
     else:
         count = len(report.problems)
         output.emit(f"FAILED {report.path} ({report.format or 'unreadable'}): {count} problem{'s' if count > 1 else ''}")

@@ -17,6 +17,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO, NamedTuple
 
+from ckpt_cli.core import meter
 from ckpt_cli.errors import DataError
 
 try:  # built by `pip install` where a C compiler is at hand (pyproject.toml: an optional extension)
@@ -294,6 +295,7 @@ def crc_problem(f: BinaryIO, record: Record, where: str, block: int = 1 << 24) -
             return f"{where}: record {record.name} is truncated"
         crc = zlib.crc32(chunk, crc)
         done += len(chunk)
+        meter.advance(len(chunk))
     if record.crc and crc != record.crc:
         return f"{where}: record {record.name} fails its CRC32 check (stored {record.crc:08x}, data {crc:08x})"
     return None

@@ -64,7 +64,7 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
         source = quant_views.for_write(source, t.dtype, t.quantize, target.name)
         view = transform.apply(name_map.weights_view(source, cross.names) if cross.names_given else source, t)
     plan = writer.plan(view, request.dest, write)
-    return Job(plan, list(view.notes) + plan.notes, (str(request.src), *(f.path for f in ckpt.files)))
+    return Job(plan, list(view.notes) + plan.notes, (str(request.src), *(f.path for f in ckpt.files)), ckpt.format)
 
 
 def refuse_broken(ckpt: Checkpoint, src: Path) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import roles
+from ckpt_cli.core import meter, roles
 from ckpt_cli.core.model import Checkpoint, LazyPieces, TensorEntry
 from ckpt_cli.core.reading import SourceFiles
 from ckpt_cli.errors import CkptError, UsageError
@@ -277,6 +277,7 @@ def _compare(
 ) -> None:
     in_b = set(names_b)
     in_a = set(names_a)
+    meter.stage("comparing values", sum(a.tensors[n].nbytes for n in names_a if n in in_b))
     for name in names_a:
         if name not in in_b:
             continue
@@ -287,6 +288,7 @@ def _compare(
         if x.dtype != y.dtype:
             report.dtype_changed.append({"name": name, "a": x.dtype.name, "b": y.dtype.name})
         values = compare_values(x, y, options.atol, options.rtol, sources_a, sources_b)
+        meter.advance(x.nbytes)
         for pieces in (x.pieces, y.pieces):
             if isinstance(pieces, LazyPieces):
                 pieces.release()

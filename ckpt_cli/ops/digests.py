@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ckpt_cli.core import storage
+from ckpt_cli.core import meter, storage
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.reading import SourceFiles, byte_runs, tensor_bytes
@@ -37,6 +37,7 @@ def file_digest(path: str, algorithm: str) -> str:
     with open_regular(path) as f:
         while chunk := f.read(BLOCK):
             digest.update(chunk)
+            meter.advance(len(chunk))
     return digest.hexdigest()
 
 
@@ -65,6 +66,7 @@ def file_pass(ckpt: Checkpoint, algorithm: str) -> Digests:
             path, offset, nbytes = runs[0]
             spans.setdefault(str(path), []).append((offset, offset + nbytes, t.name))
     out = Digests(algorithm)
+    meter.stage("hashing files", sum(info.bytes for info in ckpt.files if not storage.is_remote(info.path)))
     for info in ckpt.files:
         if storage.is_remote(info.path):
             continue
@@ -114,6 +116,7 @@ def _one_file(path: str, spans: list[tuple[int, int, str]], algorithm: str) -> t
             active = [s for s in active if s[1] > end]
             view.release()
             _drop(data, pos, end)
+            meter.advance(end - pos)
             pos = end
     done = {name: h.hexdigest() for (start, stop, name), h in zip(spans, parts.values()) if stop <= pos}
     return whole.hexdigest(), done

@@ -51,3 +51,4 @@ class Job:
     plan: WritePlan
     notes: list[str] = field(default_factory=list)
     sources: tuple[str, ...] = ()  # the source path and every file read: what --overwrite must never replace
+    source_format: str = ""  # what was read, for the progress label "SRC-format -> DST-format"

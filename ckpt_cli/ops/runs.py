@@ -185,14 +185,26 @@ def part_note(path: Path) -> str | None:
 # ---- ckpt ls ---------------------------------------------------------------------------------------------
 
 
-def listing(root: Path, trust_pickle: bool = False) -> list[dict[str, Any]]:
+def listing(root: Path, trust_pickle: bool = False, format_name: str | None = None, tag: str | None = None) -> list[dict[str, Any]]:
     """One row per checkpoint under `root`, in choose()'s order (oldest first): path, framework, format, step, world size, bytes,
-    complete (a quick structural check), problem, newest (the newest complete one of its run)."""
+    complete (a quick structural check), problem, newest (the newest complete one of its run). `format_name` and `tag`
+    keep only the checkpoints of that format and those the tag names (by name or step, or a tag inside a DeepSpeed
+    folder); none is then marked newest, since what a run resolves to may be among those left out."""
     rows: list[tuple[str, dict[str, Any]]] = []
     for found in find(root):
+        if format_name is not None and found.format != format_name:
+            continue
+        inner = _inner_tag(found, tag)
+        if tag is not None and inner is None and not _tag_names(found, tag):
+            continue
         row: dict[str, Any] = {"path": relative(found, root), "framework": found.framework, "format": found.format}
         try:
-            ckpt = open_exact(found.path, None, None, trust_pickle)
+            try:
+                ckpt = open_exact(found.path, None, inner, trust_pickle)
+            except UsageError:  # the tag names none of the folder's own tags
+                continue
+            if inner is not None:
+                row["path"] = f"{row['path']}/{ckpt.tag}"
             problems = structure_problems(ckpt)
             step = ckpt.step if ckpt.step is not None or found.framework not in (None, runs.TORCHTITAN) else found.name_step
             row |= {"step": step, "world_size": ckpt.world_size, "bytes": sum(max(f.bytes, 0) for f in ckpt.files)}
@@ -201,11 +213,24 @@ def listing(root: Path, trust_pickle: bool = False) -> list[dict[str, Any]]:
             row |= {"step": None, "world_size": None, "bytes": _du(found.path)}
         row |= {"complete": not problems, "problem": problems[0] if problems else None, "newest": False}
         rows.append((run_of(found, root), row))
-    for parent in {p for p, _ in rows}:  # what choose() takes: the last complete one of each run (one run, one folder)
+    runs_marked = {p for p, _ in rows} if format_name is None and tag is None else set()
+    for parent in runs_marked:  # what choose() takes: the last complete one of each run (one run, one folder)
         complete = [r for p, r in rows if p == parent and r["complete"]]
         if complete:
             complete[-1]["newest"] = True
     return [r for _, r in rows]
+
+
+def _tag_names(found: Found, tag: str) -> bool:
+    """Whether `tag` names the checkpoint itself: its name, that name less its suffix, or the step in its name."""
+    return bool(tags_named(tag, [found.path.name])) or (tag.isdigit() and found.name_step == int(tag))
+
+
+def _inner_tag(found: Found, tag: str | None) -> str | None:
+    """`tag` when it is for the folder's own tags (a DeepSpeed folder's global_stepN), not for its name."""
+    if tag is None or found.framework is not None or not registry.get(found.format).own_tags or _tag_names(found, tag):
+        return None
+    return tag
 
 
 def _du(path: Path) -> int:
@@ -245,7 +270,8 @@ def plan_run(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:
         sources += job.sources
     companion_files, companion_notes = _companion_files(source, request)
     plan = WritePlan(source.parts[0][1].format, request.dest, True, files + companion_files)
-    return Job(plan, notes + companion_notes, tuple(sources) + tuple(str(source.run.path / c.relpath) for c in source.run.companions))
+    companions = tuple(str(source.run.path / c.relpath) for c in source.run.companions)
+    return Job(plan, notes + companion_notes, tuple(sources) + companions, source.parts[0][1].format)
 
 
 def _plan_export(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:

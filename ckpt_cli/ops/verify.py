@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import atomic, remote_write, storage, structured
+from ckpt_cli.core import atomic, meter, remote_write, storage, structured
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import is_plain, read_regular_text
 from ckpt_cli.core.reading import SourceFiles, byte_runs, element_windows, read_elements, tensor_bytes
@@ -92,11 +92,16 @@ def scan_tensor(t: TensorEntry, sources: SourceFiles, digests: dict[str, Digests
                 h.update(block)
             if counter is not None:
                 counter.update(block)
+            meter.advance(len(block))
         for algo, h in hashers.items():
             digests[algo].tensors[t.name] = h.hexdigest()
     if counter is not None:
         return counter.nan, counter.inf
-    return count_nonfinite(t, sources) if finite and t.dtype.is_float else (0, 0)
+    if not (finite and t.dtype.is_float):
+        return 0, 0
+    counts = count_nonfinite(t, sources)
+    meter.advance(0 if digests else t.nbytes)  # read for digests above: counted there
+    return counts
 
 
 def count_nonfinite(t: TensorEntry, sources: SourceFiles) -> tuple[int, int]:
@@ -248,7 +253,9 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
         for name in b.tensors.keys() - a.tensors.keys():
             report.problems.append(f"{a.path}: tensor '{name}' is missing (present in {b.path})")
         exact = atol == 0 and rtol == 0
-        for name in [n for n in a.tensors if n in b.tensors]:
+        common = [n for n in a.tensors if n in b.tensors]
+        meter.stage(f"comparing with {b.path}", sum(a.tensors[n].nbytes for n in common))
+        for name in common:
             x, y = a.tensors[name], b.tensors[name]
             if x.shape != y.shape:
                 report.problems.append(f"{b.path}: tensor '{name}' has shape {list(y.shape)}, {a.path} has {list(x.shape)}")
@@ -259,6 +266,7 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
                 )
                 continue
             diff = compare_values(x, y, atol, rtol, sources_a, sources_b)
+            meter.advance(x.nbytes)
             if not diff.within(atol, rtol):
                 how = "values differ" if exact else f"max |diff| {diff.max_abs:.3g} exceeds atol={atol} rtol={rtol}"
                 report.problems.append(f"{b.path}: tensor '{name}': {how}")
@@ -292,6 +300,8 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     report.checks.append("structure")
     report.problems += leftover_problems(ckpt)
     report.problems += quantized.problems(ckpt, options.deep)
+    if options.deep and has_checksums(ckpt):
+        meter.stage("checking CRCs", sum(f.bytes for f in ckpt.files))
     try:
         report.problems += format_check(ckpt, options.deep)
     except DataError as exc:
@@ -321,8 +331,10 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         try:
             if want_hash or read_all:  # in object storage: fetched ahead in large ranges, not one round trip per tensor
                 sources.expect([run for t in ckpt.tensors.values() for run in byte_runs(t, t.dtype) or []])
+            wanted = {t.name: [a for a in algorithms if t.name not in hashes[a].tensors] for t in ckpt.tensors.values()}
+            meter.stage("reading tensors", sum(t.nbytes for t in ckpt.tensors.values() if wanted[t.name] or finite))
             for t in ckpt.tensors.values():
-                nan, inf = scan_tensor(t, sources, {a: hashes[a] for a in algorithms if t.name not in hashes[a].tensors}, finite)
+                nan, inf = scan_tensor(t, sources, {a: hashes[a] for a in wanted[t.name]}, finite)
                 if nan or inf:
                     report.nonfinite[t.name] = {"nan": nan, "inf": inf}
         except DataError as exc:

@@ -159,6 +159,10 @@ class PreparedWrite:
     def format(self) -> str:
         return self.job.plan.format
 
+    @property
+    def source_format(self) -> str:
+        return self.job.source_format
+
     def dry_run(self, overwrite: bool = False) -> WriteReport:
         """The plan, with a note when the real run would refuse the destination."""
         try:
