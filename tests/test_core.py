@@ -191,3 +191,22 @@ def test_threads_sharing_one_file_write_the_same_bytes(ckpt, mixed_files, tmp_pa
         assert ckpt("merge", mixed_files["hf"], two, "--workers", "2", "--all" if name.endswith(".pt") else "--weights-only").code == 0
         assert one.read_bytes() == two.read_bytes()
     assert sorted(torch.load(tmp_path / "two" / "merged.pt", weights_only=True)) == sorted(mixed_state_dict())
+
+
+def test_a_large_pickle_is_read_in_pieces_let_go_as_read():
+    """A pickle past LEAN_FROM reaches the unpickler in 1 MB pieces dropped once read, and builds the same value."""
+    import pickle
+
+    from ckpt_cli.core import pickle_guard, pickle_stream
+    from ckpt_cli.core.safe_pickle import safe_loads
+
+    value = {f"layers.{i}.weight": [i, (i, i + 1), "x" * (i % 50)] for i in range(60_000)}
+    data = pickle.dumps(value, protocol=4)
+    assert len(data) > 2 * pickle_guard.LEAN_FROM
+    assert safe_loads(data, "x") == value
+    stream = pickle_stream.reader(data)
+    pieces = stream.raw.pieces
+    count = len(pieces)
+    assert count == -(-len(data) // (1 << 20))
+    assert stream.read(3 << 20) == data[: 3 << 20] and len(pieces) <= count - 2  # what was read is let go
+    assert stream.read() == data[3 << 20 :] and not pieces

@@ -387,3 +387,21 @@ def test_nonfinite_from_bits_equals_torch(dtype):
     wide = values.to(torch.float64) if dtype != torch.float64 else values
     assert (counter.nan, counter.inf) == (int(torch.isnan(wide).sum()), int(torch.isinf(wide).sum()))
     assert counter.nan > 0 and counter.inf >= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_nonfinite_quick_pass_misses_no_lone_special(dtype):
+    """Finite blocks take the quick pass; a lone NaN or Inf in a later, shorter block is still counted."""
+    from ckpt_cli.ops.finite import NonFinite
+
+    counter = NonFinite(str(dtype).removeprefix("torch."))
+    finite = torch.randn(10_000).to(dtype)
+    raw = finite.view(torch.uint8).numpy().tobytes()
+    for start in range(0, len(raw), 8192):
+        counter.update(raw[start : start + 8192])
+    assert (counter.nan, counter.inf) == (0, 0)
+    for special, want in ((float("nan"), (1, 0)), (float("-inf"), (1, 1)), (float("inf"), (1, 2))):
+        lone = finite[:37].clone()
+        lone[36] = special
+        counter.update(lone.view(torch.uint8).numpy().tobytes())
+        assert (counter.nan, counter.inf) == want

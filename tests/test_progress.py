@@ -131,3 +131,25 @@ def test_ls_narrowed_by_format_and_tag(ckpt, ds_saves, tmp_path):
 def test_ls_of_one_deepspeed_folder_by_tag(ckpt, ds_saves, args):
     res = ckpt("ls", ds_saves[2] / "stage2-fp32", "--json", *args)
     assert res.code == 0 and [r["path"] for r in json.loads(res.out)["checkpoints"] if r["format"] == "deepspeed"] == ["global_step3"]
+
+
+def test_an_empty_selection_and_a_stray_tolerance_are_wrong_calls_in_every_command(ckpt, tmp_path):
+    """`--filter` matching nothing is exit 2 wherever it is taken (before: inspect --tree printed "no tensors" and
+    diff said "equal"), and a tolerance without --against is refused rather than ignored."""
+    assert ckpt("demo", tmp_path / "d", "-q").code == 0
+    hf, one = tmp_path / "d" / "hf", tmp_path / "d" / "model.safetensors"
+    calls = [
+        ("inspect", hf),
+        ("inspect", hf, "--tree"),
+        ("diff", hf, one),
+        ("convert", hf, tmp_path / "o1", "--to", "torch"),
+        ("merge", hf, tmp_path / "o2.safetensors"),
+        ("split", one, tmp_path / "o3"),
+    ]
+    for call in calls:
+        res = ckpt(*call, "--filter", "nothing.*")
+        assert res.code == 2 and "--filter nothing.* matches no tensor" in res.err, (call, res.err)
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2.safetensors", "o3"))
+    for flag in ("--atol", "--rtol"):
+        res = ckpt("verify", hf, flag, "0.1")
+        assert res.code == 2 and "tolerances of --against" in res.err, res.err

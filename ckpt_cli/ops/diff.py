@@ -242,6 +242,8 @@ def diff(path_a: str | Path, path_b: str | Path, options: DiffOptions) -> DiffRe
         report.notes += _left_out(a, mine, "A") + _left_out(b, theirs, "B")
     names_a = [n for n in mine.tensors if matches(n, options.filters)]
     names_b = [n for n in theirs.tensors if matches(n, options.filters)]
+    if options.filters and not names_a and not names_b:  # as inspect and the writers: an empty selection is a wrong call
+        raise UsageError(f"--filter {' '.join(options.filters)} matches no tensor of {a.path} or {b.path}")
     sources_a, sources_b = SourceFiles(), SourceFiles()
     try:
         _compare(report, mine, theirs, names_a, names_b, options, sources_a, sources_b)

@@ -17,6 +17,7 @@ from typing import Any
 
 from ckpt_cli.core.model import ROLES, Checkpoint, TensorEntry
 from ckpt_cli.core.sizes import human_bytes
+from ckpt_cli.errors import UsageError
 from ckpt_cli.ops import quantized
 from ckpt_cli.ops.transform import matches
 
@@ -122,6 +123,8 @@ def build(ckpt: Checkpoint, filters: tuple[str, ...] = (), depth: int | None = N
     for entry in ckpt.tensors.values():
         if matches(entry.name, filters):
             _insert(roots.setdefault(entry.role, _Trie()), entry)
+    if filters and not roots:  # as inspect without --tree: an empty selection is a wrong call
+        raise UsageError(f"--filter {' '.join(filters)} matches no tensor of {ckpt.path}")
     notes: list[tuple[str, str]] = [("", n) for n in ckpt.notes]  # which checkpoint of a run, which tag
     scheme = quantized.scheme_of(ckpt) if quantized.may_be_quantized(ckpt) else None
     params = quantized.param_counts(ckpt, scheme)  # quantized weights: scales hold no parameters, a packed byte two

@@ -279,6 +279,8 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
 def verify(path: str | Path, options: VerifyOptions) -> Report:
     if not (0 <= options.atol < float("inf") and 0 <= options.rtol < float("inf")):
         raise UsageError("--atol and --rtol take finite values >= 0")
+    if (options.atol or options.rtol) and options.against is None:
+        raise UsageError("--atol and --rtol are tolerances of --against; give --against CKPT, or leave them out")
     report = Report(str(path))
     for name in ("write_manifest", "manifest", "policy"):  # an s3:// URL, which Path spells s3:/, names an object
         value = getattr(options, name)
