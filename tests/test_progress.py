@@ -64,6 +64,11 @@ def test_diff_and_a_write_show_progress_labelled_from_source_to_target(ds_saves,
     assert code == 0 and "diff hf hf: comparing values" in err, err
 
 
+def test_demo_shows_a_clock_while_it_trains(tmp_path):
+    code, out, err = on_terminal("demo", tmp_path / "d")
+    assert code == 0 and "demo: training a tiny model and saving it" in err and "try: ckpt inspect" in err, err
+
+
 def test_the_clock_while_metadata_are_read(monkeypatch):
     """A wide checkpoint's metadata take seconds to read: a clock says so, then is wiped for the first bar."""
     from ckpt_cli.cli import output

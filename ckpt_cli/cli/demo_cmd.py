@@ -21,7 +21,8 @@ def demo(dest: DemoDir, overwrite: DemoOverwrite = False, json_: Json = False, q
     """Write small, real sample checkpoints in every format into DIR, to try every command on."""
     from ckpt_cli.ops.demo import write_demo
 
-    written = write_demo(dest, overwrite)
+    with output.reading("demo", quiet, "training a tiny model and saving it"):
+        written = write_demo(dest, overwrite)
     if json_:
         output.emit_json({"dest": str(dest), "checkpoints": [str(path) for path in written]})
     else:

@@ -61,15 +61,15 @@ def _bar(total: int | None, label: str) -> Any:
 
 
 @contextmanager
-def reading(label: str, quiet: bool) -> Iterator[None]:
-    """Progress of a read-only command on stderr when it is a terminal: the time spent opening the checkpoint
+def reading(label: str, quiet: bool, doing: str = "reading metadata") -> Iterator[None]:
+    """Progress of a read-only command on stderr when it is a terminal: a clock while it opens the checkpoint
     ("LABEL: reading metadata 3s"), then a byte bar for each pass that reads data (checksums, hashes, values)."""
     if quiet or not sys.stderr.isatty():
         yield
         return
     from ckpt_cli.core import meter
 
-    bars = _Passes(label)
+    bars = _Passes(label, doing)
     try:
         with meter.metered(bars):
             yield
@@ -80,8 +80,8 @@ def reading(label: str, quiet: bool) -> Iterator[None]:
 class _Passes:
     """A core.meter.Meter on the terminal: a clock while metadata are read, then one bar per pass."""
 
-    def __init__(self, label: str) -> None:
-        self.label, self.bar = label, None
+    def __init__(self, label: str, doing: str = "reading metadata") -> None:
+        self.label, self.doing, self.bar = label, doing, None
         self.opening = threading.Event()
         self.clock = threading.Thread(target=self._tick, daemon=True)
         self.clock.start()
@@ -90,7 +90,7 @@ class _Passes:
         start, shown = time.monotonic(), False
         while not self.opening.wait(max(DELAY, 0.1)):
             if time.monotonic() - start >= 2 * DELAY:
-                sys.stderr.write(f"\r{self.label}: reading metadata {time.monotonic() - start:.0f}s")
+                sys.stderr.write(f"\r{self.label}: {self.doing} {time.monotonic() - start:.0f}s")
                 sys.stderr.flush()
                 shown = True
         if shown:
