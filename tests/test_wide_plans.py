@@ -281,3 +281,25 @@ def test_dedup_keeps_what_torch_dedup_save_plans_keeps(world, tp, rows):
         [(w.index.fqn, tuple(w.index.offset) if w.index.offset is not None else None) for w in p.items] for p in dedup_save_plans(plans)
     ]
     assert ours == theirs
+
+
+def test_packed_dcp_chunks_make_the_pieces_as_read(ckpt, fsdp2_saves, tmp_path):
+    """A DCP tensor's plain chunks are packed (three numbers a chunk) and made again on demand: the same pieces, zip
+    records and CRCs included, as those read one by one; a strided chunk keeps its list."""
+    from ckpt_cli.core.model import LazyPieces, Piece, StoredArray
+    from ckpt_cli.formats import dcp_chunks
+    from ckpt_cli.ops.source import open_checkpoint
+
+    src = tmp_path / "w5"
+    assert ckpt("reshard", fsdp2_saves[2] / "ckpt", src, "--world-size", "5", "-q").code == 0
+    packed = open_checkpoint(src, None, None, False)
+    plain = open_checkpoint(src, None, None, False, pieces_when_read=True)
+    several = [t for t in packed.tensors.values() if len(t.pieces) > 1]
+    assert several and all(isinstance(t.pieces, LazyPieces) and not t.pieces._keep for t in several)
+    for name, t in packed.tensors.items():
+        want = list(plain.tensors[name].pieces)
+        assert list(t.pieces) == want and [p.data.record for p in t.pieces] == [p.data.record for p in want], name
+    first = several[0].pieces[0]
+    strided = Piece(first.region, StoredArray(first.data.path, first.data.offset, first.data.dtype, (1,), (2,), 0, first.data.record))
+    kept = [first, strided]
+    assert dcp_chunks.pack(kept, first.data.dtype, dcp_chunks.Paths()) is kept

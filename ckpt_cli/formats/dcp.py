@@ -38,6 +38,7 @@ from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.storage import is_remote
 from ckpt_cli.core.tree import holds_tensor
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
+from ckpt_cli.formats import dcp_chunks
 from ckpt_cli.formats.dcp_metadata import (
     METADATA_GLOBALS,
     BytesStorageRec,
@@ -307,7 +308,7 @@ class DCPReader:
             storage[index.key()] = info
         meta.storage_data = None  # its MetadataIndex records: one per chunk, no longer needed
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
-        files = _Files(path)
+        files, paths = _Files(path), dcp_chunks.Paths()
         tensors: dict[str, TensorEntry] = {}
         objects: dict[str, ObjectEntry] = {}
         containers: dict[tuple[Any, ...], str] = {}
@@ -330,7 +331,7 @@ class DCPReader:
                         _check_stored(path, fqn, item, storage)
                         pieces = LazyPieces(functools.partial(_tensor_pieces, files, fqn, item, storage, options), len(item.chunks))
                     else:
-                        pieces = _tensor_pieces(files, fqn, item, storage, options)
+                        pieces = dcp_chunks.pack(_tensor_pieces(files, fqn, item, storage, options), item.properties.dtype, paths)
                         object.__setattr__(item, "chunks", ())  # the pieces hold the same boxes (200,000 records at 64 ranks)
                     tensors[fqn] = TensorEntry(fqn, item.properties.dtype, size, roles.tensor_role(key_path), pieces, key_path)
                 elif isinstance(item, BytesStorageRec):
