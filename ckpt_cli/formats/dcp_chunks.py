@@ -10,6 +10,7 @@ a safetensors-serialized save) keeps its list of pieces as read.
 
 from __future__ import annotations
 
+import functools
 import math
 from array import array
 from collections.abc import Sequence
@@ -46,15 +47,33 @@ class PackedChunks:
     def __init__(self, boxes: tuple[Box, ...], numbers: array, paths: Paths, dtype: DType, record_name: str) -> None:
         self.boxes, self.numbers, self.paths, self.dtype, self.record_name = boxes, numbers, paths, dtype, record_name
 
+    # The pieces made last, for the next call: a tensor is asked for its pieces several times in a row (its check,
+    # its plan, each window read), and made once then. One tensor's pieces, whichever thread asked.
+    _last: tuple[PackedChunks, list[Piece]] | None = None
+
     def __call__(self) -> list[Piece]:
-        names, numbers, itemsize = self.paths.names, self.numbers, self.dtype.itemsize
+        last = PackedChunks._last
+        if last is not None and last[0] is self:
+            return last[1]
+        pieces = self._make()
+        PackedChunks._last = (self, pieces)
+        return pieces
+
+    def _make(self) -> list[Piece]:
+        names, numbers, dtype, name = self.paths.names, self.numbers, self.dtype, self.record_name
         pieces = []
         for i, box in enumerate(self.boxes):
             file, offset, crc = numbers[FIELDS * i : FIELDS * i + FIELDS]
             shape = box.sizes
-            record = Record(self.record_name, offset, math.prod(shape) * itemsize, crc)
-            pieces.append(Piece(box, StoredArray(names[file], offset, self.dtype, shape, contiguous_strides(shape), 0, record)))
+            strides, nbytes = _layout(shape, dtype.itemsize)
+            array = StoredArray(names[file], offset, dtype, shape, strides, 0, Record(name, offset, nbytes, crc))
+            pieces.append(Piece(box, array))
         return pieces
+
+
+@functools.lru_cache(maxsize=1 << 12)  # a few distinct chunk shapes; the strides took a fifth of making a piece
+def _layout(shape: tuple[int, ...], itemsize: int) -> tuple[tuple[int, ...], int]:
+    return contiguous_strides(shape), math.prod(shape) * itemsize
 
 
 def _plain(piece: Piece, dtype: DType, record_name: str) -> bool:

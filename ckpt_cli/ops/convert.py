@@ -31,10 +31,13 @@ BASE_RSS = 40 * 10**6
 TORCH_RSS = 260 * 10**6
 
 
+WALKED_ONCE = ("hf", "safetensors", "torch")  # targets that read each source tensor in one go: DCP chunks may stay packed
+
+
 def prepare(request: Request) -> Job:
     """Open the source once and plan the write (metadata only; nothing is written)."""
     src = request.source
-    ckpt = open_checkpoint(request.src, src.format, src.tag, src.trust_pickle)
+    ckpt = open_checkpoint(request.src, src.format, src.tag, src.trust_pickle, pack_chunks=request.to in WALKED_ONCE)
     unsafe = ckpt.unsafe_values()
     if unsafe:  # a value whose pickle names a global outside the allow list is never copied (its loader would run it)
         raise DataError(f"refusing to copy a pickled value the allow list rejects: {unsafe_value_problem(unsafe[0])}")

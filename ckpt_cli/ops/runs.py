@@ -93,14 +93,20 @@ def find(root: Path, depth: int = SEARCH_DEPTH) -> list[Found]:
 
 
 def open_exact(
-    path: Path, format_name: str | None, tag: str | None, trust_pickle: bool, layout_only: bool = False, pieces_when_read: bool = False
+    path: Path,
+    format_name: str | None,
+    tag: str | None,
+    trust_pickle: bool,
+    layout_only: bool = False,
+    pieces_when_read: bool = False,
+    pack_chunks: bool = True,
 ) -> Checkpoint:
     """The checkpoint at `path` itself: a run checkpoint (unless --format names a core format), or a core one."""
     run = runs.detect(path) if format_name is None else None
     if run is not None:
         return run_read.read(run, ReadOptions(tag=tag, trust_pickle=trust_pickle, layout_only=layout_only))
     resolved = registry.resolve(path, format_name, tag)
-    options = ReadOptions(tag=resolved.tag, trust_pickle=trust_pickle, layout_only=layout_only, pieces_when_read=pieces_when_read)
+    options = ReadOptions(resolved.tag, trust_pickle, layout_only, pieces_when_read, pack_chunks)
     ckpt = resolved.format.reader.read(resolved.path, options)
     if resolved.tag and not ckpt.tag:
         ckpt.tag = resolved.tag

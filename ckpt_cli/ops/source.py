@@ -24,9 +24,10 @@ def open_checkpoint(
     trust_pickle: bool = False,
     layout_only: bool = False,
     pieces_when_read: bool = False,
+    pack_chunks: bool = True,
 ) -> Checkpoint:
     """Read a checkpoint's metadata (no tensor data) from any supported format or framework run folder; `layout_only`:
-    what inspect reports, no more, and `pieces_when_read` (ReadOptions), for a checkpoint named directly."""
+    what inspect reports, no more, and `pieces_when_read`, `pack_chunks` (ReadOptions), for a checkpoint named directly."""
     path = storage.location(path)  # s3://bucket/prefix: a storage.RemotePath
     if storage.is_remote(path):
         storage.fresh()  # listings and blocks cached by an earlier command in this process may be stale
@@ -45,7 +46,7 @@ def open_checkpoint(
             "(or name --format to read this one file alone)"
         )
     if format is not None or runs.detect(path) is not None or registry.detect(path) is not None:
-        ckpt = run_roots.open_exact(path, format, tag, trust_pickle, layout_only, pieces_when_read)
+        ckpt = run_roots.open_exact(path, format, tag, trust_pickle, layout_only, pieces_when_read, pack_chunks)
         note = run_roots.part_note(path) if format is None and not runs.detect(path) else None
         if note:
             ckpt.notes.append(note)
