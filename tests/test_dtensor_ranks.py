@@ -304,3 +304,17 @@ def test_sharded_tensor_refused_in_words_without_torch_distributed(ckpt, saves, 
         for name, data in members.items():
             z.writestr(name, data)
     assert_fails(ckpt("inspect", folder), "ShardedTensor")
+
+
+@pytest.mark.parametrize("config", ["fsdp2", "dcp-hf"])
+def test_reshard_of_a_read_only_folder_says_what_to_do_and_the_advice_works(ckpt, dtensor_saves_2, tmp_path, config):
+    """Not "is one file; use ckpt split" (these are folders of per-rank files): what ckpt cannot write, and the
+    conversion it suggests, which must then succeed."""
+    folder = dtensor_saves_2 / config
+    res = ckpt("reshard", folder, tmp_path / "out", "--world-size", 1)
+    fmt = "dtensor" if config == "fsdp2" else "dcp-hf"
+    assert res.code == 2 and f"ckpt cannot reshard a {fmt} checkpoint" in res.err and "one file" not in res.err, res.err
+    assert not (tmp_path / "out").exists()
+    assert "--to dcp --world-size N" in res.err
+    res = ckpt("convert", folder, tmp_path / "dcp", "--to", "dcp", "--world-size", 1, "-q")
+    assert res.code == 0 and (tmp_path / "dcp" / ".metadata").is_file(), res.err

@@ -157,7 +157,15 @@ def test_a_signal_during_start_up_gives_one_line_and_the_exit_code(tmp_path, mix
         dest = tmp_path / f"out{delay}.safetensors"
         args = ["merge", str(mixed_files["hf"]), str(dest), "--dtype", "bf16"]
         code_ = f"from ckpt_cli.cli.entry import main; print('up', flush=True); main({args!r})"
-        proc = subprocess.Popen([sys.executable, "-c", code_], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Ctrl-C as a terminal delivers it: to a process whose SIGINT is not ignored (a job started with `&` from a
+        # script inherits it ignored, and Python then leaves it so)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code_],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         assert proc.stdout is not None and proc.stdout.readline() == "up\n"
         time.sleep(delay)
         proc.send_signal(sig)

@@ -303,3 +303,9 @@ def test_a_payload_in_common_pt_is_named_by_inspect_and_refused(ckpt, mcore, tmp
     assert_fails(ckpt("verify", folder), "posix.system")
     assert ckpt("merge", folder, tmp_path / "out.pt", "--all").code == 1
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def test_reshard_says_megatron_reshards_at_load(ckpt, mcore, tmp_path):
+    res = ckpt("reshard", mcore / "stacked", tmp_path / "out", "--world-size", 1)
+    assert res.code == 2 and "Megatron-Core reshards a torch_dist checkpoint itself" in res.err and "one file" not in res.err
+    assert not (tmp_path / "out").exists()

@@ -89,7 +89,7 @@ class _Passes:
     def _tick(self) -> None:
         start, shown = time.monotonic(), False
         while not self.opening.wait(max(DELAY, 0.1)):
-            if time.monotonic() - start >= 2 * DELAY:
+            if time.monotonic() - start >= DELAY:
                 sys.stderr.write(f"\r{self.label}: {self.doing} {time.monotonic() - start:.0f}s")
                 sys.stderr.flush()
                 shown = True

@@ -36,6 +36,7 @@ class Format:
     training_at: str | None = None  # holds a whole training run that moves to and from other frameworks
     writes_any_state_dict: bool = True  # False: the writer needs a source of its own format (or a training state)
     members: str | None = None  # names of the files a folder of this format holds (a regex, whole name)
+    not_resharded: str | None = None  # a read-only format of many files: why `reshard` refuses it, what to do instead
 
     @property
     def reader(self) -> Reader:
@@ -77,6 +78,8 @@ FORMATS: dict[str, Format] = {
             "Megatron-Core torch_dist: metadata.json + common.pt + DCP .metadata/__R_I.distcp",
             True,
             members=r"__\d+_\d+\.distcp|common\.pt|metadata\.json|\.metadata",
+            not_resharded="Megatron-Core reshards a torch_dist checkpoint itself when it loads it at another parallel size "
+            "(dist_checkpointing): load it as it is, or export the weights (ckpt convert SRC DST --to hf)",
         ),
         Format(
             "dcp",
@@ -95,6 +98,8 @@ FORMATS: dict[str, Format] = {
             "per-rank torch.save of DTensor shards (verl, SkyRL): model_world_size_W_rank_R.pt",
             True,
             members=r"(model|optim|extra_state)_world_size_\d+_rank_\d+\.pt",
+            not_resharded="ckpt reads verl's per-rank DTensor files but does not write them yet; convert the run to DCP "
+            "(ckpt convert SRC DST --to dcp --world-size N) or export the weights (--to hf)",
         ),
         Format(
             "dcp-hf",
@@ -103,6 +108,8 @@ FORMATS: dict[str, Format] = {
             "DCP by HuggingFaceStorageWriter: shard-R-model-I-of-N.safetensors",
             False,
             members=r"shard-\d+-model-\d+-of-\d+\.safetensors",
+            not_resharded="ckpt reads DCP's Hugging Face storage layout but does not write it; convert it instead "
+            "(ckpt convert SRC DST --to hf, or --to dcp --world-size N)",
         ),
         Format(
             "hf",

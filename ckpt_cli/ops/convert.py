@@ -127,6 +127,8 @@ def reshard_target(ckpt_format: str, write: WriteOptions) -> registry.Format:
     elif fmt.reshard_by == "world_size":
         if write.world_size is None:
             raise UsageError(f"reshard of a {fmt.name} checkpoint needs --world-size N")
+    elif fmt.not_resharded:
+        raise UsageError(f"ckpt cannot reshard a {fmt.name} checkpoint: {fmt.not_resharded}")
     else:
         raise UsageError(f"a {fmt.name} checkpoint is one file; use 'ckpt split' to shard it")
     return fmt
