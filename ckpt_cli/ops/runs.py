@@ -200,9 +200,11 @@ def listing(root: Path, trust_pickle: bool = False, format_name: str | None = No
     for found in find(root):
         if format_name is not None and found.format != format_name:
             continue
-        inner = _inner_tag(found, tag)
-        if tag is not None and inner is None and not _tag_names(found, tag):
-            continue
+        inner = None
+        if tag is not None and not _tag_names(found, tag):
+            inner = _inner_tag(found, tag)
+            if inner is None:
+                continue
         row: dict[str, Any] = {"path": relative(found, root), "framework": found.framework, "format": found.format}
         try:
             try:
@@ -232,11 +234,10 @@ def _tag_names(found: Found, tag: str) -> bool:
     return bool(tags_named(tag, [found.path.name])) or (tag.isdigit() and found.name_step == int(tag))
 
 
-def _inner_tag(found: Found, tag: str | None) -> str | None:
-    """`tag` when it is for the folder's own tags (a DeepSpeed folder's global_stepN), not for its name."""
-    if tag is None or found.framework is not None or not registry.get(found.format).own_tags or _tag_names(found, tag):
-        return None
-    return tag
+def _inner_tag(found: Found, tag: str) -> str | None:
+    """`tag`, which does not name the checkpoint itself, when the folder has tags of its own (a DeepSpeed folder's
+    global_stepN) for it to name."""
+    return tag if found.framework is None and registry.get(found.format).own_tags else None
 
 
 def _du(path: Path) -> int:
