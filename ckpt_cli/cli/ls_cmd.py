@@ -12,6 +12,7 @@ from ckpt_cli.cli.options import Json, Quiet, TrustPickle
 from ckpt_cli.core import storage
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
+from ckpt_cli.formats import registry
 from ckpt_cli.formats.registry import FORMATS
 
 Root = Annotated[
@@ -44,8 +45,8 @@ def ls(
     Exit 1 when none is complete."""
     from ckpt_cli.ops import runs
 
-    if format_ is not None and format_ not in FORMATS:
-        raise UsageError(f"unknown format '{format_}' (known: {', '.join(FORMATS)})")
+    if format_ is not None:
+        registry.get(format_)  # an unknown name: exit 2 before any listing
 
     root = storage.location(root)  # s3://bucket/prefix too
     if storage.is_remote(root):
