@@ -122,6 +122,28 @@ def test_fish_completion_offers_the_same(tmp_path):
     assert "convert" in complete("ckpt con")
 
 
+@pytest.mark.skipif(not shutil.which("zsh"), reason="zsh is not installed")
+def test_zsh_completion_offers_the_same(tmp_path):
+    """In a real interactive zsh (zpty): the subcommand's own arguments are its first (before, `_arguments` took the
+    subcommand's name for its first argument, so `ckpt completion z` offered nothing)."""
+    functions = tmp_path / "functions"
+    functions.mkdir()
+    shutil.copy(ROOT / "completions/_ckpt", functions / "_ckpt")
+    (tmp_path / "demo").mkdir()
+
+    def complete(line: str) -> list[str]:
+        script = Path(__file__).with_name("zsh_capture.zsh")
+        done = subprocess.run(["zsh", str(script), str(functions), line], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        return sorted(done.stdout.split())
+
+    assert complete("ckpt con") == ["convert"]
+    assert complete("ckpt completion z") == ["zsh"]
+    assert complete("ckpt convert demo out --to h") == ["hf"]
+    assert complete("ckpt diff --format-a dc") == ["dcp", "dcp-hf"]
+    assert complete("ckpt inspect --tr") == ["--tree", "--trust-pickle"]
+    assert complete("ckpt inspect de") == ["demo"]
+
+
 def test_completion_command_prints_the_generated_scripts():
     from typer.testing import CliRunner
 

@@ -130,7 +130,10 @@ def zsh(cmds: list[Cmd]) -> str:
         "        _describe 'command' commands",
         "        return",
         "    fi",
-        "    case ${words[2]} in",
+        "    local cmd=${words[2]}",
+        "    shift words  # _arguments then reads the command's own words: its first argument is SRC, not the command",
+        "    (( CURRENT-- ))",
+        "    case $cmd in",
     ]
     for c in cmds:
         specs = []
