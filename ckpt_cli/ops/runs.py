@@ -209,8 +209,10 @@ def listing(root: Path, trust_pickle: bool = False, format_name: str | None = No
         try:
             try:
                 ckpt = open_exact(found.path, None, inner, trust_pickle)
-            except UsageError:  # the tag names none of the folder's own tags
-                continue
+            except UsageError:
+                if inner is None:
+                    raise
+                continue  # the tag names none of the folder's own tags
             if inner is not None:
                 row["path"] = f"{row['path']}/{ckpt.tag}"
             problems = structure_problems(ckpt)
