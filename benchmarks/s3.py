@@ -13,7 +13,7 @@ Then, on the server:
             floor for moving those bytes
   copy8     the same copy in 8 MiB ranged GETs and 8 MiB multipart parts, the request shape ckpt uses: the
             ratio to it is ckpt's own cost (parsing, planning, CRC checks) beside the server's per request
-  inspect   `ckpt inspect s3://SRC`: requests made and bytes received (counted by ckpt_cli.core.filesystems), in
+  inspect   `ckpt inspect s3://SRC`: requests made and bytes received (counted by ckpt_cli.store.clients), in
             this process; and `verify` (structural) the same way. Also for the same tensors as one safetensors
             file, an hf folder (50 MB shards) and a torch file (written by ckpt from the DCP checkpoint), and for
             a ZeRO-2 checkpoint of the same size from real DeepSpeed on 2 ranks (benchmarks/run.py's builder), at
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, sizes: list[float], env: dict[str, str]) -> li
 def metadata_reads(url: str) -> dict[str, dict[str, float]]:
     """Requests, bytes received and wall time of inspect and structural verify of `url`, in this process."""
     from ckpt_cli import api
-    from ckpt_cli.core import filesystems
+    from ckpt_cli.store import clients as filesystems
 
     reads = {}
     for name, call in (("inspect", api.inspect), ("verify", api.verify)):

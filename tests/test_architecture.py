@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ckpt_cli"
-# What each layer may not import: core is pure, formats know nothing of commands, ops nothing of the CLI.
+# What each layer may not import: the store is the lowest floor, core is pure, formats know nothing of commands,
+# ops nothing of the CLI.
 FORBIDDEN = {
+    "store": ("ckpt_cli.core", "ckpt_cli.formats", "ckpt_cli.ops", "ckpt_cli.cli", "ckpt_cli.api"),
     "core": ("ckpt_cli.formats", "ckpt_cli.ops", "ckpt_cli.cli"),
     "formats": ("ckpt_cli.ops", "ckpt_cli.cli"),
     "ops": ("ckpt_cli.cli",),
@@ -118,3 +121,17 @@ def test_help_imports_no_format_and_inspect_no_writer(tmp_path):
     inspect_modules = _modules_after(["inspect", "m.safetensors"], tmp_path)
     writers = {"ckpt_cli.formats.dcp_writer", "ckpt_cli.formats.deepspeed_writer"}
     assert not inspect_modules & writers, inspect_modules & writers
+
+
+def test_only_the_store_tells_local_from_object_storage():
+    """Where a checkpoint lives is the store's business: no module outside ckpt_cli/store/ asks for a protocol, and
+    none but the store and its backends imports an object-storage client."""
+    asking = re.compile(r"\bis_remote\b|\bprotocol_of\b|\.protocol\b|\bs3fs\b|\badlfs\b|\bbotocore\b|\bfsspec\b")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for name, path in MODULES.items()
+        if not name.startswith("ckpt_cli.store")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if asking.search(line.split("#", 1)[0])
+    ]
+    assert not found, found

@@ -23,13 +23,14 @@ import torch
 from conftest import Result, mixed_state_dict
 from safetensors.torch import save_file
 
-from ckpt_cli.core import atomic, executor, sinks
+from ckpt_cli.core import executor, sinks
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.paths import plain_component
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats import deepspeed_writer
 from ckpt_cli.ops.source import open_checkpoint
+from ckpt_cli.store import local as atomic
 
 TIMEOUT = 20  # every case: a hang is a failure
 

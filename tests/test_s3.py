@@ -27,8 +27,9 @@ pytest.importorskip("boto3")
 
 from s3_store import BUCKET, ISOLATED, local_files, same_but_paths  # noqa: E402
 
-from ckpt_cli.core import filesystems, remote_write  # noqa: E402
 from ckpt_cli.ops.source import open_checkpoint  # noqa: E402
+from ckpt_cli.store import clients as filesystems  # noqa: E402
+from ckpt_cli.store import s3 as s3_backend  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -105,10 +106,10 @@ def test_inspect_of_a_large_checkpoint_reads_metadata_only(ckpt, s3, large):
 def test_detection_asks_about_each_path_once(ckpt, sources, monkeypatch):
     """Format detection probes a path many times (is it a folder? a file?); each answer is a round trip (HEAD, LIST),
     asked once per command. The bucket itself, whose listing may hold any number of keys, is never listed."""
-    from ckpt_cli.core import storage
+    from ckpt_cli.store import Location
 
-    listed, real = [], storage.RemotePath.iterdir
-    monkeypatch.setattr(storage.RemotePath, "iterdir", lambda self: (listed.append(str(self)), real(self))[1])
+    listed, real = [], Location.iterdir
+    monkeypatch.setattr(Location, "iterdir", lambda self: (listed.append(str(self)), real(self))[1])
     for name, most in (("safetensors", 16), ("hf", 16), ("deepspeed", 22)):  # 36 / 14 / 19 when each probe was asked again
         filesystems.reset_stats()
         assert ckpt("inspect", sources[name][1]).code == 0
@@ -223,8 +224,8 @@ def ckpt_format(args: list[str], source: str) -> str:
 
 def test_a_failed_write_leaves_nothing(ckpt, s3, large, monkeypatch):
     """A part upload that fails midway: the multipart uploads are aborted, completed objects deleted, no marker."""
-    monkeypatch.setattr(remote_write, "PART_BYTES", 5 << 20)
-    real, calls = remote_write.ObjectWriter._part, []
+    monkeypatch.setattr(s3_backend, "PART_BYTES", 5 << 20)
+    real, calls = s3_backend.Writer._part, []
 
     def flaky(self, number, body):
         calls.append(number)
@@ -232,7 +233,7 @@ def test_a_failed_write_leaves_nothing(ckpt, s3, large, monkeypatch):
             raise OSError("injected: connection reset")
         return real(self, number, body)
 
-    monkeypatch.setattr(remote_write.ObjectWriter, "_part", flaky)
+    monkeypatch.setattr(s3_backend.Writer, "_part", flaky)
     _, url = large
     res = ckpt("convert", url, s3.url("failed/hf"), "--to", "hf", "--num-shards", "4", "--workers", "2", "--quiet")
     assert res.code == 1 and "injected" in res.err, res.err
@@ -466,7 +467,7 @@ def test_throttling_is_retried_with_backoff(ckpt, s3, sources, tmp_path, monkeyp
     big = s3.upload(tmp_path / "w.safetensors", "throttled/w.safetensors")  # 16 MiB: four parts of 5 MiB (the last smaller)
     flaky = Flaky(s3.endpoint)
     monkeypatch.setenv("AWS_ENDPOINT_URL", flaky.url)
-    monkeypatch.setattr(remote_write, "PART_BYTES", 5 << 20)
+    monkeypatch.setattr(s3_backend, "PART_BYTES", 5 << 20)
     try:
         assert ckpt("verify", "--deep", url).code == 0
         res = ckpt("convert", big, s3.url("throttled/copy.pt"), "--to", "torch", "--quiet")
@@ -485,7 +486,7 @@ def test_throttling_that_outlasts_the_retries_is_one_line(ckpt, s3, sources, tmp
     flaky = Flaky(s3.endpoint, every=1)
     monkeypatch.setenv("AWS_ENDPOINT_URL", flaky.url)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    monkeypatch.setattr(filesystems, "RETRIES", 1)
+    monkeypatch.setattr(s3_backend, "RETRIES", 1)
     try:
         res = ckpt("inspect", url)
         assert res.code == 1 and res.err.startswith(f"ckpt: error: {url}") and "throttling requests (503 SlowDown)" in res.err, res.err

@@ -12,11 +12,10 @@ from typing import Any
 
 import typer
 
-from ckpt_cli import __version__
+from ckpt_cli import __version__, interrupt
 from ckpt_cli.cli import completion_cmd, convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, verify_cmd
 from ckpt_cli.cli.examples import epilog
 from ckpt_cli.cli.output import error
-from ckpt_cli.core import interrupt
 from ckpt_cli.errors import CkptError, Terminated, UnsafePickleError
 
 try:  # typer >= 0.29 vendors click

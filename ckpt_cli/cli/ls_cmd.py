@@ -7,9 +7,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ckpt_cli import store
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Json, Quiet, TrustPickle
-from ckpt_cli.core import storage
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import registry
@@ -48,9 +48,8 @@ def ls(
     if format_ is not None:
         registry.get(format_)  # an unknown name: exit 2 before any listing
 
-    root = storage.location(root)  # s3://bucket/prefix too
-    if storage.is_remote(root):
-        storage.fresh()
+    root = store.location(root)  # s3://bucket/prefix too
+    store.fresh()
     if not root.is_dir():
         raise UsageError(f"{root}: not a folder" if root.exists() else f"{root}: no such file or folder")
     with output.reading(f"ls {root.name}", quiet):

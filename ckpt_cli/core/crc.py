@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ckpt_cli.core import storage
+from ckpt_cli import store
 from ckpt_cli.core.zipio import Record
 from ckpt_cli.errors import DataError
 
@@ -223,11 +223,11 @@ class RecordCheck:
 def _read_crc(path: str, offset: int, nbytes: int) -> int:
     """CRC32 of bytes [offset, offset + nbytes) of `path`, read in blocks through the page cache (ranged GETs
     for an object in object storage)."""
-    if storage.is_remote(path):
+    if not store.mappable(path):
         crc, buffer = 0, bytearray(min(nbytes, READ_BYTES))
         while nbytes:
             view = memoryview(buffer)[: min(nbytes, READ_BYTES)]
-            storage.read_into(path, offset, view)
+            store.read_into(path, offset, view)
             crc = zlib.crc32(view, crc)
             offset += len(view)
             nbytes -= len(view)

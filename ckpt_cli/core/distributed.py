@@ -18,14 +18,15 @@ from __future__ import annotations
 import os
 from typing import TypeVar
 
-from ckpt_cli.core import interrupt, remote_write, storage
-from ckpt_cli.core.atomic import Guard, commit, partial_path, prepare_partial, remove
-from ckpt_cli.core.executor import default_guard, prepare_remote, targets, upload_files, worker_count, write_files
+from ckpt_cli import interrupt, store
+from ckpt_cli.core.executor import default_guard, targets, worker_count, write_files
 from ckpt_cli.core.plan import FileSizes, OutputFile, WritePlan
 from ckpt_cli.core.sinks import Progress
 from ckpt_cli.errors import CkptError, DataError
+from ckpt_cli.store import Guard
 
 T = TypeVar("T")
+RANKS = "ranks"  # the owner that names the one temporary folder the ranks of a torchrun job share
 
 
 def rank_and_world() -> tuple[int, int] | None:
@@ -80,8 +81,7 @@ def execute(
     if owned:
         dist.init_process_group("gloo")
     try:
-        write = _execute_remote if storage.is_remote(plan.dest) else _execute
-        write(plan, overwrite, progress, worker_count(workers), rank, world, default_guard(plan, guard))
+        _execute(plan, overwrite, progress, worker_count(workers), rank, world, default_guard(plan, guard))
     finally:
         if owned:
             dist.destroy_process_group()
@@ -89,58 +89,36 @@ def execute(
 
 def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int, rank: int, world: int, guard: Guard) -> None:
     targets(plan, plan.dest)  # every rank refuses a file name that leaves the destination, before anything is created
-    tmp = partial_path(plan.dest, "ranks")
+    write: store.Write | None = None
     error: BaseException | None = None
     if rank == 0:
         try:
-            tmp = prepare_partial(plan.dest, plan.dest_is_dir, overwrite, "ranks", guard)
+            write = store.begin(plan.dest, plan.dest_is_dir, overwrite, guard, owner=RANKS)
         except CkptError as exc:
             error = exc
     if not _all_ok(error is None):
         raise error or DataError(f"{plan.dest}: rank 0 could not prepare the destination")
-    data, markers = targets(plan, tmp)
-    try:
-        write_files(share(data, rank, world), workers, progress)
-    except BaseException as exc:  # report to the other ranks before failing
-        error = exc
-    if not _all_ok(error is None):
-        if rank == 0:
-            remove(tmp)
-        raise error or DataError(f"{plan.dest}: another rank failed while writing; nothing was written")
-    if rank == 0:
-        write_files(markers, 1, progress)
-        commit(tmp, plan.dest)
-    # Also the barrier: no rank returns before the destination exists. The markers' sizes too: a built marker (DCP
-    # .metadata) is made by rank 0 alone.
-    _share_sizes(plan, [out for _, out in share(data, rank, world) + (markers if rank == 0 else [])])
-
-
-def _execute_remote(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int, rank: int, world: int, guard: Guard) -> None:
-    dest = storage.location(plan.dest)
-    data, markers = targets(plan, dest)  # every rank refuses a file name that leaves the destination, before anything is written
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            prepare_remote(plan, overwrite, guard)
-        except CkptError as exc:
-            error = exc
-    if not _all_ok(error is None):
-        raise error or DataError(f"{dest}: rank 0 could not prepare the destination")
-    cleanup = remote_write.Cleanup()
+    if write is None:
+        write = store.join(plan.dest, RANKS)
+    data, markers = targets(plan, write.root)
     with interrupt.writing():
         try:
-            upload_files(share(data, rank, world), workers, progress, cleanup)
+            write_files(write, share(data, rank, world), workers, progress)
             interrupt.check()
         except BaseException as exc:  # report to the other ranks before failing
             error = exc
         if _all_ok(error is None) and rank == 0:
             try:
-                upload_files(markers, 1, progress, cleanup)
+                write_files(write, markers, 1, progress)
             except BaseException as exc:
                 error = exc
-        if not _all_ok(error is None):  # every rank deletes what it completed: no marker names missing data
-            cleanup.undo()
-            raise error or DataError(f"{dest}: another rank failed while writing; nothing was written")
+        if not _all_ok(error is None):  # the temporary removed, every rank's completed objects deleted
+            write.abort()
+            raise error or DataError(f"{plan.dest}: another rank failed while writing; nothing was written")
+    if rank == 0:
+        write.commit()
+    # Also the barrier: no rank returns before the destination exists. The markers' sizes too: a built marker (DCP
+    # .metadata) is made by rank 0 alone.
     _share_sizes(plan, [out for _, out in share(data, rank, world) + (markers if rank == 0 else [])])
 
 

@@ -6,8 +6,9 @@ DeepSpeed rank file, DCP chunk) has its CRC32 checked on the way (core/crc.py), 
 instead of being copied. A file the plan builds when it is written (a wide write's rank files) is made here, one at a
 time. Writeback to disk starts every WRITEBACK_BYTES, so the final fsync finds little left to flush.
 Under torchrun the caller uses core/distributed.py instead, which shares the files out over ranks.
-A destination in object storage (s3://) has no rename: each file streams in order into one multipart
-upload (core/remote_write.py), data objects first and the commit markers last (execute_remote).
+Files are created through the destination's write transaction (ckpt_cli.store): locally a temporary sibling renamed
+into place at the end, positional writes; in object storage each file streams in order into one object, data objects
+first and the commit markers last, and a failure deletes the objects completed.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckpt_cli.core import interrupt, remote_write, storage
-from ckpt_cli.core.atomic import Guard, check_destination, staged
+from ckpt_cli import interrupt, store
 from ckpt_cli.core.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.model import ZEROS, TensorEntry
 from ckpt_cli.core.paths import inside
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, Segment, TensorData, WritePlan, sizes_of
 from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
-from ckpt_cli.core.remote_write import ObjectWriter
 from ckpt_cli.core.sinks import (
     WRITEBACK_BYTES,
     FileSink,
@@ -37,14 +36,14 @@ from ckpt_cli.core.sinks import (
     stream_tensor,
     write_segments,
 )
-from ckpt_cli.core.storage import RemotePath
 from ckpt_cli.core.zipio import Record
+from ckpt_cli.store import Guard, Write
 
 CHUNK_BYTES = 64 << 20  # a large tensor is cut into pieces of this size when threads share its file
 
 
 def write_file(
-    path: Path,
+    fd: int,
     out: OutputFile,
     progress: Progress | None,
     threads: int = 1,
@@ -56,7 +55,6 @@ def write_file(
     CRC-dependent trailers (Deferred) come last. `check` verifies the source records the copies read."""
     lock = threading.Lock()
     segments = made(out, check)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     pending = 0
 
     def advance(nbytes: int) -> None:
@@ -81,32 +79,26 @@ def write_file(
             assert sink.offset == out.size, f"{out.relpath}: wrote {sink.offset} bytes, planned {out.size}"
             return 0
 
-        try:
-            _run_jobs([(0, out.size, in_order)], 1, cancel, check, file_runs(segments))
-        finally:
-            os.close(fd)
+        _run_jobs([(0, out.size, in_order)], 1, cancel, check, file_runs(segments))
         return
     jobs: list[tuple[int, int, Callable[[SourceFiles], int]]] = []  # (segment, byte count, job -> CRC)
     deferred: list[tuple[int, Deferred]] = []
     pos = 0
-    try:
-        for index, seg in enumerate(segments):
-            if isinstance(seg, Literal):
-                FileSink(fd, pos, None).write(seg.data)
-            elif isinstance(seg, TensorData):
-                jobs += _tensor_jobs(index, seg, fd, pos, advance, threads)
-            elif isinstance(seg, Deferred):
-                deferred.append((pos, seg))
-            pos += seg.size
-        assert pos == out.size, f"{out.relpath}: {pos} bytes of segments, planned {out.size}"
-        crcs = _run_jobs(jobs, threads, cancel, check)
-        by_key = {segments[i].crc_key: crc for i, crc in crcs.items()}  # type: ignore[union-attr]
-        for offset, seg in deferred:
-            data = seg.build(by_key)
-            assert len(data) == seg.size, "deferred segment size differs from its plan"
-            FileSink(fd, offset, None).write(data)
-    finally:
-        os.close(fd)
+    for index, seg in enumerate(segments):
+        if isinstance(seg, Literal):
+            FileSink(fd, pos, None).write(seg.data)
+        elif isinstance(seg, TensorData):
+            jobs += _tensor_jobs(index, seg, fd, pos, advance, threads)
+        elif isinstance(seg, Deferred):
+            deferred.append((pos, seg))
+        pos += seg.size
+    assert pos == out.size, f"{out.relpath}: {pos} bytes of segments, planned {out.size}"
+    crcs = _run_jobs(jobs, threads, cancel, check)
+    by_key = {segments[i].crc_key: crc for i, crc in crcs.items()}  # type: ignore[union-attr]
+    for offset, seg in deferred:
+        data = seg.build(by_key)
+        assert len(data) == seg.size, "deferred segment size differs from its plan"
+        FileSink(fd, offset, None).write(data)
 
 
 def _tensor_jobs(
@@ -178,14 +170,6 @@ def _run_jobs(
     return crcs
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def worker_count(workers: int | None) -> int:
     """Files written at once (the default when None): reads, CRCs and writes release the GIL, so threads overlap them.
     The default shares the host's CPUs among the processes torchrun started on it (LOCAL_WORLD_SIZE): a process's
@@ -222,20 +206,27 @@ def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
     return segments
 
 
-def write_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None) -> None:
-    """Write `files`, up to `workers` at once, and fsync them. With fewer files than workers, the spare
-    workers share the large CRC-bearing tensors of a file (one big DeepSpeed optimizer file, say). Every
-    source zip record read is checked against its CRC32 (DataError before anything is committed)."""
+def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None) -> None:
+    """Create `files` through the write transaction, up to `workers` at once, then sync them. A local file takes
+    positional writes, and with fewer files than workers the spare workers share its large CRC-bearing tensors (one
+    big DeepSpeed optimizer file, say); an object takes its bytes in order. Every source zip record read is checked
+    against its CRC32 (DataError before anything is committed)."""
 
     def write_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_file(target, out, tick, threads, cancel, check)
+        sink = write.create(target, out.size, tick)
+        try:
+            if sink.fd is not None:
+                write_file(sink.fd, out, tick, threads, cancel, check)
+            else:
+                write_in_order(made(out, check), sink, check)
+            interrupt.check()  # a SIGTERM during the last blocks: complete nothing
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
 
     _write_all(files, workers, progress, write_one)
-    # Flush once all are written (the kernel writes back while we produce the next file), before
-    # the rename makes the destination visible.
-    for target, _ in files:
-        fsync_path(target)
+    write.sync()  # once all are written (the kernel wrote back while the next file was made), before the commit
 
 
 WriteOne = Callable[[Path, OutputFile, Progress, int, threading.Event, RecordCheck], None]
@@ -297,78 +288,39 @@ def default_guard(plan: WritePlan, guard: Guard | None) -> Guard:
 def execute(
     plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None, guard: Guard | None = None
 ) -> None:
-    """Write every file of `plan` into a temporary sibling of the destination, then rename it. `guard` says what
-    --overwrite must keep (default: the files the plan reads; only an empty folder is replaced).
+    """Write every file of `plan`, data first and the commit markers last, then commit: locally the temporary sibling
+    is renamed into place; in object storage the markers were the commit. On an error or interrupt nothing is left:
+    the temporary is removed, the objects completed are deleted. `guard` says what --overwrite must keep (default:
+    the files the plan reads; only an empty folder is replaced).
 
     One process only: under torchrun (WORLD_SIZE > 1) the caller uses ckpt_cli.core.distributed.execute.
     """
     targets(plan, plan.dest)  # refuse a file name that leaves the destination before anything is created
-    if storage.is_remote(plan.dest):
-        execute_remote(plan, overwrite, progress, workers, guard)
-        return
-    with staged(plan.dest, plan.dest_is_dir, overwrite, default_guard(plan, guard)) as tmp:
-        data, markers = targets(plan, tmp)
-        write_files(data, worker_count(workers), progress)
-        write_files(markers, 1, progress)  # last, so they are the newest files
-
-
-def execute_remote(
-    plan: WritePlan, overwrite: bool = False, progress: Progress | None = None, workers: int | None = None, guard: Guard | None = None
-) -> None:
-    """Write the plan to object storage: every data object first (each one multipart upload, up to `workers`
-    at once), the commit markers after all of them completed. On an error or interrupt the uploads in flight
-    are aborted and the objects completed are deleted, so no marker ever names missing data. --overwrite
-    first deletes the old checkpoint under a prefix (a one-object output replaces the old object when its
-    upload completes)."""
-    dest = prepare_remote(plan, overwrite, guard)
-    data, markers = targets(plan, dest)
-    cleanup = remote_write.Cleanup()
+    write = store.begin(plan.dest, plan.dest_is_dir, overwrite, default_guard(plan, guard))
     with interrupt.writing():
         try:
-            upload_files(data, worker_count(workers), progress, cleanup)
+            data, markers = targets(plan, write.root)
+            write_files(write, data, worker_count(workers), progress)
             interrupt.check()
-            upload_files(markers, 1, progress, cleanup)
+            write_files(write, markers, 1, progress)  # last, so they are the newest files
+            interrupt.check()  # a SIGTERM during the last blocks: commit nothing
         except BaseException:
-            cleanup.undo()
+            write.abort()
             raise
-
-
-def prepare_remote(plan: WritePlan, overwrite: bool, guard: Guard | None) -> RemotePath:
-    """Refuse an existing destination unless --overwrite, and with it delete what is there (and abort what a killed
-    write left unfinished)."""
-    dest = storage.location(plan.dest)
-    check_destination(dest, overwrite, plan.dest_is_dir, default_guard(plan, guard))
-    if overwrite:
-        remote_write.clear(dest, keep_object=not plan.dest_is_dir)  # type: ignore[arg-type]
-    return dest  # type: ignore[return-value]
-
-
-def upload_files(files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None, cleanup: remote_write.Cleanup) -> None:
-    """Upload `files`, up to `workers` at once, each as one multipart upload completed only once all its bytes are
-    sent; `cleanup` learns every object completed (call inside interrupt.writing())."""
-
-    def upload_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
-        segments = made(out, check)
-        with ObjectWriter(target, out.size, tick) as sink:  # type: ignore[arg-type]
-            upload_segments(segments, sink, check)
-            interrupt.check()  # a SIGTERM during the last blocks: complete nothing
-            sink.commit()
-        cleanup.add(target)  # type: ignore[arg-type]
-
-    _write_all(files, workers, progress, upload_one)
+    write.commit()
 
 
 def file_runs(segments: list[Segment]) -> list[ByteRun]:
     """The stored bytes a file's tensor data is copied from, in order, when some are in object storage (read
-    ahead: core/remote_read.py); [] otherwise, and for data that needs torch (casts, strided pieces)."""
+    ahead: store/prefetch.py); [] otherwise, and for data that needs torch (casts, strided pieces)."""
     data = [s for s in segments if isinstance(s, TensorData)]
-    if not any(storage.is_remote(a.path) for s in data for a in s.tensor.stored_arrays()):
+    if all(store.mappable(a.path) for s in data for a in s.tensor.stored_arrays()):
         return []
     return [run for s in data for run in byte_runs(s.tensor, s.dtype) or []]
 
 
-def upload_segments(segments: list[Segment], sink: ObjectWriter, check: RecordCheck) -> None:
-    """A file's bytes in order into an object (see write_segments)."""
+def write_in_order(segments: list[Segment], sink: store.File, check: RecordCheck) -> None:
+    """A file's bytes in order into an object (see write_segments); stored data is fetched ahead."""
     sources = SourceFiles(check)
     sources.expect(file_runs(segments))
     try:

@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-from ckpt_cli.core import storage
+from ckpt_cli import store
 from ckpt_cli.errors import DataError
+from ckpt_cli.store import file_size, present  # noqa: F401  (formats open and size files through core.paths)
+from ckpt_cli.store.local import open_regular_fd  # noqa: F401
 
 SHOWN_CHARS = 60
 _DRIVE = re.compile(r"^[A-Za-z]:")
-_KINDS = (
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISDIR, "a folder"),
-)
-# An object in object storage (s3://...) is read through core/storage.py: it is always a plain object, never a
+# An object in object storage (s3://...) is read through ckpt_cli.store: it is always a plain object, never a
 # FIFO or device, so the checks below are for local files only.
 
 
@@ -75,45 +69,10 @@ def step_number(value: object, where: str) -> int | None:
     return value
 
 
-def present(path: Path) -> bool:
-    """Something other than a folder is at `path`: a file, or a FIFO or device that reading will refuse by name
-    (`is_file()` would pass over it silently). Remote: an object (not a prefix) is there."""
-    if storage.is_remote(path):
-        return storage.location(path).is_file()
-    return os.path.lexists(path) and not path.is_dir()
-
-
-def open_regular_fd(path: str | Path) -> int:
-    """A read-only descriptor of `path`, which must be a regular file (symlinks followed); DataError otherwise.
-    OSError (missing, no permission) propagates for the caller to word. Local files only."""
-    if storage.is_remote(path):
-        raise DataError(f"{path}: an object in object storage has no file descriptor (read it through core/storage.py)")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
-            raise DataError(f"{path}: is {kind}, not a regular file; refusing to read it")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def open_regular(path: str | Path) -> BinaryIO:
-    """`open(path, "rb")` for a checkpoint file: refuses a FIFO, socket, device or folder without blocking. An
-    object in object storage opens as a storage.RemoteFile (ranged reads, cached in small blocks)."""
-    if storage.is_remote(path):
-        return storage.location(path).open("rb")  # type: ignore[return-value]
-    return os.fdopen(open_regular_fd(path), "rb")
-
-
-def file_size(f: Any) -> int:
-    """The size of a file opened by open_regular (a local file or an object)."""
-    if isinstance(f, storage.RemoteFile):
-        return f.size
-    return os.fstat(f.fileno()).st_size
+    """`open(path, "rb")` for a checkpoint file: refuses a FIFO, socket, device or folder without blocking; an object
+    in object storage opens for ranged reads (store.open_read)."""
+    return store.open_read(path)
 
 
 def read_regular_bytes(path: str | Path, max_bytes: int | None = None) -> bytes:

@@ -4,7 +4,7 @@ Verify, the conversions and the write engine (core/executor.py) all read tensor 
 Contiguous pieces in the wanted dtype are read as raw bytes (no torch); anything else (a cast, a
 strided piece) goes through torch one window of at most BLOCK_BYTES at a time. Only a stored piece
 that is not contiguous (a transposed chunk) is materialised, one piece at a time. A source in object
-storage (an `s3://` path) is read with ranged GETs (core/storage.py) instead of pread.
+storage (an `s3://` path) is read with ranged GETs (ckpt_cli.store) instead of pread.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-from ckpt_cli.core import remote_read, storage
+from ckpt_cli import store
 from ckpt_cli.core.crc import RecordCheck
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, open_regular_fd
 from ckpt_cli.errors import DataError
+from ckpt_cli.store import prefetch as remote_read
 
 # 4 MiB stays in cache between the read, the CRC and the write; 32 MiB made the kernel's copy into
 # the page cache 3-10x slower on a 2-core VM (benchmarks/run.py, perf: copy_folio_from_iter_atomic).
@@ -60,7 +61,7 @@ class SourceFiles:
 
     def expect(self, runs: list[ByteRun]) -> None:
         """The byte runs this reader will read next, in order: those in object storage are fetched ahead."""
-        remote = [r for r in runs if storage.is_remote(r[0])]
+        remote = [r for r in runs if not store.mappable(r[0])]
         if self._prefetch is not None:
             self._prefetch.close()
         self._prefetch = remote_read.Prefetch(remote) if remote else None
@@ -80,8 +81,8 @@ class SourceFiles:
         self._pread(path, offset, memoryview(buf))
 
     def _pread(self, path: str, offset: int, view: memoryview) -> None:
-        if storage.is_remote(path):
-            storage.read_into(path, offset, view)
+        if not store.mappable(path):
+            store.read_into(path, offset, view)
             return
         if len(view) <= SMALL_READ_BYTES and self._from_window(path, offset, view):
             return
@@ -133,9 +134,9 @@ def materialise(array: StoredArray) -> Any:
 
     start, end = array.extent()
     base = array.offset
-    if storage.is_remote(array.path):  # the stored extent, fetched (a memory map needs a local file)
+    if not store.mappable(array.path):  # the stored extent, fetched (a memory map needs a local file)
         raw = bytearray(end - base)
-        storage.read_into(array.path, base, memoryview(raw))
+        store.read_into(array.path, base, memoryview(raw))
         flat = torch.frombuffer(raw, dtype=array.dtype.torch(), count=len(raw) // array.dtype.itemsize)
         return flat.as_strided(array.shape, array.stride, array.storage_offset).contiguous().reshape(-1)
     with open_regular(array.path) as f:
@@ -265,9 +266,9 @@ def byte_runs_in(entry: TensorEntry, dst: DType, start: int, count: int) -> list
 
 def read_runs(runs: list[ByteRun], sources: SourceFiles) -> Iterator[memoryview]:
     """The runs' bytes, a block at a time, in the reused buffer: consume each block before the next. From object
-    storage, in the pieces of parallel ranged GETs fetched ahead (core/remote_read.py)."""
+    storage, in the pieces of parallel ranged GETs fetched ahead (store/prefetch.py)."""
     for path, offset, nbytes in runs:
-        if storage.is_remote(path):
+        if not store.mappable(path):
             yield from sources.remote(path, offset, nbytes)
             continue
         while nbytes:

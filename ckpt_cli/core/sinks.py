@@ -1,7 +1,7 @@
 """Where an output file's bytes go, and how tensor data gets there.
 
 A local file takes positional writes (FileSink: threads may fill different ranges of one file; small writes gathered
-into blocks); an object in object storage takes them in order (core/remote_write.ObjectWriter). Same-dtype contiguous
+into blocks); an object in object storage takes them in order (a store write's File). Same-dtype contiguous
 data moves with copy_file_range (in the kernel, no user-space copy) unless a CRC is wanted, for the output's zip
 record or to check the source record it comes from (core/crc.py); anything that needs a cast goes through torch, one
 window at a time.
@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from ckpt_cli.core import storage
+from ckpt_cli import store
 from ckpt_cli.core.crc import crc32_combine
 from ckpt_cli.core.model import ZEROS
 from ckpt_cli.core.plan import Literal, Segment, TensorData
@@ -35,7 +35,7 @@ COPY_BYTES = 64 << 20  # one copy_file_range call
 SPAN_ELEMENTS = 1 << 20  # a tensor made by range is streamed this many elements at a time
 WRITEBACK_BYTES = 64 << 20
 Progress = Callable[[int], None]
-Sink = Any  # FileSink (a local file, positional writes) or remote_write.ObjectWriter (an object, in order)
+Sink = Any  # FileSink (a local file, positional writes) or a store.File without a descriptor (an object, in order)
 
 
 def _sync_file_range() -> Callable[[int], None]:
@@ -118,7 +118,7 @@ def copy_runs(runs: list[ByteRun], out: Sink, sources: SourceFiles, with_crc: bo
     check = sources.check
     for path, offset, nbytes in runs:
         checked = check is not None and check.wants(path, offset, nbytes)
-        if not with_crc and not checked and path != ZEROS and isinstance(out, FileSink) and not storage.is_remote(path):
+        if not with_crc and not checked and path != ZEROS and isinstance(out, FileSink) and store.mappable(path):
             out.copy(sources.fd(path), offset, nbytes, path)
             continue
         run_crc = 0

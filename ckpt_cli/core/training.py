@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ckpt_cli.core import storage, structured
+from ckpt_cli import store
+from ckpt_cli.core import structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.paths import read_regular_text
 from ckpt_cli.core.row_split import RowSplit
@@ -57,7 +58,7 @@ class NameMap:
     def from_yaml(cls, path: Path) -> NameMap:
         """`strip_segments: [...]`, `rename: [{from: REGEX, to: REPL}, ...]`, `tied: {alias: owner}`,
         `split: [{from: REGEX, to: NAMES, groups: N, layers: BOOL}, ...]`."""
-        path = storage.location(path)  # a local file or an object (s3://)
+        path = store.location(path)  # a local file or an object (s3://)
         try:
             text = read_regular_text(path, max_bytes=16 << 20)
         except OSError as exc:

@@ -114,7 +114,7 @@ def read_archive(
         raise DataError(f"{where}: empty zip archive")
     top = _top_folder(infos[0].filename, where)
     prefetch = getattr(f, "prefetch", None)
-    if prefetch is not None:  # an object in object storage (core/storage.py): every local header in one parallel round
+    if prefetch is not None:  # an object in object storage (ckpt_cli.store): every local header in one parallel round
         prefetch([(start + info.header_offset, _LOCAL_HEADER.size + 4 * len(info.orig_filename)) for info in infos])
     records: dict[str, Record] = {}
     spans: list[tuple[int, int, str]] = []

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ckpt_cli import store
 from ckpt_cli.core import roles, zipio
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.file_times import rewritten_after
@@ -35,7 +36,6 @@ from ckpt_cli.core.model import (
 )
 from ckpt_cli.core.paths import file_size, open_regular, plain_component, present, shown
 from ckpt_cli.core.safe_pickle import TensorRef
-from ckpt_cli.core.storage import is_remote
 from ckpt_cli.core.tree import holds_tensor
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats import dcp_chunks
@@ -115,7 +115,7 @@ EDGE_BYTES = 1536  # of a stored item: its head (local headers, data.pkl: ~730 B
 
 
 def _prefetch_edges(files: _Files, infos: Iterable[StorageInfoRec]) -> None:
-    """In object storage, fetch the head and tail of every stored item in one parallel round (core/storage.py
+    """In object storage, fetch the head and tail of every stored item in one parallel round (store/location.py
     RemoteFile.prefetch): parsing an item's archive reads only there, a few round trips each otherwise."""
     ranges: dict[str, list[tuple[int, int]]] = {}
     for info in infos:
@@ -313,7 +313,7 @@ class DCPReader:
         objects: dict[str, ObjectEntry] = {}
         containers: dict[tuple[Any, ...], str] = {}
         try:
-            if is_remote(path) and not options.layout_only:
+            if not store.mappable(path) and not options.layout_only:
                 _prefetch_edges(files, storage.values())
             for fqn, item in meta.state_dict_metadata.items():
                 key_path = tuple(planner.get(fqn, (fqn,)))
@@ -400,7 +400,7 @@ class DCPReader:
         for p in sorted(folder.glob("*.distcp")):
             if p.name not in referenced:
                 problems.append(f"{p}: not referenced by {METADATA} (a leftover of another save?)")
-        uploaded = is_remote(folder)  # an object's LastModified is its upload, in whatever order a copy made them
+        uploaded = not store.renames(folder)  # an object's LastModified is its upload, in whatever order a copy made them
         for rel in sorted(referenced) if not uploaded else ():
             data = folder / rel
             if data.exists() and rewritten_after(data, meta_path):  # by birth and modification: a copy passes

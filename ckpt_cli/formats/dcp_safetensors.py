@@ -25,9 +25,9 @@ from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, Piece, StoredArray, TensorEntry, contiguous_strides
 from ckpt_cli.core.paths import file_size, present, shown
-from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats import safetensors as st
+from ckpt_cli.store import location
 
 SHARDING_INFO = "DCP_SHARDING_INFO"
 SHARD_FILE = re.compile(r"shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")

@@ -26,7 +26,6 @@ from ckpt_cli.core.paths import open_regular, plain_component, present, read_reg
 from ckpt_cli.core.pickle_guard import charge
 from ckpt_cli.core.pickler import Global, Instance, Reduce
 from ckpt_cli.core.safe_pickle import Sealed, TensorRef
-from ckpt_cli.core.storage import location
 from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import DataError, UsageError
@@ -36,6 +35,7 @@ from ckpt_cli.formats.deepspeed_layout import ZeroLayout
 from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, WholePiece, ZeroFile, stage3_frozen_pieces
 from ckpt_cli.formats.deepspeed_variants import refuse_variants
 from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
+from ckpt_cli.store import location
 
 LATEST = "latest"
 MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")

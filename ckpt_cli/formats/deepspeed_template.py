@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import dtypes, storage, structured
+from ckpt_cli import store
+from ckpt_cli.core import dtypes, structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, Opaque, StoredArray, TensorEntry, concat_flat
 from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
 from ckpt_cli.core.training import TrainingState, apply_per_rank_rule
@@ -42,7 +43,7 @@ class Target:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    path = storage.location(path)  # a local file or an object (s3://)
+    path = store.location(path)  # a local file or an object (s3://)
     try:
         text = path.read_text()
     except OSError as exc:

@@ -12,15 +12,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli import store
 from ckpt_cli.core import structured
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, TensorEntry
 from ckpt_cli.core.paths import plain_component, present, read_regular_bytes, read_regular_text
 from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
-from ckpt_cli.core.storage import is_remote, location, prefetch_heads
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import safetensors as st
 from ckpt_cli.formats import torch_save
+from ckpt_cli.store import location, prefetch_heads
 
 INDEX = "model.safetensors.index.json"
 LEGACY_INDEX = "pytorch_model.bin.index.json"
@@ -73,7 +74,7 @@ def companions_in(folder: Path) -> tuple[dict[str, str | bytes], list[str]]:
     """The companion files present in the folder (in object storage: found in one listing). A link is followed only
     inside the folder, or into the blobs of a Hugging Face cache snapshot (`snapshots/REV/x -> ../../blobs/SHA`):
     a release must never carry a file from elsewhere on the machine (a key the folder's author linked to)."""
-    if is_remote(folder):
+    if not store.renames(folder):  # object storage: no links to follow
         listed = {p.name for p in folder.iterdir()}
         return {name: str(folder / name) for name in COMPANIONS if name in listed}, []
     found: dict[str, str | bytes] = {}

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import roles, storage, structured, zipio
+from ckpt_cli import store
+from ckpt_cli.core import roles, structured, zipio
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text
@@ -109,7 +110,7 @@ def _read_part(run: RunCheckpoint, part: Part, options: ReadOptions) -> Checkpoi
 
 def _size(path: os.PathLike[str]) -> int:
     try:
-        return storage.size(path)
+        return store.size(path)
     except OSError:
         return -1
 
@@ -117,10 +118,10 @@ def _size(path: os.PathLike[str]) -> int:
 def _parse_companion(comp: Companion, where: str, options: ReadOptions, problems: list[str]) -> Any:
     """The value of a companion that ckpt understands (None for the rest); a damaged one adds a problem."""
     try:
-        if not storage.location(where).is_file():
+        if not store.location(where).is_file():
             raise DataError(f"{where}: not a regular file; a run checkpoint's files are copied as they are, so ckpt refuses it")
         if comp.kind == "other" and _is_pickle(where):  # an unknown pickle is checked like a known one before it is copied
-            return registry.get("torch").reader.read(storage.location(where), ReadOptions(trust_pickle=options.trust_pickle))
+            return registry.get("torch").reader.read(store.location(where), ReadOptions(trust_pickle=options.trust_pickle))
         if comp.relpath.endswith(".json"):
             value = structured.load_json(read_regular_text(where, JSON_LIMIT), where, DataError)
             if comp.kind == "trainer_state":
@@ -130,10 +131,10 @@ def _parse_companion(comp: Companion, where: str, options: ReadOptions, problems
                         structured.check(value[key], spec, where, DataError, key)
             return value
         if comp.kind in PARSED_KINDS:
-            return registry.get("torch").reader.read(storage.location(where), ReadOptions(trust_pickle=options.trust_pickle))
+            return registry.get("torch").reader.read(store.location(where), ReadOptions(trust_pickle=options.trust_pickle))
         if comp.kind == WEIGHTS_COPY:
             fmt = "safetensors" if comp.relpath.endswith(".safetensors") else "torch"
-            copy = registry.get(fmt).reader.read(storage.location(where), ReadOptions(trust_pickle=options.trust_pickle))
+            copy = registry.get(fmt).reader.read(store.location(where), ReadOptions(trust_pickle=options.trust_pickle))
             problems += [p for t in copy.tensors.values() for p in _beyond_end(t, where)]
             return copy
         if comp.kind == "args":  # a pickle of TrainingArguments: its archive is checked, never unpickled

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt_cli.core.storage import is_remote
+from ckpt_cli import store
 from ckpt_cli.formats import registry
 
 TRAINER, ACCELERATE, LIGHTNING, TORCHTITAN = "trainer", "accelerate", "lightning", "torchtitan"
@@ -175,7 +175,7 @@ def is_part_of(path: Path) -> tuple[RunCheckpoint, Path] | None:
     """The run checkpoint that `path` is one part of (a DCP folder, a DeepSpeed tag folder, a rank file), looking
     up to three levels up: (run, its path)."""
     for up in list(path.resolve().parents)[:3]:
-        if is_remote(up) and len(up.parts) <= 2:  # a bucket: its listing may be of any size, and a run lives under a prefix
+        if store.is_bucket(up):  # a bucket: its listing may be of any size, and a run lives under a prefix
             break
         run = detect(up)
         if run is not None and run.path != path:

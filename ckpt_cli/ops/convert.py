@@ -10,7 +10,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import atomic, distributed, executor, storage
+from ckpt_cli import store
+from ckpt_cli.core import distributed, executor
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, unsafe_value_problem
 from ckpt_cli.core.plan import TensorData, WritePlan
@@ -176,20 +177,20 @@ def placement(plan: WritePlan) -> dict[str, str]:
     return {name: f.relpath or plan.dest.name for f in plan.files for name in f.tensor_names()}
 
 
-def guard(job: Job) -> atomic.Guard:
+def guard(job: Job) -> store.Guard:
     """--overwrite replaces an existing checkpoint (any format the registry detects, or one a write left without its
     commit marker in object storage), an empty folder or, with a single-file output, a file; never a source or a
     folder holding one."""
-    return atomic.Guard(job.sources + executor.plan_sources(job.plan), _replaceable)
+    return store.Guard(job.sources + executor.plan_sources(job.plan), _replaceable)
 
 
 def _replaceable(path: Path) -> bool:
-    return registry.detect(path) is not None or storage.is_remote(path) and missing_marker(path) is not None
+    return registry.detect(path) is not None or not store.renames(path) and missing_marker(path) is not None
 
 
 def check_destination(job: Job, overwrite: bool) -> None:
     """Refuse (exit 2) a destination the write may not replace, before any work is done."""
-    atomic.check_destination(job.plan.dest, overwrite, job.plan.dest_is_dir, guard(job))
+    store.check_destination(job.plan.dest, overwrite, job.plan.dest_is_dir, guard(job))
 
 
 def run(job: Job, overwrite: bool, progress: Progress | None = None, workers: int | None = None) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core.atomic import Guard, staged
 from ckpt_cli.core.executor import execute
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.formats import hf
+from ckpt_cli.store import Guard
+from ckpt_cli.store.local import staged
 
 # The DeepSpeed sample: what `ckpt convert demo/dcp X --to deepspeed --zero-stage 2 --world-size 2` writes.
 DS_ZERO_STAGE, DS_WORLD_SIZE = 2, 2

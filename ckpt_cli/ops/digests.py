@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ckpt_cli.core import meter, storage
+from ckpt_cli import store
+from ckpt_cli.core import meter
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.reading import SourceFiles, byte_runs, tensor_bytes
@@ -62,13 +63,13 @@ def file_pass(ckpt: Checkpoint, algorithm: str) -> Digests:
     spans: dict[str, list[tuple[int, int, str]]] = {}
     for t in ckpt.tensors.values():
         runs = byte_runs(t, t.dtype)
-        if runs is not None and len(runs) == 1 and not storage.is_remote(runs[0][0]):
+        if runs is not None and len(runs) == 1 and store.mappable(runs[0][0]):
             path, offset, nbytes = runs[0]
             spans.setdefault(str(path), []).append((offset, offset + nbytes, t.name))
     out = Digests(algorithm)
-    meter.stage("hashing files", sum(info.bytes for info in ckpt.files if not storage.is_remote(info.path)))
+    meter.stage("hashing files", sum(info.bytes for info in ckpt.files if store.mappable(info.path)))
     for info in ckpt.files:
-        if storage.is_remote(info.path):
+        if not store.mappable(info.path):
             continue
         out.files[info.path], found = _one_file(info.path, sorted(spans.get(info.path, [])), algorithm)
         out.tensors.update(found)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import roles, storage
+from ckpt_cli import store
+from ckpt_cli.core import roles
 from ckpt_cli.core.model import Checkpoint, Opaque
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import registry, runs
@@ -70,7 +71,7 @@ def unread_values(ckpt: Checkpoint) -> list[dict[str, Any]]:
 def run_root(path: Path) -> list[dict[str, Any]] | None:
     """For a folder holding several checkpoints (a run root), one entry each (path under it, framework, format),
     oldest first; None when the folder is a checkpoint itself."""
-    path = storage.location(path)
+    path = store.location(path)
     if registry.detect(path) is not None or runs.detect(path) is not None or not path.is_dir():
         return None
     found = run_roots.find(path)

@@ -10,8 +10,8 @@ from typing import Any
 from ckpt_cli.core import structured
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.core.paths import read_regular_text
-from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError
+from ckpt_cli.store import location
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import dtypes, storage
+from ckpt_cli import store
+from ckpt_cli.core import dtypes
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FlatRange, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.plan import OutputFile, TensorData, WritePlan
@@ -363,7 +364,7 @@ def _rank_file(name: str, rank: int, world: int, framework: str) -> str:
 
 def _file_copy(path: Path) -> TensorData:
     """A whole file as one byte array, streamed (copy_file_range) by the executor like tensor data."""
-    size = storage.size(path)
+    size = store.size(path)
     u8 = dtypes.by_name("uint8")
     data = StoredArray(str(path), 0, u8, (size,), (1,))
     entry = TensorEntry(f"file:{path.name}", u8, (size,), "other", [Piece(FlatRange(0, size), data)])

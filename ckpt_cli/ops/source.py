@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ckpt_cli.core import remote_write, storage
+from ckpt_cli import store
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed, registry, runs
@@ -28,9 +28,9 @@ def open_checkpoint(
 ) -> Checkpoint:
     """Read a checkpoint's metadata (no tensor data) from any supported format or framework run folder; `layout_only`:
     what inspect reports, no more, and `pieces_when_read`, `pack_chunks` (ReadOptions), for a checkpoint named directly."""
-    path = storage.location(path)  # s3://bucket/prefix: a storage.RemotePath
-    if storage.is_remote(path):
-        storage.fresh()  # listings and blocks cached by an earlier command in this process may be stale
+    path = store.location(path)  # s3://bucket/prefix: a store.Location
+    store.fresh()  # listings and blocks cached by an earlier command in this process may be stale
+    if not store.renames(path):
         problem = missing_marker(path)
         if problem:
             raise DataError(problem)
@@ -74,8 +74,8 @@ def missing_marker(path: Path) -> str | None:
     if found is None:
         return None
     what, has, marker = found
-    pending = len(remote_write.unfinished_uploads(path)) if storage.is_remote(path) else 0  # type: ignore[arg-type]
-    uploads = f", {pending} multipart upload(s) never completed" if pending else ""
+    pending = len(store.unfinished(path))
+    uploads = f", {pending} upload(s) never completed" if pending else ""
     return (
         f"{path}: incomplete {what}: {has} but no {marker}, the commit marker a write uploads last{uploads}; "
         "a write was interrupted or is still running (rerun it with --overwrite)"

@@ -3,7 +3,7 @@ runs on its source first. A run checkpoint (formats/runs.py) is checked part by 
 
 from __future__ import annotations
 
-from ckpt_cli.core import storage
+from ckpt_cli import store
 from ckpt_cli.core.model import ZEROS, Checkpoint, LazyPieces
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats import registry, run_read
@@ -30,7 +30,7 @@ def file_and_tiling_problems(ckpt: Checkpoint) -> list[str]:
     sizes: dict[str, int] = {}
     for info in ckpt.files:
         try:
-            sizes[info.path] = storage.size(info.path)
+            sizes[info.path] = store.size(info.path)
         except OSError:
             problems.append(f"{info.path}: missing")
             continue
@@ -52,7 +52,7 @@ def file_and_tiling_problems(ckpt: Checkpoint) -> list[str]:
                 continue
             size = sizes.get(array.path)
             if size is None:
-                size = storage.size(array.path) if storage.exists(array.path) else -1
+                size = store.size(array.path) if store.exists(array.path) else -1
                 sizes[array.path] = size
             _, end = array.extent()
             if size < 0:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import atomic, meter, remote_write, storage, structured
+from ckpt_cli import store
+from ckpt_cli.core import meter, structured
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import is_plain, read_regular_text
 from ckpt_cli.core.reading import SourceFiles, byte_runs, element_windows, read_elements, tensor_bytes
-from ckpt_cli.core.storage import location
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.ops import crossframework, quantized
 from ckpt_cli.ops import policy as policy_mod
@@ -26,6 +26,7 @@ from ckpt_cli.ops.finite import NonFinite
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, has_checksums
 from ckpt_cli.ops.values import compare_values
+from ckpt_cli.store import location
 
 MANIFEST_VERSION = 2  # 1: sha256 digests; 2: the digest named by "hash" (blake3 when ckpt writes it)
 MANIFEST_VERSIONS = (1, 2)  # what --manifest checks and --overwrite may replace
@@ -175,12 +176,8 @@ def load_manifest(path: Path) -> dict[str, Any]:
 def check_manifest_destination(path: Path, overwrite: bool) -> None:
     """--write-manifest FILE writes a new file; with --overwrite it replaces a previous ckpt manifest, never another
     file (a checkpoint file named by mistake). Checked before the checkpoint is read (exit 2)."""
-    if storage.is_remote(path):
-        where = storage.location(path)
-        remote_write.bucket_and_key(where)  # type: ignore[arg-type]  # refuses what ckpt cannot write to (not s3://, no key)
-        if not where.exists():
-            return
-    elif not os.path.lexists(path):
+    store.check_writable(path)  # refuses what ckpt cannot write to (a protocol it only reads, no key under the bucket)
+    if not store.lexists(path):
         return
     if not overwrite:
         raise UsageError(f"{path} already exists; pass --overwrite to replace it")
@@ -195,30 +192,13 @@ def check_manifest_destination(path: Path, overwrite: bool) -> None:
 def write_manifest_file(path: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest atomically: a temporary sibling, then one os.replace; in object storage one PUT (an object
     appears whole or not at all)."""
-    if storage.is_remote(path):
-        data = (json.dumps(manifest, indent=2) + "\n").encode()
-        with remote_write.ObjectWriter(storage.location(path), len(data)) as out:  # type: ignore[arg-type]
-            out.write(data)
-            out.commit()
-        return
-    with atomic.staged(path, is_dir=False, overwrite=True) as tmp:
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    store.put(path, (json.dumps(manifest, indent=2) + "\n").encode())
 
 
 def leftover_problems(ckpt: Checkpoint) -> list[str]:
     """Temporary siblings of the checkpoint that an interrupted or killed ckpt write left behind; in object storage,
     multipart uploads under it that were neither completed nor aborted."""
-    root = location(ckpt.path)
-    if storage.is_remote(root):
-        return [
-            f"{root.protocol}://{root.parts[1]}/{key}: an upload that never completed (a write killed outright, "
-            "or one running now); ckpt's next --overwrite of this prefix aborts it, as a lifecycle rule would"
-            for key in remote_write.unfinished_uploads(root)  # type: ignore[arg-type]
-        ]
-    return [
-        f"{p}: temporary output of a ckpt write that did not finish (its process is gone, or a torchrun job); remove it"
-        for p in atomic.leftovers(location(ckpt.path))
-    ]
+    return store.unfinished(location(ckpt.path))
 
 
 def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], digests: Digests, report: Report, where: Path) -> None:
@@ -284,7 +264,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     report = Report(str(path))
     for name in ("write_manifest", "manifest", "policy"):  # an s3:// URL, which Path spells s3:/, names an object
         value = getattr(options, name)
-        if value is not None and storage.is_remote(value):
+        if value is not None and not store.mappable(value):
             options = replace(options, **{name: location(value)})
     if options.write_manifest:
         check_manifest_destination(options.write_manifest, options.overwrite)
@@ -331,7 +311,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     if want_hash or read_all or finite:
         sources = SourceFiles()
         try:
-            if (want_hash or read_all) and any(storage.is_remote(f.path) for f in ckpt.files):
+            if (want_hash or read_all) and not all(store.mappable(f.path) for f in ckpt.files):
                 # in object storage: fetched ahead in large ranges, not one round trip per tensor (a list of every
                 # chunk's run: made only there, 75 MB for 581,160 local chunks)
                 sources.expect([run for t in ckpt.tensors.values() for run in byte_runs(t, t.dtype) or []])

@@ -2,9 +2,9 @@
 
 `stream` reads one byte range in pieces of PIECE_BYTES with AHEAD of them in flight. `Prefetch` serves the
 byte runs a whole output file will read, in the order it reads them (core/executor.py knows them from the
-plan): runs of one object that follow each other with gaps under GAP_BYTES (zip headers between DCP chunks,
-a skipped tensor) are fetched as one span cut in pieces, so a checkpoint of many small tensors costs a few
-large GETs, not one round trip per tensor. Memory: AHEAD + 1 pieces per reader.
+plan): runs of one object that follow each other with gaps under GAP_BYTES (zip headers between DCP chunks, a
+skipped tensor) are fetched as one span cut in pieces, so a checkpoint of many small tensors costs a few large
+GETs, not one round trip per tensor. Memory: AHEAD + 1 pieces per reader.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckpt_cli.core import storage
 from ckpt_cli.errors import DataError
+from ckpt_cli.store.location import fetch, location
 
 PIECE_BYTES = 8 << 20
 AHEAD = 3
@@ -32,12 +32,12 @@ def _fetch(url: str, start: int, end: int) -> Future[bytes]:
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(32, thread_name_prefix="ckpt-read")
-    return _pool.submit(storage.fetch, storage.location(url), start, end)  # type: ignore[arg-type]
+    return _pool.submit(fetch, location(url), start, end)  # type: ignore[arg-type]
 
 
 def stream(url: str, offset: int, nbytes: int) -> Iterator[bytes]:
     """Bytes [offset, offset + nbytes) of an object, piece by piece; DataError if the object ends first."""
-    if offset + nbytes > storage.size(url):
+    if offset + nbytes > location(url).stat().st_size:
         raise DataError(f"{url}: truncated: expected {nbytes} bytes at offset {offset}, file ends first")
     pending: deque[Future[bytes]] = deque()
     pos, end = offset, offset + nbytes
@@ -83,7 +83,7 @@ class Prefetch:
         self.inflight: deque[_Piece] = deque()
         self.current: tuple[str, int, int, bytes] | None = None
         for url in {r[0] for r in self.runs}:
-            if max(o + n for u, o, n in self.runs if u == url) > storage.size(url):
+            if max(o + n for u, o, n in self.runs if u == url) > location(url).stat().st_size:
                 raise DataError(f"{url}: truncated: the object ends before the data it should hold")
 
     def take(self, url: str, offset: int, nbytes: int) -> Iterator[memoryview] | None:

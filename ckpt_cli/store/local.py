@@ -13,69 +13,46 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from ckpt_cli.core import interrupt, storage
-from ckpt_cli.errors import UsageError
+from ckpt_cli import interrupt
+from ckpt_cli.errors import DataError
+from ckpt_cli.store.guard import Guard, check_destination
+from ckpt_cli.store.location import is_remote
 
 PARTIAL = ".ckpt-partial-"
 OLD = ".ckpt-old-"  # the old destination moved aside, where a folder cannot be swapped in one step
 
 
-@dataclass(frozen=True)
-class Guard:
-    """What `--overwrite` must keep: the paths being read (never replaced, nor a folder holding one), and which
-    existing folders are checkpoints (`is_checkpoint`; without it, only an empty folder may be replaced)."""
-
-    sources: tuple[str, ...] = ()
-    is_checkpoint: Callable[[Path], bool] | None = None
-
-
-def check_destination(dest: Path, overwrite: bool, output_is_dir: bool, guard: Guard = Guard()) -> None:
-    """Refuse (exit 2) an existing `dest` without --overwrite; with it, refuse what replacing would lose: a source
-    or a folder holding one, a non-empty folder that is not a checkpoint, a file that is not a checkpoint when
-    the output is a folder. `dest` may be in object storage (s3://, a prefix or an object)."""
-    dest = storage.location(dest)
-    _refuse_inside_a_source(dest, guard.sources)
-    if not (dest.exists() if storage.is_remote(dest) else os.path.lexists(dest)):
-        return
-    if not overwrite:
-        raise UsageError(f"{dest} already exists; pass --overwrite to replace it")
-    target = _real(dest)
-    for source in guard.sources:
-        real = _real(storage.location(source))
-        if real == target or target in real.parents:
-            what = "is the source" if real == target else f"holds the source {source}"
-            raise UsageError(f"{dest} {what}; --overwrite never replaces what is being read")
-    if dest.is_symlink():
-        return  # os.replace swaps the link itself; what it points to stays
-    checkpoint = guard.is_checkpoint is not None and guard.is_checkpoint(dest)
-    if dest.is_dir() and any(dest.iterdir()) and not checkpoint:
-        raise UsageError(f"{dest} is a folder that is neither empty nor a checkpoint; --overwrite replaces only those")
-    if not dest.is_dir() and output_is_dir and not checkpoint:
-        raise UsageError(f"{dest} is a file that is not a checkpoint; --overwrite replaces it only with a single-file output")
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a folder"),
+)
 
 
-def _refuse_inside_a_source(dest: Path, sources: tuple[str, ...]) -> None:
-    """A destination inside a folder being read would become part of that checkpoint (a stray sub-folder that
-    `ls` then calls the newest checkpoint, files a later read takes for leftovers): refused, on every store."""
-    above = set(_real(dest).parents)
-    for source in sources:
-        real = _real(storage.location(source))
-        if real in above and real.is_dir():
-            raise UsageError(f"{dest} is inside the source {source}; write it outside the checkpoint being read")
-
-
-def _real(path: Path) -> Path:
-    """`path` with every symlink resolved (as far as they resolve: a loop stops there)."""
+def open_regular_fd(path: str | Path) -> int:
+    """A read-only descriptor of `path`, which must be a regular file (symlinks followed); DataError otherwise.
+    OSError (missing, no permission) propagates for the caller to word. Local files only."""
+    if is_remote(path):
+        raise DataError(f"{path}: an object in object storage has no file descriptor (read it through store.open_read)")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        return path.resolve()
-    except (OSError, RuntimeError):
-        return path.absolute()
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
+            raise DataError(f"{path}: is {kind}, not a regular file; refusing to read it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def remove(path: Path) -> None:
@@ -195,3 +172,69 @@ def staged(dest: Path, is_dir: bool, overwrite: bool, guard: Guard = Guard()) ->
         remove(tmp)
         raise
     commit(tmp, dest)
+
+
+# ---- the write transaction ---------------------------------------------------------------------------------
+
+
+class LocalFile:
+    """One output file being written: a descriptor for positional writes (threads share a large file), or
+    `write` in order. `commit` closes it; the transaction fsyncs it before the rename."""
+
+    def __init__(self, path: Path, done: list[Path]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self._done = path, done
+        self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write(self, data: object) -> None:
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        while len(view):
+            view = view[os.write(self.fd, view) :]  # type: ignore[arg-type]
+
+    def commit(self) -> None:
+        self.abort()
+        self._done.append(self.path)
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class LocalWrite:
+    """A write into the temporary sibling `root` of `dest`, renamed into place by `commit` (the owner's, once);
+    `abort` removes the temporary (the owner's: the torchrun ranks share one)."""
+
+    def __init__(self, dest: Path, root: Path, owner: bool) -> None:
+        self.dest, self.root, self.owner = dest, root, owner
+        self._done: list[Path] = []
+
+    def create(self, target: Path, total: int, progress: Callable[[int], None] | None = None) -> LocalFile:
+        return LocalFile(target, self._done)
+
+    def sync(self) -> None:
+        """fsync the files finished since the last call (the kernel wrote back while the next ones were made)."""
+        for path in self._done:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self._done.clear()
+
+    def commit(self) -> None:
+        if self.owner:
+            commit(self.root, self.dest)
+
+    def abort(self) -> None:
+        if self.owner:
+            remove(self.root)
+
+
+def begin(dest: Path, is_dir: bool, overwrite: bool, guard: Guard, owner: str) -> LocalWrite:
+    return LocalWrite(dest, prepare_partial(dest, is_dir, overwrite, owner, guard), owner=True)
+
+
+def join(dest: Path, owner: str) -> LocalWrite:
+    """The write another process began (torchrun rank 0): files go into its temporary, which it commits."""
+    return LocalWrite(dest, partial_path(dest, owner), owner=False)

@@ -1,16 +1,17 @@
-"""Checkpoints on object storage (`s3://bucket/prefix`, or another fsspec URL): locations, listings, ranged reads.
+"""Checkpoints on object storage (`s3://bucket/prefix`, `az://container/prefix`, another fsspec URL): locations,
+listings, ranged reads.
 
-A remote location is a `RemotePath`: a PurePosixPath whose first part is the protocol (`s3:`), so format modules
-keep using `/`, `.name`, `.suffix`, `.parent` and the few filesystem calls they make (`is_dir`, `iterdir`, `glob`,
-`stat`, `exists`, `open`), and `str()` gives the URL back. `Path("s3://b/k")` (what argument parsing makes of a
-URL: `s3:/b/k`) is the same location; `location()` turns either into a RemotePath, never into a local path.
+A location in object storage is a `Location`: protocol + key, kept as a PurePosixPath whose first part is the
+protocol (`s3:`), so format modules keep using `/`, `.name`, `.suffix`, `.parent` and the few filesystem calls they
+make (`is_dir`, `iterdir`, `glob`, `stat`, `exists`, `open`), and `str()` gives the URL back. `Path("s3://b/k")`
+(what argument parsing makes of a URL: `s3:/b/k`) is the same location; `location()` turns either into a Location,
+never into a local path.
 
-Reads are ranged GETs through fsspec (s3fs for s3://; credentials, region and endpoint from the standard AWS
-configuration, AWS_ENDPOINT_URL included). Metadata parses read through `RemoteFile`: small reads fetch one
-aligned BLOCK and keep it, larger ones fetch exactly the bytes asked for, and `prefetch` fetches a list of
-ranges in parallel (zip local headers); the cache is shared by the handles of one command and dropped by
-`fresh()`. Tensor data is read exactly (`read_into`) and never cached. Clients, retries, errors and request
-counts: core/filesystems.py.
+Reads are ranged GETs through fsspec (s3fs for s3://, adlfs for az://). Metadata parses read through `RemoteFile`:
+small reads fetch one aligned BLOCK and keep it, larger ones fetch exactly the bytes asked for, and `prefetch`
+fetches a list of ranges in parallel (zip local headers); the cache is shared by the handles of one command and
+dropped by `fresh()`. Tensor data is read exactly (`read_into`) and never cached. Clients, errors and request
+counts: store/clients.py and each protocol's backend (store/s3.py, store/azure.py).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
-from ckpt_cli.core import filesystems
-from ckpt_cli.core.filesystems import call, filesystem
 from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.store import clients
+from ckpt_cli.store.clients import call, filesystem
 
 PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory")  # recognised in Path's `s3:/b/k` form
 BLOCK = 8 << 10  # a small read fetches this aligned block (zip directories, pickles and headers sit in one or two)
@@ -38,12 +39,12 @@ SPAN_LIMIT = 1 << 20  # exact reads up to this size are kept too (a header read,
 CACHE_BYTES = 64 << 20
 MERGE_GAP = 4 << 10  # prefetched ranges closer than this are fetched as one
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
-_probes: dict[tuple[str, str], Any] = {}  # (fs method, key) -> its answer, for one command (RemotePath._probe)
+_probes: dict[tuple[str, str], Any] = {}  # (fs method, key) -> its answer, for one command (Location._probe)
 
 
 def protocol_of(path: object) -> str | None:
     """The protocol of a remote location (`s3://b/k`, or `s3:/b/k` as Path spells it); None for a local path."""
-    if isinstance(path, RemotePath):
+    if isinstance(path, Location):
         return path.protocol
     text = os.fspath(path) if isinstance(path, PurePath) else str(path)
     match = _URL.match(text)
@@ -58,8 +59,8 @@ def is_remote(path: object) -> bool:
 
 
 def location(path: str | os.PathLike[str]) -> Path:
-    """A RemotePath for a URL (or Path's spelling of one), else the local Path."""
-    if isinstance(path, RemotePath):
+    """A Location for a URL (or Path's spelling of one), else the local Path."""
+    if isinstance(path, Location):
         return path
     protocol = protocol_of(path)
     if protocol is None:
@@ -67,7 +68,7 @@ def location(path: str | os.PathLike[str]) -> Path:
     rest = [p for p in str(path).split(":", 1)[1].split("/") if p]
     if not rest:
         raise UsageError(f"{protocol}://: names no bucket")
-    return RemotePath(f"{protocol}:", *rest)  # type: ignore[return-value]
+    return Location(f"{protocol}:", *rest)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class RemoteStat:
         return self.st_mtime_ns / 1e9
 
 
-class RemotePath(PurePosixPath):
+class Location(PurePosixPath):
     """`s3://bucket/key` as a path (parts `s3:`, `bucket`, `key`...) with the filesystem calls readers make."""
 
     __slots__ = ()
@@ -93,9 +94,9 @@ class RemotePath(PurePosixPath):
         return f"{head}//{'/'.join(rest)}"
 
     @property
-    def parents(self) -> tuple[RemotePath, ...]:  # type: ignore[override]
+    def parents(self) -> tuple[Location, ...]:  # type: ignore[override]
         """The prefixes above, up to the bucket (`s3://` itself is no location)."""
-        return tuple(RemotePath(*self.parts[:n]) for n in range(len(self.parts) - 1, 1, -1))
+        return tuple(Location(*self.parts[:n]) for n in range(len(self.parts) - 1, 1, -1))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self)!r})"
@@ -142,7 +143,7 @@ class RemotePath(PurePosixPath):
     def is_symlink(self) -> bool:
         return False
 
-    def iterdir(self) -> Iterator[RemotePath]:
+    def iterdir(self) -> Iterator[Location]:
         if len(self.parts) < 2:
             raise NotADirectoryError(errno.ENOTDIR, "not a bucket or prefix", str(self))
         for entry in call(self, self.fs.ls, self.key, detail=False):
@@ -150,25 +151,25 @@ class RemotePath(PurePosixPath):
             if name and entry.rstrip("/") != self.key:
                 yield self / name
 
-    def glob(self, pattern: str) -> Iterator[RemotePath]:
+    def glob(self, pattern: str) -> Iterator[Location]:
         if "/" in pattern or "**" in pattern:
             yield from (location(f"{self.protocol}://{p}") for p in call(self, self.fs.glob, f"{self.key}/{pattern}"))  # type: ignore[misc]
             return
         yield from (p for p in self.iterdir() if fnmatch.fnmatchcase(p.name, pattern))
 
-    def rglob(self, pattern: str) -> Iterator[RemotePath]:
+    def rglob(self, pattern: str) -> Iterator[Location]:
         for found in call(self, self.fs.find, self.key, withdirs=True):
             path = location(f"{self.protocol}://{found}")
             if found != self.key and fnmatch.fnmatchcase(path.name, pattern):
                 yield path  # type: ignore[misc]
 
-    def resolve(self, strict: bool = False) -> RemotePath:
+    def resolve(self, strict: bool = False) -> Location:
         return self
 
-    def absolute(self) -> RemotePath:
+    def absolute(self) -> Location:
         return self
 
-    def expanduser(self) -> RemotePath:
+    def expanduser(self) -> Location:
         return self
 
     def mkdir(self, mode: int = 0o777, parents: bool = False, exist_ok: bool = False) -> None:
@@ -176,7 +177,7 @@ class RemotePath(PurePosixPath):
 
     def open(self, mode: str = "rb", *args: Any, **kwargs: Any) -> RemoteFile:
         if mode != "rb":
-            raise UsageError(f"{self}: objects are opened for reading here; writes go through core/remote_write.py")
+            raise UsageError(f"{self}: objects are opened for reading here; writes go through a write transaction (store/__init__.py)")
         return RemoteFile(self)
 
     def read_bytes(self) -> bytes:
@@ -191,11 +192,11 @@ def fresh() -> None:
     """Forget cached listings and blocks: a new command sees the store as it is now."""
     _cache.clear()
     _probes.clear()
-    for fs in filesystems.made():
+    for fs in clients.made():
         fs.invalidate_cache()
 
 
-def forget(path: RemotePath) -> None:
+def forget(path: Location) -> None:
     """Forget what is cached about `path` (it was just written or deleted)."""
     path.fs.invalidate_cache(path.key)
     _cache.drop(str(path))
@@ -247,18 +248,7 @@ class _Cache:
 _cache = _Cache()
 
 
-def size(path: str | os.PathLike[str]) -> int:
-    """The size of a file or object (OSError when missing, as os.path.getsize)."""
-    if not is_remote(path):
-        return os.path.getsize(path)
-    return location(path).stat().st_size
-
-
-def exists(path: str | os.PathLike[str]) -> bool:
-    return location(path).exists() if is_remote(path) else os.path.exists(path)
-
-
-def fetch(path: RemotePath, start: int, end: int) -> bytes:
+def fetch(path: Location, start: int, end: int) -> bytes:
     """Bytes [start, end) of an object: one ranged GET (DataError if the object ends first)."""
     data = call(path, path.fs.cat_file, path.key, start=start, end=end)
     if len(data) != end - start:
@@ -280,7 +270,7 @@ def prefetch_heads(paths: list[Any], nbytes: int = BLOCK) -> None:
     """The first `nbytes` of each object, in one parallel round (the headers of many files: hf shards); local
     paths and objects not found are passed over (reading them reports it)."""
     remote = [location(p) for p in paths if is_remote(p)]
-    by_fs: dict[int, list[RemotePath]] = {}
+    by_fs: dict[int, list[Location]] = {}
     for path in remote:
         by_fs.setdefault(id(path.fs), []).append(path)  # type: ignore[arg-type]
     for group in by_fs.values():
@@ -296,7 +286,7 @@ def prefetch_heads(paths: list[Any], nbytes: int = BLOCK) -> None:
 class RemoteFile:
     """A read-only, seekable file object over one object; reads go through the shared block cache."""
 
-    def __init__(self, path: RemotePath) -> None:
+    def __init__(self, path: Location) -> None:
         info = path._probe("info")
         if info.get("type") == "directory":
             raise IsADirectoryError(errno.EISDIR, "Is a prefix, not an object", str(path))

@@ -1,0 +1,132 @@
+"""The clients behind object-storage locations: one per protocol and environment, made by the protocol's backend
+module (the BACKENDS table, imported when first used), with its failures worded as one line and a count of every
+request and byte.
+
+A backend module (store/s3.py, store/azure.py, store/fsspec_any.py) says which environment variables configure it
+(`ENVIRONMENT`: a change gets a new client), how to make its fsspec filesystem (`make`), how its errors read
+(`CREDENTIALS`, `translate`), and, if ckpt writes there, its object writer (`Writer`), the destination rule
+(`check_key`) and how unfinished writes are listed and dropped (`unfinished`, `drop_unfinished`).
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, TypeVar
+
+from ckpt_cli.errors import DataError, UsageError
+
+# protocol -> backend module; any other fsspec protocol is read through store/fsspec_any.py
+BACKENDS = {
+    "s3": "ckpt_cli.store.s3",
+    "s3a": "ckpt_cli.store.s3",
+    "az": "ckpt_cli.store.azure",
+    "abfs": "ckpt_cli.store.azure",
+    "abfss": "ckpt_cli.store.azure",
+}
+ANY = "ckpt_cli.store.fsspec_any"
+T = TypeVar("T")
+
+
+def backend(protocol: str) -> ModuleType:
+    return importlib.import_module(BACKENDS.get(protocol, ANY))
+
+
+def call(where: object, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args)` against the store, its failures as one line naming `where`: a missing object is a
+    FileNotFoundError (callers word it as for a local file), bad or missing credentials and an unreachable
+    endpoint are UsageError (exit 2), anything else left after the retries a DataError (exit 1)."""
+    try:
+        return fn(*args, **kwargs)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(where)) from None
+    except PermissionError as exc:
+        hint = backend(_protocol(where)).CREDENTIALS
+        raise UsageError(f"{where}: access denied ({reason(exc)}); check {hint}") from None
+    except (UsageError, DataError):
+        raise
+    except Exception as exc:
+        raise translate(exc, where) from None
+
+
+def translate(exc: BaseException, where: object) -> Exception:
+    """The one-line error for a failed request: the backend's words where it knows the failure, else a DataError."""
+    module = backend(_protocol(where))
+    known = module.translate(exc, where)
+    if known is not None:
+        return known
+    if isinstance(exc, ImportError):
+        return UsageError(f"{where}: {_protocol(where)}:// needs {module.INSTALL_HINT} ({exc})")
+    return DataError(f"{where}: object store request failed after retries ({type(exc).__name__}: {reason(exc)})")
+
+
+def _protocol(where: object) -> str:
+    return str(where).split(":", 1)[0]
+
+
+def reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def names_of(exc: BaseException) -> set[str]:
+    """The class names of an exception and of what caused it (a backend's errors arrive wrapped)."""
+    return {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+
+
+# ---- clients and request counts -----------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    bytes_in: int = 0  # response bodies (a GET's bytes; HEAD responses carry none)
+    bytes_out: int = 0  # request bodies uploaded (parts, blocks, small objects)
+
+
+_stats = Stats()
+_stats_lock = threading.Lock()
+_fs_lock = threading.Lock()
+_filesystems: dict[tuple[Any, ...], Any] = {}
+
+
+def stats() -> Stats:
+    with _stats_lock:
+        return Stats(_stats.requests, _stats.bytes_in, _stats.bytes_out)
+
+
+def reset_stats() -> None:
+    with _stats_lock:
+        _stats.requests = _stats.bytes_in = _stats.bytes_out = 0
+
+
+def count_request(bytes_in: int) -> None:
+    with _stats_lock:
+        _stats.requests += 1
+        _stats.bytes_in += bytes_in
+
+
+def count_sent(nbytes: int) -> None:
+    with _stats_lock:
+        _stats.bytes_out += nbytes
+
+
+def filesystem(protocol: str) -> Any:
+    """The fsspec filesystem for `protocol`, one per protocol and environment (a changed endpoint or key gets a new one)."""
+    module = backend(protocol)
+    key = (protocol, *(os.environ.get(k) for k in module.ENVIRONMENT))
+    with _fs_lock:
+        if key not in _filesystems:
+            _filesystems[key] = module.make(protocol)
+        return _filesystems[key]
+
+
+def made() -> list[Any]:
+    """The filesystems made so far (to drop their cached listings)."""
+    with _fs_lock:
+        return list(_filesystems.values())

@@ -1,0 +1,205 @@
+"""s3:// through s3fs (aiobotocore): the client, its retries and error words, and writes as multipart uploads.
+
+Credentials, region and endpoint come from the standard AWS configuration (AWS_ENDPOINT_URL included); botocore
+retries throttling, 5xx and connection errors with backoff, and s3fs's own loop retries around it. Every request
+and the bytes each response carried are counted (a botocore event hook, store/clients.py's `stats`).
+
+Each output object streams into one multipart upload, completed only once every byte is sent and aborted on any
+failure, so an object is either whole or absent; one that fits in a part is one PUT. Memory is bounded: a writer
+holds one part being filled and at most IN_FLIGHT parts being sent. Parts are PART_BYTES (S3 needs at least 5 MiB
+but for the last), larger only when an object would need more than MAX_PARTS of them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.store.clients import call, count_request, count_sent, names_of, reason
+from ckpt_cli.store.location import Location, forget
+
+RETRIES = 5  # s3fs's own retries of transient errors, on top of botocore's (standard mode, MAX_ATTEMPTS)
+MAX_ATTEMPTS = 8
+INSTALL_HINT = "the s3 extra: pip install 'ckpt-tools[s3]'"
+CREDENTIALS = "the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE) and the bucket policy"
+# a change of any of these gets a new filesystem (tests and the Python API may change them in one process)
+ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+ENVIRONMENT += ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")
+_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "ProfileNotFound"}
+_UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionError", "InvalidEndpointError"}
+THROTTLING = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
+PART_BYTES = 8 << 20
+MAX_PARTS = 10_000
+IN_FLIGHT = 2  # parts of one object sent at once while the next is filled
+
+
+def make(protocol: str) -> Any:
+    try:
+        import s3fs
+    except ImportError:
+        raise UsageError(f"{protocol}:// needs {INSTALL_HINT}") from None
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={"retries": retry_policy(), "max_pool_connections": 64})
+    fs.retries = RETRIES  # a class attribute in s3fs: attempts of its own retry loop (throttling, 5xx, timeouts)
+    try:
+        fs.connect()
+        fs.s3.meta.events.register("after-call.s3", _after_call)
+    except Exception as exc:
+        raise translate(exc, f"{protocol}://") or DataError(f"{protocol}://: {reason(exc)}") from None
+    return fs
+
+
+def _after_call(http_response: Any = None, model: Any = None, **_: Any) -> None:
+    length = 0
+    if http_response is not None and not getattr(model, "name", "").startswith("Head"):
+        length = int(http_response.headers.get("content-length") or 0)
+    count_request(length)
+
+
+def retry_policy() -> dict[str, Any]:
+    """botocore's retries of throttling, 5xx and connection errors, with exponential backoff and jitter: standard
+    mode, MAX_ATTEMPTS attempts, unless AWS_RETRY_MODE / AWS_MAX_ATTEMPTS say otherwise (an explicit Config would
+    override them). Adaptive mode also slows the client down under sustained throttling, to a crawl when a store
+    refuses a steady share of requests; it is there for those who want it (AWS_RETRY_MODE=adaptive)."""
+    attempts = os.environ.get("AWS_MAX_ATTEMPTS", "")
+    return {"mode": os.environ.get("AWS_RETRY_MODE") or "standard", "max_attempts": int(attempts) if attempts.isdigit() else MAX_ATTEMPTS}
+
+
+def translate(exc: BaseException, where: object) -> Exception | None:
+    names = names_of(exc)
+    if names & _CREDENTIALS:
+        return UsageError(f"{where}: no usable credentials ({reason(exc)}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
+    if names & _UNREACHABLE:
+        return UsageError(f"{where}: cannot reach the object store ({reason(exc)}); check AWS_ENDPOINT_URL and the network")
+    if _throttled(exc):
+        return DataError(
+            f"{where}: the object store kept throttling requests (503 SlowDown) through every retry; "
+            "try again later, with fewer --workers, or with a larger AWS_MAX_ATTEMPTS"
+        )
+    return None
+
+
+def _throttled(exc: BaseException) -> bool:
+    """A throttling answer: s3fs raises OSError(EBUSY) with botocore's ClientError, which names the code, as cause."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") in THROTTLING:
+            return True
+    return False
+
+
+# ---- writes -------------------------------------------------------------------------------------------------
+
+
+def part_size(total: int) -> int:
+    """PART_BYTES, or the next MiB multiple that keeps an object of `total` bytes within MAX_PARTS parts."""
+    need = -(-total // (MAX_PARTS - 1))
+    return max(PART_BYTES, -(-need // (1 << 20)) << 20)
+
+
+def check_key(path: Location) -> None:
+    if len(path.parts) < 3:
+        raise UsageError(f"{path}: a destination needs a key under the bucket (s3://bucket/name)")
+
+
+class Writer:
+    """A sequential write of one object of `total` bytes. Nothing is visible until `commit()`; `abort()` leaves
+    nothing behind (parts not sent are cancelled, the multipart upload aborted)."""
+
+    fd = None  # no descriptor: bytes go in order
+
+    def __init__(self, path: Location, total: int, progress: Callable[[int], None] | None = None) -> None:
+        check_key(path)
+        self.path, self.progress = path, progress
+        self.bucket, self.key = path.parts[1], "/".join(path.parts[2:])
+        self.part = part_size(total)
+        self.buffer = bytearray()
+        self.upload_id: str | None = None
+        self.sent: list[Future[dict[str, Any]]] = []
+        self.pool: ThreadPoolExecutor | None = None
+        self.done = False
+
+    def _s3(self, method: str, **kwargs: Any) -> Any:
+        return call(self.path, self.path.fs.call_s3, method, Bucket=self.bucket, Key=self.key, **kwargs)
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.part - len(self.buffer))
+            self.buffer += view[:take]
+            view = view[take:]
+            if len(self.buffer) == self.part:
+                self._send()
+            if self.progress:
+                self.progress(take)
+
+    def _send(self) -> None:
+        if self.upload_id is None:
+            self.upload_id = self._s3("create_multipart_upload")["UploadId"]
+            self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="ckpt-upload")
+        while sum(not f.done() for f in self.sent) >= IN_FLIGHT:  # bounded memory: wait for the oldest part
+            next(f for f in self.sent if not f.done()).result()
+        body, self.buffer = bytes(self.buffer), bytearray()
+        number = len(self.sent) + 1
+        self.sent.append(self.pool.submit(self._part, number, body))  # type: ignore[union-attr]
+
+    def _part(self, number: int, body: bytes) -> dict[str, Any]:
+        reply = self._s3("upload_part", UploadId=self.upload_id, PartNumber=number, Body=body)
+        count_sent(len(body))
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    def commit(self) -> None:
+        """Make the object visible: one PUT, or the last part and the completion of the multipart upload."""
+        if self.upload_id is None:
+            body, self.buffer = bytes(self.buffer), bytearray()
+            self._s3("put_object", Body=body)
+            count_sent(len(body))
+        else:
+            if self.buffer:
+                self._send()
+            parts = [f.result() for f in self.sent]
+            self._s3("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": parts})
+            self.pool.shutdown()  # type: ignore[union-attr]
+        self.done = True
+        forget(self.path)
+
+    def abort(self) -> None:
+        self.buffer = bytearray()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.upload_id is not None and not self.done:
+            try:
+                self._s3("abort_multipart_upload", UploadId=self.upload_id)
+            except Exception:  # the store is unreachable: the upload stays listed, never visible as an object
+                pass
+
+
+def _uploads(dest: Location) -> list[tuple[str, str]]:
+    """(key, upload id) of the multipart uploads at `dest` or under the prefix `dest/`, neither completed nor aborted."""
+    if len(dest.parts) < 3:
+        return []
+    bucket, key = dest.parts[1], "/".join(dest.parts[2:])
+    found: list[tuple[str, str]] = []
+    for prefix in (key, key + "/"):
+        reply = call(dest, dest.fs.call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        found += [(u["Key"], u["UploadId"]) for u in reply.get("Uploads", []) if u["Key"] == key or u["Key"].startswith(key + "/")]
+    return sorted(set(found))
+
+
+def unfinished(dest: Location) -> list[str]:
+    """Keys at or under `dest` with a multipart upload started and neither completed nor aborted (a write killed
+    outright, or one running now): invisible, but stored (and billed) until aborted."""
+    return sorted({key for key, _ in _uploads(dest)})
+
+
+def drop_unfinished(dest: Location) -> None:
+    for key, upload in _uploads(dest):
+        call(dest, dest.fs.call_s3, "abort_multipart_upload", Bucket=dest.parts[1], Key=key, UploadId=upload)
+
+
+UNFINISHED = (
+    "an upload that never completed (a write killed outright, or one running now); "
+    "ckpt's next --overwrite of this prefix aborts it, as a lifecycle rule would"
+)
