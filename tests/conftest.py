@@ -389,6 +389,51 @@ def mcore(tmp_path_factory) -> Path:
 # ---- object storage: a moto server in server mode (tests/s3_store.py) ---------------------------------------------
 
 
+def azurite_command() -> str | None:
+    """Azurite's blob server: $CKPT_AZURITE (.ci/run installs it from npm), or azurite-blob on PATH."""
+    import shutil
+
+    found = os.environ.get("CKPT_AZURITE") or shutil.which("azurite-blob")
+    return found if found and Path(found).exists() else None
+
+
+@pytest.fixture(scope="session")
+def az(tmp_path_factory):
+    """A container on Azurite, the Azure Storage emulator, started here on a free port, with
+    AZURE_STORAGE_CONNECTION_STRING pointing ckpt at it for the session; skipped without adlfs or Azurite."""
+    pytest.importorskip("adlfs")
+    command = azurite_command()
+    if command is None:
+        pytest.skip("Azurite is not installed (npm install azurite; .ci/run does, and sets CKPT_AZURITE)")
+    import socket
+    import time
+
+    from az_store import CONTAINER, Azure, connection_string
+
+    port = free_port()
+    where = tmp_path_factory.mktemp("azurite")
+    args = [command, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(where), "--silent", "--skipApiVersionCheck"]
+    server = subprocess.Popen([*args, "--loose"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert server.poll() is None, f"Azurite did not start: {server.stderr.read().decode()[-2000:]}"
+            assert time.monotonic() < deadline, "Azurite did not start within 60 s"
+            time.sleep(0.2)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(port))
+            store = Azure(connection_string(port))
+            store.service.create_container(CONTAINER)
+            yield store
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def s3():
     """An S3 bucket on a moto server started here (a real HTTP endpoint on a free port), with the AWS variables that

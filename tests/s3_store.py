@@ -14,6 +14,8 @@ ISOLATED = {"AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/
 class S3:
     """The test's own view of the bucket (boto3), and uploads of local checkpoints."""
 
+    protocol = "s3"
+
     def __init__(self, endpoint: str, env: dict[str, str]) -> None:
         self.endpoint, self.env = endpoint, env
         self.client = boto3.client("s3", endpoint_url=endpoint)
@@ -37,6 +39,13 @@ class S3:
 
     def put(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=BUCKET, Key=key, Body=data)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=BUCKET, Key=key)
+
+    def start_unfinished(self, key: str) -> None:
+        """A write that started a multipart upload and never completed it."""
+        self.client.create_multipart_upload(Bucket=BUCKET, Key=key)
 
     def objects(self, key: str) -> dict[str, bytes]:
         """The object `key` as {"": bytes}, or the objects under the prefix by relative name."""

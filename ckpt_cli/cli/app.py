@@ -68,7 +68,7 @@ def _hint(exc: CkptError) -> str:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
-    if not interrupt.request():  # a running write stops at its next block (core/interrupt.py says why)
+    if not interrupt.request():  # a running write stops at its next block (ckpt_cli/interrupt.py says why)
         raise Terminated
 
 

@@ -1,0 +1,221 @@
+"""az:// (and abfs://) Azure Blob Storage through adlfs: the client, its error words, and writes as staged blocks.
+
+Credentials come from what adlfs reads: AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with
+AZURE_STORAGE_ACCOUNT_KEY, a SAS token, a service principal, or the default Azure credential chain. The Azure SDK
+retries throttling, 5xx and connection errors with exponential backoff. Every response is counted (the storage
+response hook of the client's pipeline, store/clients.py's `stats`).
+
+An output object is a block blob: its bytes are staged as blocks of BLOCK_BYTES (at most IN_FLIGHT being sent while
+the next is filled) and become the blob in one Put Block List once all are staged, so an object is whole or absent.
+Staged blocks that were never committed are invisible; Azure drops them after a week. ckpt drops them itself on
+abort, and lists them as unfinished writes (`list_blobs(include=uncommittedblobs)`).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.store.clients import call, count_request, count_sent, names_of, reason
+from ckpt_cli.store.location import Location, forget
+
+INSTALL_HINT = "the azure extra: pip install 'ckpt-tools[azure]'"
+CREDENTIALS = "the credentials (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME and _KEY) and the container's access"
+ENVIRONMENT = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN")
+ENVIRONMENT += ("AZURE_STORAGE_CLIENT_ID", "AZURE_STORAGE_CLIENT_SECRET", "AZURE_STORAGE_TENANT_ID", "AZURE_STORAGE_ANON")
+_CREDENTIALS = {"ClientAuthenticationError", "CredentialUnavailableError"}
+_UNREACHABLE = {"ServiceRequestError", "ClientConnectorError", "ServiceRequestTimeoutError", "ConnectionError"}
+THROTTLING = {"ServerBusy", "OperationTimedOut", "IngressOverAccountLimit", "EgressOverAccountLimit"}
+BLOCK_BYTES = 8 << 20
+MAX_BLOCKS = 50_000
+IN_FLIGHT = 2  # blocks of one blob sent at once while the next is filled
+UNFINISHED = (
+    "blocks staged but never committed (a write killed outright, or one running now); ckpt's next --overwrite of this prefix drops them"
+)
+
+
+def make(protocol: str) -> Any:
+    try:
+        import adlfs
+    except ImportError:
+        raise UsageError(f"{protocol}:// needs {INSTALL_HINT}") from None
+    try:
+        fs = adlfs.AzureBlobFileSystem(skip_instance_cache=True)
+    except Exception as exc:
+        raise translate(exc, f"{protocol}://") or UsageError(f"{protocol}://: {reason(exc)}; set {CREDENTIALS}") from None
+    for policy in fs.service_client._pipeline._impl_policies:  # every client made from it shares these policies
+        if type(policy).__name__ == "AsyncStorageResponseHook":
+            policy._response_callback = _after_call
+    return fs
+
+
+def _after_call(response: Any) -> None:
+    http = response.http_response
+    length = 0 if response.http_request.method == "HEAD" else int(http.headers.get("Content-Length") or 0)
+    count_request(length)
+
+
+def translate(exc: BaseException, where: object) -> Exception | None:
+    names = names_of(exc)
+    status = getattr(exc, "status_code", None)
+    if names & _CREDENTIALS or status == 403:
+        return UsageError(f"{where}: access denied or no usable credentials ({reason(exc)}); check {CREDENTIALS}")
+    if names & _UNREACHABLE:
+        return UsageError(f"{where}: cannot reach the object store ({reason(exc)}); check the account URL and the network")
+    if getattr(exc, "error_code", None) in THROTTLING or status == 503:
+        return DataError(f"{where}: the object store kept throttling requests (503 ServerBusy) through every retry; try again later")
+    return None
+
+
+# ---- writes -------------------------------------------------------------------------------------------------
+
+
+def block_size(total: int) -> int:
+    """BLOCK_BYTES, or the next MiB multiple that keeps an object of `total` bytes within MAX_BLOCKS blocks."""
+    need = -(-total // (MAX_BLOCKS - 1))
+    return max(BLOCK_BYTES, -(-need // (1 << 20)) << 20)
+
+
+def check_key(path: Location) -> None:
+    if len(path.parts) < 3:
+        raise UsageError(f"{path}: a destination needs a name under the container ({path.protocol}://container/name)")
+
+
+def _run(path: Location, make_coroutine: Callable[..., Any], *args: Any) -> Any:
+    """A coroutine of the Azure SDK run on adlfs's event loop, from any thread, its failure worded as one line."""
+    from fsspec.asyn import sync
+
+    return call(path, sync, path.fs.loop, make_coroutine, *args)
+
+
+def _blob(path: Location) -> Any:
+    return path.fs.service_client.get_blob_client(path.parts[1], "/".join(path.parts[2:]))
+
+
+class Writer:
+    """A sequential write of one blob of `total` bytes. Nothing is visible until `commit()`; `abort()` drops the
+    staged blocks."""
+
+    fd = None  # no descriptor: bytes go in order
+
+    def __init__(self, path: Location, total: int, progress: Callable[[int], None] | None = None) -> None:
+        check_key(path)
+        self.path, self.progress = path, progress
+        self.block = block_size(total)
+        self.buffer = bytearray()
+        self.sent: list[Future[str]] = []
+        self.pool: ThreadPoolExecutor | None = None
+        self.done = False
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.block - len(self.buffer))
+            self.buffer += view[:take]
+            view = view[take:]
+            if len(self.buffer) == self.block:
+                self._send()
+            if self.progress:
+                self.progress(take)
+
+    def _send(self) -> None:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="ckpt-upload")
+        while sum(not f.done() for f in self.sent) >= IN_FLIGHT:  # bounded memory: wait for the oldest block
+            next(f for f in self.sent if not f.done()).result()
+        body, self.buffer = bytes(self.buffer), bytearray()
+        block_id = base64.b64encode(f"{len(self.sent):010d}".encode()).decode()  # ids of one blob have one length
+        self.sent.append(self.pool.submit(self._stage, block_id, body))
+
+    def _stage(self, block_id: str, body: bytes) -> str:
+        async def stage() -> None:
+            async with _blob(self.path) as blob:
+                await blob.stage_block(block_id, body, length=len(body))
+
+        _run(self.path, stage)
+        count_sent(len(body))
+        return block_id
+
+    def commit(self) -> None:
+        """Make the blob visible: one Put Blob, or the last block and one Put Block List."""
+        from azure.storage.blob import BlobBlock
+
+        if not self.sent:
+            body, self.buffer = bytes(self.buffer), bytearray()
+
+            async def put() -> None:
+                async with _blob(self.path) as blob:
+                    await blob.upload_blob(body, overwrite=True)
+
+            _run(self.path, put)
+            count_sent(len(body))
+        else:
+            if self.buffer:
+                self._send()
+            blocks = [BlobBlock(f.result()) for f in self.sent]
+
+            async def put_list() -> None:
+                async with _blob(self.path) as blob:
+                    await blob.commit_block_list(blocks)
+
+            _run(self.path, put_list)
+            self.pool.shutdown()  # type: ignore[union-attr]
+        self.done = True
+        forget(self.path)
+
+    def abort(self) -> None:
+        self.buffer = bytearray()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.sent and not self.done:
+            try:
+                _discard(self.path)
+            except Exception:  # the store is unreachable: the blocks stay staged, never visible, dropped in a week
+                pass
+
+
+def _discard(path: Location) -> None:
+    """Drop a blob's uncommitted blocks where no blob is committed under its name (a committed one, which a one-file
+    output replaces only on commit, is never touched; its staged blocks go with the next commit, or in a week).
+    Deleting a name that holds only staged blocks drops them (Azurite); where the service answers 404, an empty Put
+    Blob commits the name first, and the deletion follows."""
+
+    async def discard() -> None:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        async with _blob(path) as blob:
+            try:
+                await blob.get_blob_properties()
+                return
+            except ResourceNotFoundError:
+                pass
+            try:
+                await blob.delete_blob()
+            except ResourceNotFoundError:
+                await blob.upload_blob(b"", overwrite=True)
+                await blob.delete_blob()
+
+    _run(path, discard)
+
+
+def unfinished(dest: Location) -> list[str]:
+    """Names at or under `dest` holding staged blocks and no committed blob (a write killed outright, or one running)."""
+    if len(dest.parts) < 3:
+        return []
+    container, key = dest.parts[1], "/".join(dest.parts[2:])
+
+    async def listing() -> list[str]:
+        client = dest.fs.service_client.get_container_client(container)
+        staged = [b.name async for b in client.list_blobs(name_starts_with=key, include=["uncommittedblobs"])]
+        committed = {b.name async for b in client.list_blobs(name_starts_with=key)}
+        return sorted(n for n in staged if n not in committed and (n == key or n.startswith(key + "/")))
+
+    return _run(dest, listing)
+
+
+def drop_unfinished(dest: Location) -> None:
+    for name in unfinished(dest):
+        _discard(Location(f"{dest.protocol}:", dest.parts[1], *name.split("/")))
