@@ -43,3 +43,7 @@ class Interrupted(CkptError):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (how clusters preempt a job), raised in the main thread like Ctrl-C so the same cleanup runs."""
+
+
+# torch is optional: reading, verifying, merging and resharding stream bytes without it
+TORCH_INSTALL = "pip install torch (the CPU build: --index-url https://download.pytorch.org/whl/cpu)"

@@ -222,7 +222,7 @@ def _torchrun_ckpt(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("case", ["reshard-dcp", "convert-hf", "reshard-deepspeed"])
-def test_torchrun_writes_s3_to_s3_without_a_shared_folder(ckpt, store, sources, tmp_path, case):
+def test_torchrun_writes_store_to_store_without_a_shared_folder(ckpt, store, sources, tmp_path, case):
     """Two ranks share the uploads, rank 0 uploads the markers last: byte-identical to one local process."""
     args, source, name = WRITES[case]
     local, url = sources[source]
@@ -342,7 +342,7 @@ def test_incomplete_dcp_and_deepspeed_prefixes(ckpt, store, sources):
         assert res.code == 1 and "incomplete" in res.out + res.err and marker in res.out + res.err, res.out + res.err
 
 
-def test_overwrite_on_s3(ckpt, store, sources, tmp_path):
+def test_overwrite_in_object_storage(ckpt, store, sources, tmp_path):
     local, url = sources["dcp"]
     dest = store.url("overwrite/hf")
     assert ckpt("convert", url, dest, "--to", "hf", "--num-shards", "3", "--quiet").code == 0
@@ -417,7 +417,7 @@ def _listening(port: int) -> bool:
 # ---- the other commands, the Python API, transient errors ---------------------------------------------------------
 
 
-def test_ls_diff_and_the_python_api_on_s3(ckpt, store, sources, tmp_path):
+def test_ls_diff_and_the_python_api_in_object_storage(ckpt, store, sources, tmp_path):
     import ckpt_cli
 
     local, url = sources["hf"]

@@ -16,7 +16,7 @@ from ckpt_cli import __version__, interrupt
 from ckpt_cli.cli import completion_cmd, convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, verify_cmd
 from ckpt_cli.cli.examples import epilog
 from ckpt_cli.cli.output import error
-from ckpt_cli.errors import CkptError, Terminated, UnsafePickleError
+from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated, UnsafePickleError
 
 try:  # typer >= 0.29 vendors click
     from typer._click import exceptions as click_errors
@@ -128,6 +128,10 @@ def _run(argv: list[str] | None) -> int:
     except Exception as exc:  # a bug in ckpt: still one line, the traceback on request
         if debug:
             raise
-        error(f"internal error: {type(exc).__name__}: {exc} (set CKPT_DEBUG=1 for the traceback)")
-        code = 1
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch":
+            error(f"this needs torch, which is not installed: {TORCH_INSTALL}")
+            code = 2
+        else:
+            error(f"internal error: {type(exc).__name__}: {exc} (set CKPT_DEBUG=1 for the traceback)")
+            code = 1
     return code if isinstance(code, int) else 0

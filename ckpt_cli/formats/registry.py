@@ -25,6 +25,28 @@ def _load(where: str) -> Any:
 
 
 @dataclass(frozen=True)
+class Commit:
+    """How a write of the format commits: its marker, written after every other file. In object storage (no rename)
+    a folder holding the format's data without the marker is a write that stopped early."""
+
+    what: str  # the checkpoint, in words: "DCP checkpoint"
+    marker: str  # regex of the marker's file name (whole name)
+    shown: str  # the marker as an error names it: ".metadata"
+    data: str  # regex of the names that show a write had started (whole name)
+    has: str  # what those are, in words: "*.distcp objects"
+    in_folders: bool = False  # `data` names files one level down (DeepSpeed: the rank files of its tag folders)
+
+    def missing(self, folder: Path) -> bool:
+        """The folder holds the format's data and not its marker."""
+        names = {p.name: p for p in folder.iterdir()}
+        if any(re.fullmatch(self.marker, n) for n in names):
+            return False
+        if not self.in_folders:
+            return any(re.fullmatch(self.data, n) for n in names)
+        return any(p.is_dir() and any(re.fullmatch(self.data, q.name) for q in p.iterdir()) for p in names.values())
+
+
+@dataclass(frozen=True)
 class Format:
     name: str
     reader_at: str  # "module:NAME" under ckpt_cli.formats, imported when first used
@@ -37,6 +59,7 @@ class Format:
     writes_any_state_dict: bool = True  # False: the writer needs a source of its own format (or a training state)
     members: str | None = None  # names of the files a folder of this format holds (a regex, whole name)
     not_resharded: str | None = None  # a read-only format of many files: why `reshard` refuses it, what to do instead
+    commit: Commit | None = None  # the marker its writer writes last (core/plan.OutputFile.commit_marker)
 
     @property
     def reader(self) -> Reader:
@@ -55,6 +78,8 @@ class Format:
         return _load(self.training_at) if self.training_at else None
 
 
+MODEL_STATES = r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt"
+HF_SHARDS = r"(?!shard-\d+-model-\d+-of-\d+\.safetensors$).+-\d+-of-\d+\.(safetensors|bin)"
 # Detection order: the most specific layouts first.
 FORMATS: dict[str, Format] = {
     f.name: f
@@ -70,6 +95,9 @@ FORMATS: dict[str, Format] = {
             training_at="deepspeed_training:TRAINING",
             writes_any_state_dict=False,
             members=r"latest|.+_(model|optim)_states\.pt",
+            commit=Commit(
+                "DeepSpeed checkpoint", "latest", "'latest'", r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt", "tag folders", True
+            ),
         ),
         Format(
             "megatron",
@@ -90,6 +118,7 @@ FORMATS: dict[str, Format] = {
             reshard_by="world_size",
             training_at="dcp_training:TRAINING",
             members=r"__\d+_\d+\.distcp|(__\d+)?\.metadata",
+            commit=Commit("DCP checkpoint", r"\.metadata", ".metadata", r".+\.distcp", "*.distcp objects"),
         ),
         Format(
             "dtensor",
@@ -119,6 +148,8 @@ FORMATS: dict[str, Format] = {
             False,
             reshard_by="shards",
             members=r".+-\d+-of-\d+\.(safetensors|bin)|.+\.index\.json",
+            # DCP's per-rank Hugging Face shards (shard-R-model-I-of-N) have no index
+            commit=Commit("Hugging Face checkpoint", r".+\.index\.json", "*.index.json", HF_SHARDS, "shards"),
         ),
         Format("safetensors", "safetensors:READER", "safetensors:WRITER", "one .safetensors file", False),
         Format("torch", "torch_save:READER", "torch_save:WRITER", "one torch.save file (.pt/.pth/.bin)", True),

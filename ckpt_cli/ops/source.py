@@ -3,18 +3,13 @@ metadata, note the choices made."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ckpt_cli import store
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.formats import deepspeed, registry, runs
-from ckpt_cli.formats.dcp import METADATA
-from ckpt_cli.formats.dcp_safetensors import SHARD_FILE as DCP_HF_SHARD
+from ckpt_cli.formats import registry, runs
 from ckpt_cli.ops import runs as run_roots
-
-HF_SHARD = re.compile(r"-\d+-of-\d+\.(safetensors|bin)$")
 
 
 def open_checkpoint(
@@ -59,21 +54,15 @@ def open_checkpoint(
 
 def missing_marker(path: Path) -> str | None:
     """Why a prefix in object storage holds an unfinished write: data objects without the commit marker that a
-    write uploads last (DCP `.metadata`, the hf index, DeepSpeed `latest`). Object storage has no rename, so the
-    marker is all that tells a finished checkpoint from an interrupted one (locally a write is renamed into place)."""
+    write uploads last (each format's `Commit` in the registry: DCP `.metadata`, the hf index, DeepSpeed `latest`).
+    Object storage has no rename, so the marker is all that tells a finished checkpoint from an interrupted one
+    (locally a write is renamed into place)."""
     if not path.is_dir():
         return None
-    names = {p.name for p in path.iterdir()}
-    found = None
-    if METADATA not in names and any(n.endswith(".distcp") for n in names):
-        found = ("DCP checkpoint", "*.distcp objects", METADATA)
-    elif any(HF_SHARD.search(n) and not DCP_HF_SHARD.match(n) for n in names) and not any(n.endswith(".index.json") for n in names):
-        found = ("Hugging Face checkpoint", "shards", "*.index.json")  # DCP's per-rank hf shards have no index
-    elif deepspeed.LATEST not in names and deepspeed.list_tags(path):
-        found = ("DeepSpeed checkpoint", "tag folders", f"'{deepspeed.LATEST}'")
-    if found is None:
+    commit = next((f.commit for f in registry.FORMATS.values() if f.commit is not None and f.commit.missing(path)), None)
+    if commit is None:
         return None
-    what, has, marker = found
+    what, has, marker = commit.what, commit.has, commit.shown
     pending = len(store.unfinished(path))
     uploads = f", {pending} upload(s) never completed" if pending else ""
     return (

@@ -18,7 +18,7 @@ from ckpt_cli.core.distributed import is_main_process
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.sizes import parse_size
 from ckpt_cli.core.training import PER_RANK_RULES, NameMap
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import TORCH_INSTALL, UsageError
 from ckpt_cli.formats.dcp_training import LAYOUTS
 from ckpt_cli.ops import convert as convert_op
 from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
@@ -37,9 +37,19 @@ def transform(
     quantize: str | None = None,
 ) -> Transform:
     cast = dtypes.cast_target(dtype)
+    if (cast is not None or quantize is not None) and not _have_torch():  # before any work, not after the plan's notes
+        raise UsageError(f"converting dtypes needs torch, which is not installed: {TORCH_INSTALL}")
     if quantize is not None and quantize != "fp8":
         raise UsageError(f"--quantize {quantize!r}: ckpt quantizes to fp8 (block-scaled, 128 x 128) only")
     return Transform(tuple(select or ()), strip_prefix, add_prefix, weights_only, cast, quantize)
+
+
+def _have_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def write_options(world_size: int | None, max_shard_size: Size | None, num_shards: int | None, tp: int | None = None) -> WriteOptions:
