@@ -60,6 +60,10 @@ class Format:
     members: str | None = None  # names of the files a folder of this format holds (a regex, whole name)
     not_resharded: str | None = None  # a read-only format of many files: why `reshard` refuses it, what to do instead
     commit: Commit | None = None  # the marker its writer writes last (core/plan.OutputFile.commit_marker)
+    takes_tp: bool = False  # the writer lays out a dp x tp mesh (--tp)
+    walks_once: bool = False  # the writer reads each source tensor in one go (a DCP source's chunks may stay packed)
+    merge_suffixes: tuple[str, ...] = ()  # `merge` writes this one-file format to a destination with these suffixes
+    tensors_only: bool = False  # holds tensors only: optimizer and training state cannot go there
 
     @property
     def reader(self) -> Reader:
@@ -117,6 +121,7 @@ FORMATS: dict[str, Format] = {
             True,
             reshard_by="world_size",
             training_at="dcp_training:TRAINING",
+            takes_tp=True,
             members=r"__\d+_\d+\.distcp|(__\d+)?\.metadata",
             commit=Commit("DCP checkpoint", r"\.metadata", ".metadata", r".+\.distcp", "*.distcp objects"),
         ),
@@ -147,12 +152,31 @@ FORMATS: dict[str, Format] = {
             "Hugging Face sharded safetensors + model.safetensors.index.json",
             False,
             reshard_by="shards",
+            walks_once=True,
+            tensors_only=True,
             members=r".+-\d+-of-\d+\.(safetensors|bin)|.+\.index\.json",
             # DCP's per-rank Hugging Face shards (shard-R-model-I-of-N) have no index
             commit=Commit("Hugging Face checkpoint", r".+\.index\.json", "*.index.json", HF_SHARDS, "shards"),
         ),
-        Format("safetensors", "safetensors:READER", "safetensors:WRITER", "one .safetensors file", False),
-        Format("torch", "torch_save:READER", "torch_save:WRITER", "one torch.save file (.pt/.pth/.bin)", True),
+        Format(
+            "safetensors",
+            "safetensors:READER",
+            "safetensors:WRITER",
+            "one .safetensors file",
+            False,
+            walks_once=True,
+            merge_suffixes=(".safetensors",),
+            tensors_only=True,
+        ),
+        Format(
+            "torch",
+            "torch_save:READER",
+            "torch_save:WRITER",
+            "one torch.save file (.pt/.pth/.bin)",
+            True,
+            walks_once=True,
+            merge_suffixes=(".pt", ".pth", ".bin"),
+        ),
     )
 }
 

@@ -32,13 +32,12 @@ BASE_RSS = 40 * 10**6
 TORCH_RSS = 260 * 10**6
 
 
-WALKED_ONCE = ("hf", "safetensors", "torch")  # targets that read each source tensor in one go: DCP chunks may stay packed
-
-
 def prepare(request: Request) -> Job:
     """Open the source once and plan the write (metadata only; nothing is written)."""
     src = request.source
-    ckpt = open_checkpoint(request.src, src.format, src.tag, src.trust_pickle, pack_chunks=request.to in WALKED_ONCE)
+    ckpt = open_checkpoint(
+        request.src, src.format, src.tag, src.trust_pickle, pack_chunks=bool(request.to) and registry.get(request.to).walks_once
+    )
     unsafe = ckpt.unsafe_values()
     if unsafe:  # a value whose pickle names a global outside the allow list is never copied (its loader would run it)
         raise DataError(f"refusing to copy a pickled value the allow list rejects: {unsafe_value_problem(unsafe[0])}")
@@ -55,8 +54,8 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
     if write.world_size is not None and target.reshard_by != "world_size":
         raise UsageError(f"--world-size applies to {_targets_by('world_size')} targets, not {target.name}")
-    if write.tp is not None and target.name != "dcp":
-        raise UsageError(f"--tp applies to dcp targets, not {target.name}")
+    if write.tp is not None and not target.takes_tp:
+        raise UsageError(f"--tp applies to {' and '.join(n for n, f in registry.FORMATS.items() if f.takes_tp)} targets, not {target.name}")
     if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards":
         raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
     if carries_training_state(ckpt, target, t, cross):
@@ -136,14 +135,16 @@ def reshard_target(ckpt_format: str, write: WriteOptions) -> registry.Format:
 
 
 def merge_target(dest: Path, keep_all: bool) -> str:
+    """The one-file format `merge` writes to `dest`, by its suffix (each format's `merge_suffixes`)."""
     suffix = dest.suffix
-    if suffix == ".safetensors":
-        if keep_all:
-            raise UsageError("--all keeps optimizer and training state, which safetensors cannot hold; use a .pt destination")
-        return "safetensors"
-    if suffix in (".pt", ".pth", ".bin"):
-        return "torch"
-    raise UsageError(f"{dest}: merge writes DST.safetensors or DST.pt (.pth, .bin); got '{suffix or 'no extension'}'")
+    found = next((f for f in registry.FORMATS.values() if suffix in f.merge_suffixes), None)
+    if found is None:
+        known = [s for f in registry.FORMATS.values() for s in f.merge_suffixes]
+        raise UsageError(f"{dest}: merge writes one of DST{', DST'.join(known)}; got '{suffix or 'no extension'}'")
+    if keep_all and found.tensors_only:
+        keeps = next(f.merge_suffixes[0] for f in registry.FORMATS.values() if f.merge_suffixes and not f.tensors_only)
+        raise UsageError(f"--all keeps optimizer and training state, which {found.name} cannot hold; use a {keeps} destination")
+    return found.name
 
 
 def estimate_peak(plan: WritePlan) -> int:
