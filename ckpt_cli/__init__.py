@@ -10,7 +10,8 @@ from __future__ import annotations
 from ckpt_cli.errors import CkptError, DataError, UnsafePickleError, UsageError
 
 _API = ("Checkpoint", "Report", "TensorInfo", "Tree", "WriteReport", "convert", "diff", "inspect", "merge", "open", "reshard")
-_API += ("split", "verify")
+_API += ("split", "verify", "Request", "PreparedWrite", "prepare", "write", "convert_request", "reshard_request")
+_API += ("merge_request", "split_request")
 
 
 def __getattr__(name: str) -> object:  # no typing import: ckpt starts without it (cli/entry.py)
@@ -30,6 +31,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpoint",
     "CkptError",
+    "PreparedWrite",
+    "Request",
     "DataError",
     "Report",
     "TensorInfo",
@@ -39,12 +42,18 @@ __all__ = [
     "WriteReport",
     "__version__",
     "convert",
+    "convert_request",
     "diff",
     "inspect",
     "merge",
+    "merge_request",
     "open",
     "open_checkpoint",
+    "prepare",
     "reshard",
+    "reshard_request",
     "split",
+    "split_request",
     "verify",
+    "write",
 ]

@@ -75,6 +75,7 @@ __all__ = [
     "split",
     "split_request",
     "verify",
+    "write",
 ]
 
 Progress = Callable[[int], None]  # called with the number of bytes written since the last call
@@ -292,7 +293,11 @@ def _path(value: str | Path | None) -> Path | None:
     return Path(value) if value is not None else None
 
 
-def _finish(request: Request, overwrite: bool, dry_run: bool, workers: int | None, progress: Progress | None) -> WriteReport:
+def write(
+    request: Request, *, overwrite: bool = False, dry_run: bool = False, workers: int | None = None, progress: Progress | None = None
+) -> WriteReport:
+    """Carry out a writing command's Request (built by convert_request, reshard_request, merge_request or split_request,
+    as the CLI builds it): open and check the source, plan, and write (`dry_run=True`: plan only)."""
     prepared = prepare(request)
     if dry_run:
         return prepared.dry_run(overwrite)
@@ -339,7 +344,7 @@ def convert(
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
         per_rank_state=per_rank_state, quantize=quantize,
     )  # fmt: skip
-    return _finish(request, overwrite, dry_run, workers, progress)
+    return write(request, overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress)
 
 
 def reshard(
@@ -374,7 +379,7 @@ def reshard(
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
         trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
     )  # fmt: skip
-    return _finish(request, overwrite, dry_run, workers, progress)
+    return write(request, overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress)
 
 
 def merge(
@@ -400,7 +405,7 @@ def merge(
         src, dest, keep_all=keep_all, dtype=dtype, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix,
         format=format, tag=tag, trust_pickle=trust_pickle,
     )  # fmt: skip
-    return _finish(request, overwrite, dry_run, workers, progress)
+    return write(request, overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress)
 
 
 def split(
@@ -426,4 +431,4 @@ def split(
         src, dest, max_shard_size=max_shard_size, num_shards=num_shards, dtype=dtype, select=select, strip_prefix=strip_prefix,
         add_prefix=add_prefix, format=format, tag=tag, trust_pickle=trust_pickle,
     )  # fmt: skip
-    return _finish(request, overwrite, dry_run, workers, progress)
+    return write(request, overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress)

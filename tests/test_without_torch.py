@@ -58,6 +58,29 @@ def test_reads_and_byte_copies_need_no_torch(ckpt, saves, tmp_path, name):
         assert bare == files_of(tmp_path / out), args
 
 
+READ_ONLY = {  # formats ckpt reads but does not write, each saved by its real producer (the session's fixtures)
+    "deepspeed-moe": ("ds_moe", lambda f: f / "w2" / "stage2-bf16-ep2"),
+    "dtensor-fsdp2": ("dtensor_saves_2", lambda f: f / "fsdp2"),
+    "dcp-hf": ("dtensor_saves_2", lambda f: f / "dcp-hf"),
+    "megatron": ("mcore", lambda f: f / "stacked"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(READ_ONLY))
+def test_read_only_formats_need_no_torch(request, ckpt, tmp_path, name):
+    fixture, inside = READ_ONLY[name]
+    source = inside(request.getfixturevalue(fixture))
+    for args in (["inspect"], ["verify", "--deep"]):
+        res, want = without_torch(*args, source), ckpt(*args, source)
+        assert res.code == want.code == 0, res.err
+        assert res.out == want.out, args
+    res = without_torch("merge", source, tmp_path / "merged.safetensors", "--quiet")
+    assert res.code == 0, res.err
+    bare = files_of(tmp_path / "merged.safetensors")
+    assert ckpt("merge", source, tmp_path / "merged.safetensors", "--quiet", "--overwrite").code == 0
+    assert bare == files_of(tmp_path / "merged.safetensors")
+
+
 def test_what_needs_torch_says_so_in_one_line(saves, tmp_path):
     for args in (
         ["convert", saves["dcp"], tmp_path / "bf16.safetensors", "--to", "safetensors", "--dtype", "bf16"],

@@ -16,8 +16,9 @@ data fetched ahead).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from ckpt_cli.store import local
 from ckpt_cli.store.guard import Guard, check_destination
@@ -31,7 +32,7 @@ __all__ += ["size", "unfinished"]
 class File(Protocol):
     fd: int | None  # a local file: positional writes from threads; None: bytes in order through `write`
 
-    def write(self, data: object) -> None: ...
+    def write(self, data: Any) -> None: ...
     def commit(self) -> None: ...
     def abort(self) -> None: ...
 
@@ -41,10 +42,17 @@ class Write(Protocol):
 
     root: Path
 
-    def create(self, target: Path, total: int, progress: object = None) -> File: ...
+    def create(self, target: Path, total: int, progress: Callable[[int], None] | None = None) -> File: ...
     def sync(self) -> None: ...
     def commit(self) -> None: ...
     def abort(self) -> None: ...
+
+
+def _object(path: object) -> Location:
+    """`path` as the Location it is (the caller asked is_remote first)."""
+    found = location(path)  # type: ignore[arg-type]
+    assert isinstance(found, Location)
+    return found
 
 
 def mappable(path: object) -> bool:
@@ -60,7 +68,7 @@ def renames(path: object) -> bool:
 
 def is_bucket(path: object) -> bool:
     """The root of an object store (a bucket, a container): its listing may be of any size."""
-    return is_remote(path) and len(location(path).parts) <= 2  # type: ignore[arg-type]
+    return is_remote(path) and len(_object(path).parts) <= 2
 
 
 def size(path: str | os.PathLike[str]) -> int:
@@ -89,7 +97,7 @@ def open_read(path: str | os.PathLike[str]) -> BinaryIO:
     """A checkpoint file opened for reading: a local regular file (a FIFO, socket, device or folder refused without
     blocking), or an object (ranged reads, cached in small blocks)."""
     if is_remote(path):
-        return location(path).open("rb")  # type: ignore[return-value]
+        return _object(path).open("rb")  # type: ignore[return-value]  # a RemoteFile reads as a binary file does
     return os.fdopen(local.open_regular_fd(path), "rb")
 
 
@@ -112,7 +120,7 @@ def check_writable(path: Path) -> None:
     if is_remote(path):
         from ckpt_cli.store import objects
 
-        objects.writer_backend(location(path))  # type: ignore[arg-type]
+        objects.writer_backend(_object(path))
 
 
 def begin(dest: Path, is_dir: bool, overwrite: bool, guard: Guard, owner: str | None = None) -> Write:
@@ -121,8 +129,8 @@ def begin(dest: Path, is_dir: bool, overwrite: bool, guard: Guard, owner: str | 
     if is_remote(dest):
         from ckpt_cli.store import objects
 
-        return objects.begin(location(dest), is_dir, overwrite, guard)  # type: ignore[arg-type,return-value]
-    return local.begin(dest, is_dir, overwrite, guard, owner or str(os.getpid()))  # type: ignore[return-value]
+        return objects.begin(_object(dest), is_dir, overwrite, guard)
+    return local.begin(dest, is_dir, overwrite, guard, owner or str(os.getpid()))
 
 
 def join(dest: Path, owner: str) -> Write:
@@ -130,8 +138,8 @@ def join(dest: Path, owner: str) -> Write:
     if is_remote(dest):
         from ckpt_cli.store import objects
 
-        return objects.join(location(dest))  # type: ignore[arg-type,return-value]
-    return local.join(dest, owner)  # type: ignore[return-value]
+        return objects.join(_object(dest))
+    return local.join(dest, owner)
 
 
 def put(path: Path, data: bytes) -> None:
@@ -139,7 +147,7 @@ def put(path: Path, data: bytes) -> None:
     if is_remote(path):
         from ckpt_cli.store import objects
 
-        objects.put(location(path), data)  # type: ignore[arg-type]
+        objects.put(_object(path), data)
         return
     with local.staged(path, is_dir=False, overwrite=True) as tmp:
         tmp.write_bytes(data)
@@ -151,7 +159,7 @@ def unfinished(dest: Path) -> list[str]:
     if is_remote(dest):
         from ckpt_cli.store import objects
 
-        return objects.unfinished(location(dest))  # type: ignore[arg-type]
+        return objects.unfinished(_object(dest))
     return [
         f"{p}: temporary output of a ckpt write that did not finish (its process is gone, or a torchrun job); remove it"
         for p in local.leftovers(dest)

@@ -24,7 +24,12 @@ from ckpt_cli.store.location import Location, forget
 
 INSTALL_HINT = "the azure extra: pip install 'ckpt-tools[azure]'"
 CREDENTIALS = "the credentials (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME and _KEY) and the container's access"
-ENVIRONMENT = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN")
+ENVIRONMENT: tuple[str, ...] = (
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+)
 ENVIRONMENT += ("AZURE_STORAGE_CLIENT_ID", "AZURE_STORAGE_CLIENT_SECRET", "AZURE_STORAGE_TENANT_ID", "AZURE_STORAGE_ANON")
 _CREDENTIALS = {"ClientAuthenticationError", "CredentialUnavailableError"}
 _UNREACHABLE = {"ServiceRequestError", "ClientConnectorError", "ServiceRequestTimeoutError", "ConnectionError"}

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 from ckpt_cli import interrupt
 from ckpt_cli.errors import DataError
@@ -186,10 +187,11 @@ class LocalFile:
         self.path, self._done = path, done
         self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
-    def write(self, data: object) -> None:
-        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+    def write(self, data: Any) -> None:
+        assert self.fd is not None, "written after commit or abort"
+        view = memoryview(data).cast("B")
         while len(view):
-            view = view[os.write(self.fd, view) :]  # type: ignore[arg-type]
+            view = view[os.write(self.fd, view) :]
 
     def commit(self) -> None:
         self.abort()

@@ -26,7 +26,14 @@ MAX_ATTEMPTS = 8
 INSTALL_HINT = "the s3 extra: pip install 'ckpt-tools[s3]'"
 CREDENTIALS = "the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE) and the bucket policy"
 # a change of any of these gets a new filesystem (tests and the Python API may change them in one process)
-ENVIRONMENT = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+ENVIRONMENT: tuple[str, ...] = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+)
 ENVIRONMENT += ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")
 _CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "ProfileNotFound"}
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionError", "InvalidEndpointError"}
