@@ -22,7 +22,7 @@ Then, on the server:
 
 Wall time is the median of --repeat runs, peak RSS the largest (benchmarks/common.py). The table gives the
 convert / copy ratio at each size, and the peak RSS of convert at the largest size over the smallest (flat
-memory: parts and pieces are bounded, see core/remote_write.py and core/remote_read.py). moto serves every GET,
+memory: parts and pieces are bounded, see store/s3.py and store/prefetch.py). moto serves every GET,
 ranged or not, by copying the whole object in Python (objects here are 32 MiB), and runs on the same cores:
 absolute figures are the server's, and both sides pay it.
 """

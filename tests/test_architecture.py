@@ -121,6 +121,10 @@ def test_help_imports_no_format_and_inspect_no_writer(tmp_path):
     inspect_modules = _modules_after(["inspect", "m.safetensors"], tmp_path)
     writers = {"ckpt_cli.formats.dcp_writer", "ckpt_cli.formats.deepspeed_writer"}
     assert not inspect_modules & writers, inspect_modules & writers
+    # detection asks only the rows that can claim a file of this name: no folder format's reader is imported
+    folder_readers = {"ckpt_cli.formats.dcp", "ckpt_cli.formats.deepspeed", "ckpt_cli.formats.megatron", "ckpt_cli.formats.hf"}
+    assert not inspect_modules & folder_readers, inspect_modules & folder_readers
+    assert "ckpt_cli.formats.safetensors" in inspect_modules
 
 
 def test_only_the_store_tells_local_from_object_storage():

@@ -64,6 +64,8 @@ class Format:
     walks_once: bool = False  # the writer reads each source tensor in one go (a DCP source's chunks may stay packed)
     merge_suffixes: tuple[str, ...] = ()  # `merge` writes this one-file format to a destination with these suffixes
     tensors_only: bool = False  # holds tensors only: optimizer and training state cannot go there
+    folders: bool = True  # detection can claim a folder
+    files: str | None = None  # regex of the file names detection can claim (whole name); None: no single file
 
     @property
     def reader(self) -> Reader:
@@ -132,6 +134,7 @@ FORMATS: dict[str, Format] = {
             "per-rank torch.save of DTensor shards (verl, SkyRL): model_world_size_W_rank_R.pt",
             True,
             members=r"(model|optim|extra_state)_world_size_\d+_rank_\d+\.pt",
+            files=r"model_world_size_\d+_rank_\d+\.pt",  # one rank's file: named, then refused with the folder to read
             not_resharded="ckpt reads verl's per-rank DTensor files but does not write them yet; convert the run to DCP "
             "(ckpt convert SRC DST --to dcp --world-size N) or export the weights (--to hf)",
         ),
@@ -167,6 +170,8 @@ FORMATS: dict[str, Format] = {
             walks_once=True,
             merge_suffixes=(".safetensors",),
             tensors_only=True,
+            folders=False,
+            files=".*",  # by its header, whatever the suffix
         ),
         Format(
             "torch",
@@ -176,6 +181,8 @@ FORMATS: dict[str, Format] = {
             True,
             walks_once=True,
             merge_suffixes=(".pt", ".pth", ".bin"),
+            folders=False,
+            files=".*",  # by its zip or pickle magic
         ),
     )
 }
@@ -195,7 +202,11 @@ def writer(name: str) -> Writer:
 
 
 def detect(path: Path) -> Format | None:
-    return next((f for f in FORMATS.values() if f.reader.detect(path)), None)
+    """The format of the checkpoint at `path`. Only the rows that can claim a folder, or a file of this name, have their
+    reader imported and asked (`ckpt inspect x.safetensors` imports no folder format)."""
+    folder = path.is_dir()
+    able = (f for f in FORMATS.values() if (f.folders if folder else f.files is not None and re.fullmatch(f.files, path.name)))
+    return next((f for f in able if f.reader.detect(path)), None)
 
 
 def member_of(path: Path) -> tuple[Path, Format] | None:
