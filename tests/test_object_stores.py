@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 pytest.importorskip("boto3")
 
+import az_store  # noqa: E402
 from s3_store import BUCKET, ISOLATED, local_files, same_but_paths  # noqa: E402
 
 from ckpt_cli.ops.source import open_checkpoint  # noqa: E402
@@ -383,6 +385,24 @@ def test_credentials_and_endpoint_errors(s3, s3_sources, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "ckpt_cli", "inspect", url], capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_azure_credentials_and_endpoint_errors(az, mixed_files):
+    """Azure's failures as one line, exit 2: a wrong account key (Azurite checks the signature), an endpoint nobody
+    listens on, no credentials at all."""
+    url = _once(az, "credentials", lambda: az.upload(mixed_files["safetensors"], "credentials/model.safetensors"))
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("AZURE_")}
+    wrong_key = az.conn.replace(az_store.KEY, "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo=")
+    no_server = re.sub(r"127\.0\.0\.1:\d+", f"127.0.0.1:{free_port()}", az.conn)
+    cases = {
+        "access denied or no usable credentials": {**plain, "AZURE_STORAGE_CONNECTION_STRING": wrong_key},
+        "cannot reach the object store": {**plain, "AZURE_STORAGE_CONNECTION_STRING": no_server},
+        "unable to connect to account": plain,
+    }
+    for needle, env in cases.items():
+        proc = subprocess.run([sys.executable, "-m", "ckpt_cli", "inspect", url], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+        assert proc.stderr.startswith("ckpt: error: az://") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_wrong_credentials(tmp_path):

@@ -37,6 +37,7 @@ THROTTLING = {"ServerBusy", "OperationTimedOut", "IngressOverAccountLimit", "Egr
 BLOCK_BYTES = 8 << 20
 MAX_BLOCKS = 50_000
 IN_FLIGHT = 2  # blocks of one blob sent at once while the next is filled
+RETRY_BACKOFF = (2, 2)  # the Azure SDK's 3 retries after 2, 4 and 6 s (+-3 s of jitter); its own default is (15, 3)
 UNFINISHED = (
     "blocks staged but never committed (a write killed outright, or one running now); ckpt's next --overwrite of this prefix drops them"
 )
@@ -54,6 +55,9 @@ def make(protocol: str) -> Any:
     for policy in fs.service_client._pipeline._impl_policies:  # every client made from it shares these policies
         if type(policy).__name__ == "AsyncStorageResponseHook":
             policy._response_callback = _after_call
+        if type(policy).__name__ == "ExponentialRetry":
+            # the SDK waits 15, 18 and 24 s between attempts: an unreachable endpoint took 84 s to say so
+            policy.initial_backoff, policy.increment_base = RETRY_BACKOFF
     return fs
 
 
