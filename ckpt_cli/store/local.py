@@ -194,10 +194,14 @@ class LocalFile:
             view = view[os.write(self.fd, view) :]
 
     def commit(self) -> None:
-        self.abort()
+        self._close()
         self._done.append(self.path)
 
     def abort(self) -> None:
+        """Close it; the file goes with the temporary folder (a one-file output's temporary is the file itself)."""
+        self._close()
+
+    def _close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
