@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fix:
+    """How the caller can act on an error, as an option of the call (`overwrite=True` in Python): the message states
+    the facts, and a front end words the fix in its own terms (the CLI: `--overwrite`)."""
+
+    option: str  # the Python keyword; the CLI flag is the same name with dashes
+    value: object = True
+    why: str = ""  # "to replace it"
+
+    def cli(self) -> str:
+        flag = "--" + self.option.replace("_", "-")
+        return f"pass {flag}" + ("" if self.value is True else f" {self.value}") + (f" {self.why}" if self.why else "")
+
 
 class CkptError(Exception):
-    """Base class: the message states the facts (what failed, which file); a front end adds how to act on them."""
+    """Base class: the message states the facts (what failed, which file); a front end adds how to act on them
+    (`fix`, an option of the call; the CLI words it as a flag in `cli_message()`)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, fix: Fix | None = None) -> None:
+        super().__init__(message)
+        self.fact, self.fix = message, fix
+
+    def cli_message(self) -> str:
+        return self.fact if self.fix is None else f"{self.fact}; {self.fix.cli()}"
 
 
 class DataError(CkptError):
@@ -25,7 +49,8 @@ class UnsafePickleError(DataError):
     """A pickle names a global outside the allow list; nothing was executed."""
 
     def __init__(self, path: str, global_name: str) -> None:
-        super().__init__(f"{path}: refusing to load pickled global '{global_name}' (not on the allow list; nothing was executed)")
+        fact = f"{path}: refusing to load pickled global '{global_name}' (not on the allow list; nothing was executed)"
+        super().__init__(fact, Fix("trust_pickle", True, "if you trust this file"))
         self.path = path
         self.global_name = global_name
 

@@ -16,7 +16,7 @@ from ckpt_cli import __version__, interrupt
 from ckpt_cli.cli import completion_cmd, convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, verify_cmd
 from ckpt_cli.cli.examples import epilog
 from ckpt_cli.cli.output import error
-from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated, UnsafePickleError
+from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated
 
 try:  # typer >= 0.29 vendors click
     from typer._click import exceptions as click_errors
@@ -57,13 +57,6 @@ app.command("demo", epilog=epilog("demo"))(demo_cmd.demo)
 app.command("ls", epilog=epilog("ls"))(ls_cmd.ls)
 app.command("diff", epilog=epilog("diff"))(diff_cmd.diff)
 app.command("completion", epilog=epilog("completion"))(completion_cmd.completion)
-
-
-def _hint(exc: CkptError) -> str:
-    """What the user can do about a library error, in the CLI's own terms."""
-    if isinstance(exc, UnsafePickleError):
-        return ". If you trust this file, pass --trust-pickle."
-    return ""
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -109,7 +102,7 @@ def _run(argv: list[str] | None) -> int:
     except CkptError as exc:
         if debug:
             raise
-        error(str(exc) + _hint(exc))
+        error(exc.cli_message())
         code = exc.exit_code
     except click_errors.UsageError as exc:
         exc.show()

@@ -18,7 +18,7 @@ from ckpt_cli.core import meter, structured
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import is_plain, read_regular_text
 from ckpt_cli.core.reading import SourceFiles, byte_runs, element_windows, read_elements, tensor_bytes
-from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
+from ckpt_cli.errors import DataError, Fix, UnsafePickleError, UsageError
 from ckpt_cli.ops import crossframework, quantized
 from ckpt_cli.ops import policy as policy_mod
 from ckpt_cli.ops.digests import Digests, file_digest, file_pass, hasher
@@ -180,7 +180,7 @@ def check_manifest_destination(path: Path, overwrite: bool) -> None:
     if not store.lexists(path):
         return
     if not overwrite:
-        raise UsageError(f"{path} already exists; pass --overwrite to replace it")
+        raise UsageError(f"{path} already exists", Fix("overwrite", True, "to replace it"))
     try:
         doc = structured.load_json(read_regular_text(path, max_bytes=1 << 30), str(path), DataError)
     except (OSError, DataError):

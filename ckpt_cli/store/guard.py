@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import Fix, UsageError
 from ckpt_cli.store.location import is_remote, location
 
 
@@ -30,7 +30,7 @@ def check_destination(dest: Path, overwrite: bool, output_is_dir: bool, guard: G
     if not (dest.exists() if is_remote(dest) else os.path.lexists(dest)):
         return
     if not overwrite:
-        raise UsageError(f"{dest} already exists; pass --overwrite to replace it")
+        raise UsageError(f"{dest} already exists", Fix("overwrite", True, "to replace it"))
     target = _real(dest)
     for source in guard.sources:
         real = _real(location(source))
