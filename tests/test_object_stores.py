@@ -264,7 +264,8 @@ def ckpt_format(args: list[str], source: str) -> str:
 def test_a_failed_write_leaves_nothing(ckpt, store, large, monkeypatch):
     """A part (S3) or block (Azure) upload that fails midway: the unfinished uploads are dropped, completed objects
     deleted, no marker."""
-    backend, size, send = {"s3": (s3_backend, "PART_BYTES", "_part"), "az": (az_backend, "BLOCK_BYTES", "_stage")}[store.protocol]
+    backend, size = {"s3": (s3_backend, "PART_BYTES"), "az": (az_backend, "BLOCK_BYTES")}[store.protocol]
+    send = "_upload_part"
     monkeypatch.setattr(backend, size, 5 << 20)
     real, calls = getattr(backend.Writer, send), []
 

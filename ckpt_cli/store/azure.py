@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.store.clients import call, count_request, count_sent, names_of, reason
-from ckpt_cli.store.location import Location, forget
+from ckpt_cli.store.clients import call, count_request, names_of, reason
+from ckpt_cli.store.location import Location
+from ckpt_cli.store.parts import PartWriter, part_size
 
 INSTALL_HINT = "the azure extra: pip install 'ckpt-tools[azure]'"
 CREDENTIALS = "the credentials (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME and _KEY) and the container's access"
@@ -36,7 +36,6 @@ _UNREACHABLE = {"ServiceRequestError", "ClientConnectorError", "ServiceRequestTi
 THROTTLING = {"ServerBusy", "OperationTimedOut", "IngressOverAccountLimit", "EgressOverAccountLimit"}
 BLOCK_BYTES = 8 << 20
 MAX_BLOCKS = 50_000
-IN_FLIGHT = 2  # blocks of one blob sent at once while the next is filled
 RETRY_BACKOFF = (2, 2)  # the Azure SDK's 3 retries after 2, 4 and 6 s (+-3 s of jitter); its own default is (15, 3)
 UNFINISHED = (
     "blocks staged but never committed (a write killed outright, or one running now); ckpt's next --overwrite of this prefix drops them"
@@ -82,12 +81,6 @@ def translate(exc: BaseException, where: object) -> Exception | None:
 # ---- writes -------------------------------------------------------------------------------------------------
 
 
-def block_size(total: int) -> int:
-    """BLOCK_BYTES, or the next MiB multiple that keeps an object of `total` bytes within MAX_BLOCKS blocks."""
-    need = -(-total // (MAX_BLOCKS - 1))
-    return max(BLOCK_BYTES, -(-need // (1 << 20)) << 20)
-
-
 def check_key(path: Location) -> None:
     if len(path.parts) < 3:
         raise UsageError(f"{path}: a destination needs a name under the container ({path.protocol}://container/name)")
@@ -104,86 +97,44 @@ def _blob(path: Location) -> Any:
     return path.fs.service_client.get_blob_client(path.parts[1], "/".join(path.parts[2:]))
 
 
-class Writer:
-    """A sequential write of one blob of `total` bytes. Nothing is visible until `commit()`; `abort()` drops the
-    staged blocks."""
-
-    fd = None  # no descriptor: bytes go in order
+class Writer(PartWriter):
+    """One blob as staged blocks committed by one block list (one Put Blob when it fits in a block); on failure the
+    staged blocks are dropped (store/parts.py)."""
 
     def __init__(self, path: Location, total: int, progress: Callable[[int], None] | None = None) -> None:
         check_key(path)
-        self.path, self.progress = path, progress
-        self.block = block_size(total)
-        self.buffer = bytearray()
-        self.sent: list[Future[str]] = []
-        self.pool: ThreadPoolExecutor | None = None
-        self.done = False
+        super().__init__(path, part_size(total, BLOCK_BYTES, MAX_BLOCKS), progress)
 
-    def write(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        while len(view):
-            take = min(len(view), self.block - len(self.buffer))
-            self.buffer += view[:take]
-            view = view[take:]
-            if len(self.buffer) == self.block:
-                self._send()
-            if self.progress:
-                self.progress(take)
+    def _upload_part(self, number: int, body: bytes) -> str:
+        block_id = base64.b64encode(f"{number:010d}".encode()).decode()  # the ids of one blob have one length
 
-    def _send(self) -> None:
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="ckpt-upload")
-        while sum(not f.done() for f in self.sent) >= IN_FLIGHT:  # bounded memory: wait for the oldest block
-            next(f for f in self.sent if not f.done()).result()
-        body, self.buffer = bytes(self.buffer), bytearray()
-        block_id = base64.b64encode(f"{len(self.sent):010d}".encode()).decode()  # ids of one blob have one length
-        self.sent.append(self.pool.submit(self._stage, block_id, body))
-
-    def _stage(self, block_id: str, body: bytes) -> str:
         async def stage() -> None:
             async with _blob(self.path) as blob:
                 await blob.stage_block(block_id, body, length=len(body))
 
         _run(self.path, stage)
-        count_sent(len(body))
         return block_id
 
-    def commit(self) -> None:
-        """Make the blob visible: one Put Blob, or the last block and one Put Block List."""
+    def _put_whole(self, body: bytes) -> None:
+        async def put() -> None:
+            async with _blob(self.path) as blob:
+                await blob.upload_blob(body, overwrite=True)
+
+        _run(self.path, put)
+
+    def _finish(self, tokens: list[Any]) -> None:
         from azure.storage.blob import BlobBlock
 
-        if not self.sent:
-            body, self.buffer = bytes(self.buffer), bytearray()
+        blocks = [BlobBlock(block_id) for block_id in tokens]
 
-            async def put() -> None:
-                async with _blob(self.path) as blob:
-                    await blob.upload_blob(body, overwrite=True)
+        async def put_list() -> None:
+            async with _blob(self.path) as blob:
+                await blob.commit_block_list(blocks)
 
-            _run(self.path, put)
-            count_sent(len(body))
-        else:
-            if self.buffer:
-                self._send()
-            blocks = [BlobBlock(f.result()) for f in self.sent]
+        _run(self.path, put_list)
 
-            async def put_list() -> None:
-                async with _blob(self.path) as blob:
-                    await blob.commit_block_list(blocks)
-
-            _run(self.path, put_list)
-            self.pool.shutdown()  # type: ignore[union-attr]
-        self.done = True
-        forget(self.path)
-
-    def abort(self) -> None:
-        self.buffer = bytearray()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.sent and not self.done:
-            try:
-                _discard(self.path)
-            except Exception:  # the store is unreachable: the blocks stay staged, never visible, dropped in a week
-                pass
+    def _drop(self) -> None:
+        _discard(self.path)
 
 
 def _discard(path: Location) -> None:

@@ -4,22 +4,21 @@ Credentials, region and endpoint come from the standard AWS configuration (AWS_E
 retries throttling, 5xx and connection errors with backoff, and s3fs's own loop retries around it. Every request
 and the bytes each response carried are counted (a botocore event hook, store/clients.py's `stats`).
 
-Each output object streams into one multipart upload, completed only once every byte is sent and aborted on any
-failure, so an object is either whole or absent; one that fits in a part is one PUT. Memory is bounded: a writer
-holds one part being filled and at most IN_FLIGHT parts being sent. Parts are PART_BYTES (S3 needs at least 5 MiB
-but for the last), larger only when an object would need more than MAX_PARTS of them.
+Each output object streams into one multipart upload (store/parts.py), completed only once every byte is sent and
+aborted on any failure, so an object is either whole or absent; one that fits in a part is one PUT. Parts are
+PART_BYTES (S3 needs at least 5 MiB but for the last), larger only when an object would need more than MAX_PARTS.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.store.clients import call, count_request, count_sent, names_of, reason
-from ckpt_cli.store.location import Location, forget
+from ckpt_cli.store.clients import call, count_request, names_of, reason
+from ckpt_cli.store.location import Location
+from ckpt_cli.store.parts import PartWriter, part_size
 
 RETRIES = 5  # s3fs's own retries of transient errors, on top of botocore's (standard mode, MAX_ATTEMPTS)
 MAX_ATTEMPTS = 8
@@ -40,7 +39,6 @@ _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnect
 THROTTLING = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
 PART_BYTES = 8 << 20
 MAX_PARTS = 10_000
-IN_FLIGHT = 2  # parts of one object sent at once while the next is filled
 
 
 def make(protocol: str) -> Any:
@@ -100,87 +98,39 @@ def _throttled(exc: BaseException) -> bool:
 # ---- writes -------------------------------------------------------------------------------------------------
 
 
-def part_size(total: int) -> int:
-    """PART_BYTES, or the next MiB multiple that keeps an object of `total` bytes within MAX_PARTS parts."""
-    need = -(-total // (MAX_PARTS - 1))
-    return max(PART_BYTES, -(-need // (1 << 20)) << 20)
-
-
 def check_key(path: Location) -> None:
     if len(path.parts) < 3:
         raise UsageError(f"{path}: a destination needs a key under the bucket (s3://bucket/name)")
 
 
-class Writer:
-    """A sequential write of one object of `total` bytes. Nothing is visible until `commit()`; `abort()` leaves
-    nothing behind (parts not sent are cancelled, the multipart upload aborted)."""
-
-    fd = None  # no descriptor: bytes go in order
+class Writer(PartWriter):
+    """One object as a multipart upload (one PUT when it fits in a part), aborted on failure (store/parts.py)."""
 
     def __init__(self, path: Location, total: int, progress: Callable[[int], None] | None = None) -> None:
         check_key(path)
-        self.path, self.progress = path, progress
+        super().__init__(path, part_size(total, PART_BYTES, MAX_PARTS), progress)
         self.bucket, self.key = path.parts[1], "/".join(path.parts[2:])
-        self.part = part_size(total)
-        self.buffer = bytearray()
         self.upload_id: str | None = None
-        self.sent: list[Future[dict[str, Any]]] = []
-        self.pool: ThreadPoolExecutor | None = None
-        self.done = False
 
     def _s3(self, method: str, **kwargs: Any) -> Any:
         return call(self.path, self.path.fs.call_s3, method, Bucket=self.bucket, Key=self.key, **kwargs)
 
-    def write(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        while len(view):
-            take = min(len(view), self.part - len(self.buffer))
-            self.buffer += view[:take]
-            view = view[take:]
-            if len(self.buffer) == self.part:
-                self._send()
-            if self.progress:
-                self.progress(take)
+    def _start(self) -> None:
+        self.upload_id = self._s3("create_multipart_upload")["UploadId"]
 
-    def _send(self) -> None:
-        if self.upload_id is None:
-            self.upload_id = self._s3("create_multipart_upload")["UploadId"]
-            self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="ckpt-upload")
-        while sum(not f.done() for f in self.sent) >= IN_FLIGHT:  # bounded memory: wait for the oldest part
-            next(f for f in self.sent if not f.done()).result()
-        body, self.buffer = bytes(self.buffer), bytearray()
-        number = len(self.sent) + 1
-        self.sent.append(self.pool.submit(self._part, number, body))  # type: ignore[union-attr]
-
-    def _part(self, number: int, body: bytes) -> dict[str, Any]:
+    def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
         reply = self._s3("upload_part", UploadId=self.upload_id, PartNumber=number, Body=body)
-        count_sent(len(body))
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
-    def commit(self) -> None:
-        """Make the object visible: one PUT, or the last part and the completion of the multipart upload."""
-        if self.upload_id is None:
-            body, self.buffer = bytes(self.buffer), bytearray()
-            self._s3("put_object", Body=body)
-            count_sent(len(body))
-        else:
-            if self.buffer:
-                self._send()
-            parts = [f.result() for f in self.sent]
-            self._s3("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": parts})
-            self.pool.shutdown()  # type: ignore[union-attr]
-        self.done = True
-        forget(self.path)
+    def _put_whole(self, body: bytes) -> None:
+        self._s3("put_object", Body=body)
 
-    def abort(self) -> None:
-        self.buffer = bytearray()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.upload_id is not None and not self.done:
-            try:
-                self._s3("abort_multipart_upload", UploadId=self.upload_id)
-            except Exception:  # the store is unreachable: the upload stays listed, never visible as an object
-                pass
+    def _finish(self, tokens: list[Any]) -> None:
+        self._s3("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": tokens})
+
+    def _drop(self) -> None:
+        if self.upload_id is not None:
+            self._s3("abort_multipart_upload", UploadId=self.upload_id)
 
 
 def _uploads(dest: Location) -> list[tuple[str, str]]:
