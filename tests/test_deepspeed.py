@@ -295,3 +295,26 @@ def test_inspect_parses_each_optimizer_file_and_one_model_states(ds_saves, confi
     full = open_checkpoint(ds_saves[2] / config)
     assert doc["num_tensors"] == len(full.tensors)
     assert [t["pieces"] for t in doc["tensors"]] == [len(t.pieces) for t in full.tensors.values()]  # counted, then made
+
+
+@pytest.mark.parametrize("to", ["deepspeed", "dcp"])
+def test_a_wide_write_makes_each_built_file_once(ds_saves, tmp_path, to):
+    """A rank file of a wide write is built (its segments made) when it is written, and only then: its size, known
+    once it is made, must not make it a second time (opening the sink first did: a 1,024-rank reshard took twice as long)."""
+    import ckpt_cli
+
+    request = ckpt_cli.convert_request(ds_saves[2] / "stage2-fp32", tmp_path / "out", to=to, world_size=3)
+    prepared = ckpt_cli.prepare(request)
+    built = [f for f in prepared.job.plan.files if f.build is not None]
+    assert built, "the writer plans its rank files as built files"
+    calls: dict[str, int] = {}
+    for f in built:
+        make = f.build
+
+        def counted(make=make, name=f.relpath):
+            calls[name] = calls.get(name, 0) + 1
+            return make()
+
+        f.build = counted
+    prepared.write()
+    assert calls == {f.relpath: 1 for f in built}, calls

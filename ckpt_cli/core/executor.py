@@ -45,6 +45,7 @@ CHUNK_BYTES = 64 << 20  # a large tensor is cut into pieces of this size when th
 def write_file(
     fd: int,
     out: OutputFile,
+    segments: list[Segment],
     progress: Progress | None,
     threads: int = 1,
     cancel: threading.Event | None = None,
@@ -54,7 +55,6 @@ def write_file(
     known offsets (large CRC-bearing tensors in CHUNK_BYTES pieces, their CRCs combined in order); the
     CRC-dependent trailers (Deferred) come last. `check` verifies the source records the copies read."""
     lock = threading.Lock()
-    segments = made(out, check)
     pending = 0
 
     def advance(nbytes: int) -> None:
@@ -213,12 +213,13 @@ def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int
     against its CRC32 (DataError before anything is committed)."""
 
     def write_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
+        segments = made(out, check)  # first: a built file's size is known once its segments are made
         sink = write.create(target, out.size, tick)
         try:
             if sink.fd is not None:
-                write_file(sink.fd, out, tick, threads, cancel, check)
+                write_file(sink.fd, out, segments, tick, threads, cancel, check)
             else:
-                write_in_order(made(out, check), sink, check)
+                write_in_order(segments, sink, check)
             interrupt.check()  # a SIGTERM during the last blocks: complete nothing
             sink.commit()
         except BaseException:
