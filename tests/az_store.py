@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+from store_view import StoreView
+
 CONTAINER = "ckpt"
 # Azurite's one account and its published key (https://learn.microsoft.com/azure/storage/common/storage-use-azurite)
 ACCOUNT = "devstoreaccount1"
@@ -16,10 +18,10 @@ def connection_string(port: int) -> str:
     return f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};BlobEndpoint=http://127.0.0.1:{port}/{ACCOUNT};"
 
 
-class Azure:
+class Azure(StoreView):
     """The test's own view of the container (azure-storage-blob), and uploads of local checkpoints."""
 
-    protocol = "az"
+    protocol, root = "az", CONTAINER
 
     def __init__(self, conn: str) -> None:
         from azure.storage.blob import BlobServiceClient
@@ -28,16 +30,9 @@ class Azure:
         self.service = BlobServiceClient.from_connection_string(conn)
         self.container = self.service.get_container_client(CONTAINER)
 
-    def url(self, key: str) -> str:
-        return f"az://{CONTAINER}/{key}"
-
-    def upload(self, local: Path, key: str) -> str:
-        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
-        for p in files:
-            name = key if p == local else f"{key}/{p.relative_to(local).as_posix()}"
-            with open(p, "rb") as f:
-                self.container.upload_blob(name, f, overwrite=True)
-        return self.url(key)
+    def put_file(self, local: Path, key: str) -> None:
+        with open(local, "rb") as f:
+            self.container.upload_blob(key, f, overwrite=True)
 
     def keys(self, prefix: str) -> list[str]:
         return sorted(b.name for b in self.container.list_blobs(name_starts_with=prefix))
@@ -50,12 +45,6 @@ class Azure:
 
     def delete(self, key: str) -> None:
         self.container.delete_blob(key)
-
-    def objects(self, key: str) -> dict[str, bytes]:
-        found = self.keys(key + "/")
-        if not found:
-            return {"": self.get(key)}
-        return {k[len(key) + 1 :]: self.get(k) for k in found}
 
     def uploads(self, prefix: str) -> list[str]:
         """Names with staged blocks and no committed blob: writes that never completed."""

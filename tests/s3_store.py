@@ -6,29 +6,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import boto3
+from store_view import StoreView
 
 BUCKET = "ckpt"
 ISOLATED = {"AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_EC2_METADATA_DISABLED": "true"}
 
 
-class S3:
+class S3(StoreView):
     """The test's own view of the bucket (boto3), and uploads of local checkpoints."""
 
-    protocol = "s3"
+    protocol, root = "s3", BUCKET
 
     def __init__(self, endpoint: str, env: dict[str, str]) -> None:
         self.endpoint, self.env = endpoint, env
         self.client = boto3.client("s3", endpoint_url=endpoint)
 
-    def url(self, key: str) -> str:
-        return f"s3://{BUCKET}/{key}"
-
-    def upload(self, local: Path, key: str) -> str:
-        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
-        for p in files:
-            name = key if p == local else f"{key}/{p.relative_to(local).as_posix()}"
-            self.client.upload_file(str(p), BUCKET, name)
-        return self.url(key)
+    def put_file(self, local: Path, key: str) -> None:
+        self.client.upload_file(str(local), BUCKET, key)
 
     def keys(self, prefix: str) -> list[str]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
@@ -46,13 +40,6 @@ class S3:
     def start_unfinished(self, key: str) -> None:
         """A write that started a multipart upload and never completed it."""
         self.client.create_multipart_upload(Bucket=BUCKET, Key=key)
-
-    def objects(self, key: str) -> dict[str, bytes]:
-        """The object `key` as {"": bytes}, or the objects under the prefix by relative name."""
-        found = self.keys(key + "/")
-        if not found:
-            return {"": self.get(key)}
-        return {k[len(key) + 1 :]: self.get(k) for k in found}
 
     def uploads(self, prefix: str) -> list[str]:
         return [u["Key"] for u in self.client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])]

@@ -36,14 +36,13 @@ class Commit:
     has: str  # what those are, in words: "*.distcp objects"
     in_folders: bool = False  # `data` names files one level down (DeepSpeed: the rank files of its tag folders)
 
-    def missing(self, folder: Path) -> bool:
-        """The folder holds the format's data and not its marker."""
-        names = {p.name: p for p in folder.iterdir()}
-        if any(re.fullmatch(self.marker, n) for n in names):
+    def missing(self, entries: dict[str, Path]) -> bool:
+        """A folder listed as `entries` (name -> path) holds the format's data and not its marker."""
+        if any(re.fullmatch(self.marker, n) for n in entries):
             return False
         if not self.in_folders:
-            return any(re.fullmatch(self.data, n) for n in names)
-        return any(p.is_dir() and any(re.fullmatch(self.data, q.name) for q in p.iterdir()) for p in names.values())
+            return any(re.fullmatch(self.data, n) for n in entries)
+        return any(p.is_dir() and any(re.fullmatch(self.data, q.name) for q in p.iterdir()) for p in entries.values())
 
 
 @dataclass(frozen=True)

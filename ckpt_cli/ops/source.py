@@ -59,7 +59,8 @@ def missing_marker(path: Path) -> str | None:
     (locally a write is renamed into place)."""
     if not path.is_dir():
         return None
-    commit = next((f.commit for f in registry.FORMATS.values() if f.commit is not None and f.commit.missing(path)), None)
+    entries = {p.name: p for p in path.iterdir()}  # one listing for every format's check
+    commit = next((f.commit for f in registry.FORMATS.values() if f.commit is not None and f.commit.missing(entries)), None)
     if commit is None:
         return None
     what, has, marker = commit.what, commit.has, commit.shown

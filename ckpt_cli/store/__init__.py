@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-from ckpt_cli.store import local
+from ckpt_cli.store import local, objects
 from ckpt_cli.store.guard import Guard, check_destination
-from ckpt_cli.store.location import Location, RemoteFile, fresh, is_remote, location, prefetch_heads
+from ckpt_cli.store.location import Location, RemoteFile, fresh, is_remote, location, prefetch_heads, read_into
 
 __all__ = ["Guard", "Location", "Write", "begin", "check_destination", "check_writable", "exists", "fresh", "is_bucket"]
 __all__ += ["join", "lexists", "location", "mappable", "open_read", "prefetch_heads", "present", "put", "read_into", "renames"]
@@ -108,18 +108,9 @@ def file_size(f: object) -> int:
     return os.fstat(f.fileno()).st_size  # type: ignore[attr-defined]
 
 
-def read_into(path: str, offset: int, view: memoryview) -> None:
-    """Fill `view` from an object's bytes at `offset` (one ranged GET); DataError if it ends first."""
-    from ckpt_cli.store.location import read_into as ranged
-
-    ranged(path, offset, view)
-
-
 def check_writable(path: Path) -> None:
     """Refuse (exit 2) a destination ckpt cannot write: a protocol it only reads, an object store's root."""
     if is_remote(path):
-        from ckpt_cli.store import objects
-
         objects.writer_backend(_object(path))
 
 
@@ -127,8 +118,6 @@ def begin(dest: Path, is_dir: bool, overwrite: bool, guard: Guard, owner: str | 
     """Start a write at `dest`: the destination checked (--overwrite and what it must keep), a fresh temporary
     sibling made (locally; `owner` names it, default this process) or the old objects cleared (with --overwrite)."""
     if is_remote(dest):
-        from ckpt_cli.store import objects
-
         return objects.begin(_object(dest), is_dir, overwrite, guard)
     return local.begin(dest, is_dir, overwrite, guard, owner or str(os.getpid()))
 
@@ -136,8 +125,6 @@ def begin(dest: Path, is_dir: bool, overwrite: bool, guard: Guard, owner: str | 
 def join(dest: Path, owner: str) -> Write:
     """Take part in the write `owner` began in another process (torchrun ranks): files go where its files go."""
     if is_remote(dest):
-        from ckpt_cli.store import objects
-
         return objects.join(_object(dest))
     return local.join(dest, owner)
 
@@ -145,8 +132,6 @@ def join(dest: Path, owner: str) -> Write:
 def put(path: Path, data: bytes) -> None:
     """A small file written whole or not at all (a temporary sibling and one rename; in object storage one PUT)."""
     if is_remote(path):
-        from ckpt_cli.store import objects
-
         objects.put(_object(path), data)
         return
     with local.staged(path, is_dir=False, overwrite=True) as tmp:
@@ -157,8 +142,6 @@ def unfinished(dest: Path) -> list[str]:
     """One line for each write at `dest` that did not finish: a local temporary sibling whose process is gone (or a
     torchrun job's), an object upload never completed."""
     if is_remote(dest):
-        from ckpt_cli.store import objects
-
         return objects.unfinished(_object(dest))
     return [
         f"{p}: temporary output of a ckpt write that did not finish (its process is gone, or a torchrun job); remove it"

@@ -102,7 +102,6 @@ class Writer(PartWriter):
     staged blocks are dropped (store/parts.py)."""
 
     def __init__(self, path: Location, total: int, progress: Callable[[int], None] | None = None) -> None:
-        check_key(path)
         super().__init__(path, part_size(total, BLOCK_BYTES, MAX_BLOCKS), progress)
 
     def _upload_part(self, number: int, body: bytes) -> str:

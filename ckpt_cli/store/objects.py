@@ -23,7 +23,8 @@ from ckpt_cli.store.location import Location, forget, location
 
 
 def writer_backend(path: Location) -> ModuleType:
-    """The backend that writes `path` (UsageError where ckpt only reads: gs://, memory://...)."""
+    """The backend that writes `path` (UsageError where ckpt only reads: gs://, memory://..., or where `path` names no
+    key under the bucket or container: every write, put and join passes here before a Writer is made)."""
     module = backend(path.protocol)
     if module.Writer is None:
         raise UsageError(f"{path}: ckpt reads {path.protocol}:// but writes only to s3:// and az:// object storage")

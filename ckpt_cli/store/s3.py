@@ -107,7 +107,6 @@ class Writer(PartWriter):
     """One object as a multipart upload (one PUT when it fits in a part), aborted on failure (store/parts.py)."""
 
     def __init__(self, path: Location, total: int, progress: Callable[[int], None] | None = None) -> None:
-        check_key(path)
         super().__init__(path, part_size(total, PART_BYTES, MAX_PARTS), progress)
         self.bucket, self.key = path.parts[1], "/".join(path.parts[2:])
         self.upload_id: str | None = None
