@@ -6,15 +6,15 @@ _ckpt() {
     else  # without the bash-completion package
         cur="${COMP_WORDS[COMP_CWORD]}"; prev="${COMP_WORDS[COMP_CWORD-1]}"; words=("${COMP_WORDS[@]}"); cword=$COMP_CWORD
     fi
-    local commands="completion convert demo diff inspect ls merge reshard split verify"
+    local commands="completion convert demo diff inspect ls merge parity reshard split verify"
     if [[ $cword -eq 1 ]]; then
         COMPREPLY=($(compgen -W "$commands --help --version" -- "$cur")); return
     fi
     case "$prev" in
         --to) COMPREPLY=($(compgen -W "deepspeed dcp hf safetensors torch" -- "$cur")); return ;;
-        --format) COMPREPLY=($(compgen -W "deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
-        --format-a) COMPREPLY=($(compgen -W "deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
-        --format-b) COMPREPLY=($(compgen -W "deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
+        --format) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
+        --format-a) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
+        --format-b) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "keep fp32 bf16 fp16" -- "$cur")); return ;;
         --layout) COMPREPLY=($(compgen -W "get_state_dict torchtitan" -- "$cur")); return ;;
         --per-rank-state) COMPREPLY=($(compgen -W "wrap first drop" -- "$cur")); return ;;
@@ -22,12 +22,13 @@ _ckpt() {
     local opts=""
     case "${words[1]}" in
         completion) opts="--help -h" ;;
-        convert) opts="--to --world-size --tp --dtype --max-shard-size --num-shards --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --layout --zero-stage --ds-config --rename --name-map --per-rank-state --quantize --help -h" ;;
+        convert) opts="--to --world-size --tp --dtype --max-shard-size --num-shards --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --layout --zero-stage --ds-config --rename --name-map --per-rank-state --quantize --preset --hf-config --help -h" ;;
         demo) opts="--overwrite --json --quiet -q --help -h" ;;
         diff) opts="--atol --rtol --filter --depth --json --format-a --format-b --tag-a --tag-b --trust-pickle --quiet -q --help -h" ;;
         inspect) opts="--json --yaml --tensors --filter --tree --depth --markdown --format --tag --trust-pickle --quiet -q --help -h" ;;
         ls) opts="--json --format --tag --trust-pickle --quiet -q --help -h" ;;
         merge) opts="--dtype --all --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        parity) opts="--against --logits --tokens --atol --json --quiet -q --help -h" ;;
         reshard) opts="--world-size --tp --num-shards --max-shard-size --dtype --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --layout --rename --name-map --per-rank-state --help -h" ;;
         split) opts="--max-shard-size --num-shards --dtype --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         verify) opts="--deep --finite --write-manifest --manifest --against --atol --rtol --policy --json --format --tag --trust-pickle --overwrite --quiet -q --help -h" ;;

@@ -22,7 +22,7 @@ def test_completions_and_man_page_are_current():
 
 def test_every_command_and_option_has_help():
     cmds = docgen.commands()
-    assert {c.name for c in cmds} == {"inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls", "diff", "completion"}
+    assert {c.name for c in cmds} == {"inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls", "diff", "parity", "completion"}
     for c in cmds:
         assert c.help, c.name
         for o in c.options:
@@ -42,7 +42,7 @@ def test_completion_scripts_parse():
         subprocess.run(["fish", "--no-execute", str(ROOT / "completions/ckpt.fish")], check=True)
 
 
-@pytest.mark.parametrize("command", ["inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls", "diff"])
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls", "diff", "parity"])
 def test_help_works(ckpt, command):
     res = ckpt(command, "--help")
     assert res.code == 0 and "Usage" in res.out

@@ -13,7 +13,7 @@ from typing import Any
 import typer
 
 from ckpt_cli import __version__, interrupt
-from ckpt_cli.cli import completion_cmd, convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, verify_cmd
+from ckpt_cli.cli import completion_cmd, convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, parity_cmd, verify_cmd
 from ckpt_cli.cli.examples import epilog
 from ckpt_cli.cli.output import error
 from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated
@@ -56,6 +56,7 @@ app.command("split", epilog=epilog("split"))(convert_cmd.split)
 app.command("demo", epilog=epilog("demo"))(demo_cmd.demo)
 app.command("ls", epilog=epilog("ls"))(ls_cmd.ls)
 app.command("diff", epilog=epilog("diff"))(diff_cmd.diff)
+app.command("parity", epilog=epilog("parity"))(parity_cmd.parity)
 app.command("completion", epilog=epilog("completion"))(completion_cmd.completion)
 
 

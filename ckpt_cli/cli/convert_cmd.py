@@ -17,6 +17,7 @@ from ckpt_cli.cli.options import (
     DSConfig,
     DType,
     Format,
+    HFConfig,
     Json,
     Layout,
     MaxShardSize,
@@ -24,6 +25,7 @@ from ckpt_cli.cli.options import (
     NumShards,
     Overwrite,
     PerRankState,
+    Preset,
     Quantize,
     Quiet,
     Rename,
@@ -151,6 +153,8 @@ def convert(
     name_map: NameMapFile = None,
     per_rank_state: PerRankState = "wrap",
     quantize: Quantize = None,
+    preset: Preset = None,
+    hf_config: HFConfig = None,
 ) -> None:
     """Convert any readable checkpoint to another format, streamed. Between DeepSpeed and dcp the whole training
     state moves (weights, Adam moments, param groups, step, scheduler, dataloader), so a run resumes in the other framework."""
@@ -159,7 +163,7 @@ def convert(
         src, dest, to=to, world_size=world_size, tp=tp, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
         weights_only=weights_only, select=globs, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
-        per_rank_state=per_rank_state, quantize=quantize,
+        per_rank_state=per_rank_state, quantize=quantize, preset=preset, hf_config=hf_config,
     )  # fmt: skip
     _run(request, Output(overwrite, dry_run, quiet, json_, workers, write_manifest))
 

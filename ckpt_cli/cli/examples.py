@@ -38,6 +38,7 @@ EXAMPLES: dict[str, list[str]] = {
         "ckpt diff demo/dcp demo/deepspeed",
         "ckpt diff demo/model.safetensors out/model-bf16.safetensors --rtol 1e-2",
     ],
+    "parity": ["ckpt parity out/release-bf16 --against demo/llama --atol 0.05 --quiet"],
 }
 
 

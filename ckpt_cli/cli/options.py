@@ -9,6 +9,13 @@ import typer
 
 from ckpt_cli.formats.registry import FORMATS
 
+
+def _preset_names() -> list[str]:
+    from ckpt_cli import presets  # file names only: no YAML parsed for --help
+
+    return presets.names()
+
+
 Source = Annotated[
     Path,
     typer.Argument(
@@ -115,6 +122,25 @@ Rename = Annotated[
         "--rename",
         metavar="REGEX=REPL",
         help="Rename parameters, REGEX=REPLACEMENT (repeatable, in order): training-state conversions and exports.",
+    ),
+]
+Preset = Annotated[
+    Optional[str],
+    typer.Option(
+        "--preset",
+        metavar="NAME",
+        help=f"A built-in name map for an export to Hugging Face: {', '.join(_preset_names())} (renames, q/k rotary permutation).",
+        show_default=False,
+    ),
+]
+HFConfig = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--hf-config",
+        metavar="DIR",
+        help="hf target: the folder whose config.json, generation_config.json and tokenizer files the release carries "
+        "(its dtype set to the weights written); a preset's head counts come from it.",
+        show_default=False,
     ),
 ]
 NameMapFile = Annotated[

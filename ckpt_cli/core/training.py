@@ -40,7 +40,51 @@ NAME_MAP_SCHEMA = {
     "rename": Optional([{"from": str, "to": str}]),
     "tied": Optional({str: str}),
     "split": Optional([{"from": str, "to": (str, list, dict), "groups": Optional(structured.non_negative), "layers": Optional(bool)}]),
+    "permute": Optional([{"from": str, "rope": str, "heads": (int, str)}]),
 }
+
+
+@dataclass(frozen=True)
+class Permute:
+    """A name map's `permute`: the rows of the tensors `pattern` matches moved to the `rope` layout (core/rope.py),
+    per head; `heads` is a number or the config.json key that holds it (num_attention_heads, num_key_value_heads)."""
+
+    pattern: str
+    rope: str
+    heads: int | str
+
+    @classmethod
+    def parse(cls, item: Any, where: str) -> Permute:
+        from ckpt_cli.core.rope import LAYOUTS
+
+        if not isinstance(item, dict) or set(item) != {"from", "rope", "heads"}:
+            raise UsageError(f"{where}: each permute is {{from: REGEX, rope: {'|'.join(LAYOUTS)}, heads: N or a config.json key}}")
+        if item["rope"] not in LAYOUTS:
+            raise UsageError(f"{where}: permute '{item['from']}': rope is {' or '.join(LAYOUTS)}, not {item['rope']!r}")
+        heads = item["heads"]
+        if isinstance(heads, bool) or not (isinstance(heads, str) and heads or isinstance(heads, int) and heads > 0):
+            raise UsageError(f"{where}: permute '{item['from']}': heads is a positive number or a config.json key")
+        try:
+            re.compile(str(item["from"]))
+        except re.error as exc:
+            raise UsageError(f"{where}: bad regular expression '{item['from']}' ({exc})") from exc
+        return cls(str(item["from"]), str(item["rope"]), heads)
+
+    def head_count(self, config: dict[str, Any] | None, tensor: str) -> int:
+        if isinstance(self.heads, int):
+            return self.heads
+        value = (config or {}).get(self.heads)
+        if config is None:
+            raise UsageError(
+                f"permuting '{tensor}' per head needs the head count ({self.heads}) from the model's config.json: "
+                "pass --hf-config DIR (the folder of the Hugging Face config), or the source has none"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"permuting '{tensor}' per head: config.json has no positive integer '{self.heads}' ({value!r})")
+        return value
+
+    def describe(self) -> str:
+        return f"permute /{self.pattern}/ to rope {self.rope} ({self.heads} heads)"
 
 
 @dataclass(frozen=True)
@@ -53,11 +97,12 @@ class NameMap:
     renames: tuple[tuple[str, str], ...] = ()
     tied: tuple[tuple[str, str], ...] = ()
     splits: tuple[RowSplit, ...] = ()
+    permutes: tuple[Permute, ...] = ()
 
     @classmethod
     def from_yaml(cls, path: Path) -> NameMap:
         """`strip_segments: [...]`, `rename: [{from: REGEX, to: REPL}, ...]`, `tied: {alias: owner}`,
-        `split: [{from: REGEX, to: NAMES, groups: N, layers: BOOL}, ...]`."""
+        `split: [{from: REGEX, to: NAMES, groups: N, layers: BOOL}, ...]`, `permute: [{from: REGEX, rope: LAYOUT, heads: N}]`."""
         path = store.location(path)  # a local file or an object (s3://)
         try:
             text = read_regular_text(path, max_bytes=16 << 20)
@@ -65,28 +110,33 @@ class NameMap:
             raise UsageError(f"{path}: cannot read the name map ({exc.strerror})") from exc
         except DataError as exc:
             raise UsageError(f"{path}: cannot read the name map ({exc})") from exc
-        data = structured.load_yaml(text, str(path), UsageError) or {}
-        structured.check(data, NAME_MAP_SCHEMA, str(path), UsageError)
+        return cls.from_data(structured.load_yaml(text, str(path), UsageError) or {}, str(path))
+
+    @classmethod
+    def from_data(cls, data: Any, where: str) -> NameMap:
+        """A name map from its parsed YAML (a file's, or a preset's)."""
+        structured.check(data, NAME_MAP_SCHEMA, where, UsageError)
         renames = []
         for item in data.get("rename") or []:
             if not isinstance(item, dict) or set(item) != {"from", "to"}:
-                raise UsageError(f"{path}: each rename is {{from: REGEX, to: REPLACEMENT}}")
+                raise UsageError(f"{where}: each rename is {{from: REGEX, to: REPLACEMENT}}")
             renames.append((str(item["from"]), str(item["to"])))
         segments = data.get("strip_segments", WRAPPER_SEGMENTS) or ()
         if isinstance(segments, str) or not all(isinstance(x, str) for x in segments):
-            raise UsageError(f"{path}: strip_segments is a list of names")
+            raise UsageError(f"{where}: strip_segments is a list of names")
         tied = data.get("tied") or {}
         if not isinstance(tied, dict):
-            raise UsageError(f"{path}: tied maps alias names to owner names")
+            raise UsageError(f"{where}: tied maps alias names to owner names")
         splits = data.get("split") or []
         if not isinstance(splits, list):
-            raise UsageError(f"{path}: split is a list of {{from, to, groups, layers}}")
+            raise UsageError(f"{where}: split is a list of {{from, to, groups, layers}}")
         return cls(
             tuple(segments),
             tuple(renames),
             tuple((str(a), str(o)) for a, o in tied.items()),
-            tuple(RowSplit.parse(item, str(path)) for item in splits),
-        ).checked(str(path))
+            tuple(RowSplit.parse(item, where) for item in splits),
+            tuple(Permute.parse(item, where) for item in data.get("permute") or []),
+        ).checked(where)
 
     def with_renames(self, pairs: list[str]) -> NameMap:
         """Add `--rename REGEX=REPLACEMENT` options."""
@@ -123,6 +173,7 @@ class NameMap:
         rules += [f"rename /{p}/ -> '{r}'" for p, r in self.renames]
         rules += [f"tie {a} -> {o}" for a, o in self.tied]
         rules += [s.describe() for s in self.splits]
+        rules += [p.describe() for p in self.permutes]
         return "; ".join(rules)
 
 
@@ -142,6 +193,7 @@ class TrainingState:
     notes: list[str] = field(default_factory=list)
     containers: dict[PathKey, str] = field(default_factory=dict)  # which extras' paths were lists or tuples
     layout: str = ""  # the source's key layout (TrainingFormat.layout_of)
+    run_config: dict[str, Any] | None = None  # the DeepSpeed config the source run saved (its ds_config), if any
 
     def trainable(self) -> list[str]:
         return [p for g in self.groups for p in g["params"] if p in self.moments]

@@ -11,6 +11,7 @@ once in deepspeed_layout.py; deepspeed_partitions.py turns the saved partitions 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -276,6 +277,10 @@ class DeepSpeedReader:
         if moe_here:
             deepspeed_moe.refuse_unsupported(folder, first_model.tree, bool(optim_paths))
         refuse_variants(folder, first_model.tree, MODEL_STATES)
+        if not optim_paths and (folder / "zero").is_dir():  # ds_to_universal's output, picked by --tag or a tag folder
+            from ckpt_cli.formats import deepspeed_universal
+
+            return deepspeed_universal.READER.read(folder, dataclasses.replace(options, tag=None))
         if not optim_paths:
             raise UsageError(
                 f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"

@@ -58,14 +58,20 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def target(config_path: Path | None, zero_stage: int | None, world: int) -> Target:
-    """The target run from --ds-config and --zero-stage (they must agree when both are given)."""
+def target(config_path: Path | None, zero_stage: int | None, world: int, saved: dict[str, Any] | None = None) -> Target:
+    """The target run from --ds-config and --zero-stage (they must agree when both are given); without --ds-config,
+    the config the source run `saved` (a DeepSpeed source's ds_config) when its stage is the one asked for."""
     config = read_config(config_path) if config_path else {}
+    saved_stage = ((saved or {}).get("zero_optimization") or {}).get("stage")
+    from_run = not config_path and saved is not None and zero_stage in (None, saved_stage)
+    if from_run:
+        config = dict(saved or {})
+    where = config_path or "the ds_config the run saved (pass --ds-config to choose another)"
     auto = _auto_keys(config)
     if auto:
-        raise UsageError(f"{config_path}: '{auto[0]}' is \"auto\" (a Hugging Face Trainer placeholder); give the value the run used")
+        raise UsageError(f"{where}: '{auto[0]}' is \"auto\" (a Hugging Face Trainer placeholder); give the value the run used")
     zero = config.get("zero_optimization") or {}
-    stage = zero.get("stage") if config_path else None
+    stage = zero.get("stage") if config_path or from_run else None
     if zero_stage is not None and stage is not None and zero_stage != stage:
         raise UsageError(f"--zero-stage {zero_stage} disagrees with zero_optimization.stage {stage} in {config_path}")
     stage = zero_stage if zero_stage is not None else stage
@@ -73,13 +79,15 @@ def target(config_path: Path | None, zero_stage: int | None, world: int) -> Targ
         raise UsageError("writing deepspeed from another framework needs the ZeRO stage: --zero-stage 1|2|3 or --ds-config FILE")
     notes = []
     if (config.get("fp16") or {}).get("enabled"):
-        raise UsageError("fp16 DeepSpeed targets (dynamic loss scaling) are not supported; use bf16 or fp32")
+        raise UsageError(f"fp16 DeepSpeed targets (dynamic loss scaling) are not supported; use bf16 or fp32 ({where})")
     precision = "bf16" if (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") else "fp32"
     if precision == "bf16" and stage == 1 and (config.get("data_types") or {}).get("grad_accum_dtype") == "fp32":
         raise UsageError("the BF16_Optimizer (bf16, stage 1, grad_accum_dtype fp32) is not a supported target; use stage 1 or 2 without it")
     if zero.get("parameter_alignment") or zero.get("zero_hpz_partition_size", 1) > 1 or zero.get("mics_shard_size", -1) > 0:
         raise UsageError("parameter_alignment, hpZ and MiCS layouts are not supported as targets")
-    if not config_path:
+    if from_run:
+        notes.append(f"DeepSpeed config: the one the run saved (ZeRO-{stage}, {precision}); pass --ds-config to choose another")
+    elif not config_path:
         config = {"zero_optimization": {"stage": stage}}
         notes.append(
             f"no --ds-config: wrote ZeRO-{stage} fp32 with DeepSpeed's default gradient_clipping "

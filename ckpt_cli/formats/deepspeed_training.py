@@ -44,7 +44,7 @@ class DeepSpeedTraining:
                 f"{expert}: building DeepSpeed MoE files is not supported (only a reshard of a DeepSpeed MoE checkpoint to a new "
                 "--world-size writes them; a new ZeRO stage or --ds-config for an MoE run is not)"
             )
-        target = deepspeed_template.target(options.ds_config, options.zero_stage, options.world_size)
+        target = deepspeed_template.target(options.ds_config, options.zero_stage, options.world_size, state.run_config)
         if state.layout != "deepspeed":  # DeepSpeed records its ties (shared_params); DCP saves the tensor twice
             found = find_ties(state)
             if found:
@@ -79,6 +79,7 @@ def _from_deepspeed(ckpt: Checkpoint) -> TrainingState:
         client_tensors,
         buffers=set(model_tree.get("buffer_names") or []),
         tied=dict(model_tree.get("shared_params") or {}),
+        run_config=model_tree.get("ds_config") if isinstance(model_tree.get("ds_config"), dict) else None,
     )
     if dropped:
         state.notes.append(f"left out DeepSpeed engine bookkeeping: {', '.join(dropped)}")

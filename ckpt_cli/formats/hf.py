@@ -241,28 +241,77 @@ class HFWriter:
             files.append(OutputFile(name, list(st.file_segments(group, {"format": "pt"}))))
             weight_map.update({t.name: name for t in group})
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
-        files += companion_files(_config_dtype(ckpt, tensors))
+        files += companion_files(_release_config(ckpt, tensors, notes))
         files.append(OutputFile(INDEX, [Literal(json.dumps(index, indent=2).encode())], commit_marker=True))
         return WritePlan(self.name, dest, True, files, notes)
 
 
-def _config_dtype(ckpt: Checkpoint, tensors: list[TensorEntry]) -> Checkpoint:
-    """The checkpoint with its config.json saying the dtype of the floating-point weights written, where it said
-    another (a --dtype cast): from_pretrained takes that dtype by default."""
+def _release_config(ckpt: Checkpoint, tensors: list[TensorEntry], notes: list[str]) -> Checkpoint:
+    """The checkpoint with its config.json agreeing with the weights written: `torch_dtype`/`dtype` the dtype of the
+    floating-point weights (from_pretrained loads in it by default), and `tie_word_embeddings` true where no
+    lm_head.weight is written (else from_pretrained leaves the head randomly initialised) and false where an
+    lm_head.weight is written that differs from the embeddings (else from_pretrained replaces it by them)."""
     source = ckpt.companions.get("config.json")
-    floats = {t.dtype.name for t in tensors if t.dtype.is_float and not t.dtype.name.startswith("float8")}
-    if source is None or len(floats) != 1:
+    if source is None:
         return ckpt
     data = source if isinstance(source, bytes) else read_regular_bytes(source, max_bytes=COMPANION_MAX_BYTES)
     config = structured.load_json(data.decode("utf-8", "replace"), str(source) if isinstance(source, str) else "config.json", DataError)
-    keys = [k for k in ("torch_dtype", "dtype") if isinstance(config, dict) and k in config]
-    want = floats.pop()
-    if not keys or all(config[k] == want for k in keys):
+    if not isinstance(config, dict):
         return ckpt
-    for key in keys:
-        config[key] = want
+    changed = _set_dtype(config, tensors) | _set_tie(config, {t.name: t for t in tensors}, notes)
+    if not changed:
+        return ckpt
     edited = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     return dataclasses.replace(ckpt, companions={**ckpt.companions, "config.json": edited})
+
+
+def _set_dtype(config: dict[str, Any], tensors: list[TensorEntry]) -> bool:
+    floats = {t.dtype.name for t in tensors if t.dtype.is_float and not t.dtype.name.startswith("float8")}
+    keys = [k for k in ("torch_dtype", "dtype") if k in config]
+    if len(floats) != 1 or not keys:
+        return False
+    want = floats.pop()
+    if all(config[k] == want for k in keys):
+        return False
+    for key in keys:
+        config[key] = want
+    return True
+
+
+def _set_tie(config: dict[str, Any], written: dict[str, TensorEntry], notes: list[str]) -> bool:
+    tie = config.get("tie_word_embeddings")
+    embed = next((n for n in written if n.endswith("embed_tokens.weight")), None)
+    if not isinstance(tie, bool) or embed is None:
+        return False  # the model class's own default applies; nothing to check against
+    head = written.get("lm_head.weight")
+    if head is None and not tie:
+        notes.append("config.json: tie_word_embeddings set to true: no lm_head.weight is written (it is tied to the embeddings)")
+    elif head is not None and tie and not _same_values(head, written[embed]):
+        notes.append(f"config.json: tie_word_embeddings set to false: lm_head.weight differs from {embed}")
+    else:
+        return False
+    config["tie_word_embeddings"] = not tie
+    return True
+
+
+def _same_values(a: TensorEntry, b: TensorEntry) -> bool:
+    """Equal shape, dtype and bytes, compared window by window."""
+    from ckpt_cli.core.reading import SourceFiles
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    sources = SourceFiles()
+    try:
+        return all(bytes(x) == bytes(y) for x, y in zip(_blocks(a, sources), _blocks(b, sources)))
+    finally:
+        sources.close()
+
+
+def _blocks(entry: TensorEntry, sources: Any) -> Any:
+    from ckpt_cli.core.reading import as_bytes, element_windows, read_elements
+
+    for start, count in element_windows(entry):
+        yield as_bytes(read_elements(entry, start, count, sources))
 
 
 READER = HFReader()

@@ -65,6 +65,7 @@ class Format:
     tensors_only: bool = False  # holds tensors only: optimizer and training state cannot go there
     folders: bool = True  # detection can claim a folder
     files: str | None = None  # regex of the file names detection can claim (whole name); None: no single file
+    reshards_into: str | None = None  # `reshard` writes this format (a read-only layout of a writable one's run)
 
     @property
     def reader(self) -> Reader:
@@ -89,6 +90,17 @@ HF_SHARDS = r"(?!shard-\d+-model-\d+-of-\d+\.safetensors$).+-\d+-of-\d+\.(safete
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
+        Format(
+            "deepspeed-universal",
+            "deepspeed_universal:READER",
+            None,
+            "DeepSpeed universal checkpoint (ds_to_universal): latest_universal + <tag>/zero/<param>/fp32.pt",
+            True,
+            own_tags=True,
+            reshard_by="world_size",
+            training_at="deepspeed_training:TRAINING",
+            reshards_into="deepspeed",
+        ),
         Format(
             "deepspeed",
             "deepspeed:READER",

@@ -63,10 +63,34 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
         view = training_view(ckpt, target, t, write, cross)
     else:
         source = transform.without_copies(ckpt, t) if ckpt.format != target.name else ckpt
+        source = with_hf_config(source, cross.hf_config)
         source = quant_views.for_write(source, t.dtype, t.quantize, target.name)
         view = transform.apply(name_map.weights_view(source, cross.names) if cross.names_given else source, t)
+        view.notes.extend(preset_hint(ckpt, target, cross))
     plan = writer.plan(view, request.dest, write)
     return Job(plan, list(view.notes) + plan.notes, (str(request.src), *(f.path for f in ckpt.files)), ckpt.format)
+
+
+def with_hf_config(ckpt: Checkpoint, folder: Path | None) -> Checkpoint:
+    """The checkpoint with --hf-config's companions (config.json, generation config, tokenizer) in place of its own."""
+    if folder is None:
+        return ckpt
+    from ckpt_cli.formats.hf import companions_in
+
+    found, notes = companions_in(folder)
+    return dataclasses.replace(ckpt, companions={**ckpt.companions, **found}, notes=[*ckpt.notes, *notes])
+
+
+def preset_hint(ckpt: Checkpoint, target: registry.Format, cross: CrossOptions) -> list[str]:
+    """A note naming the preset whose layout the source's names show, for an export that gave no name map."""
+    if cross.names_given or not target.tensors_only:
+        return []
+    from ckpt_cli import presets
+
+    found = presets.suggest(ckpt)
+    if found is None:
+        return []
+    return [f"these tensor names look like '{found}': --preset {found} maps them for Hugging Face ({presets.describe(found)[:120]}...)"]
 
 
 def refuse_broken(ckpt: Checkpoint, src: Path) -> None:
@@ -126,6 +150,8 @@ def reshard_target(ckpt_format: str, write: WriteOptions) -> registry.Format:
     elif fmt.reshard_by == "world_size":
         if write.world_size is None:
             raise UsageError(f"reshard of a {fmt.name} checkpoint needs --world-size N")
+        if fmt.reshards_into:
+            return registry.get(fmt.reshards_into)
     elif fmt.not_resharded:
         raise UsageError(f"ckpt cannot reshard a {fmt.name} checkpoint: {fmt.not_resharded}")
     else:

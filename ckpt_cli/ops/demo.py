@@ -3,8 +3,8 @@
 A tiny language model (tied embedding, two blocks) trains three AdamW steps with a warmup schedule;
 then torch.save and torch.distributed.checkpoint write the full training state, safetensors writes
 the weights, ckpt's own hf writer shards them, ckpt's own DeepSpeed writer turns the DCP training state
-into a ZeRO-2 checkpoint (no DeepSpeed needed), and a run folder holds two steps. Every command can be
-tried on the result.
+into a ZeRO-2 checkpoint (no DeepSpeed needed), a run folder holds two steps, and `llama/` is a tiny Hugging Face
+Llama release (config.json + safetensors) that transformers loads. Every command can be tried on the result.
 """
 
 from __future__ import annotations
@@ -89,7 +89,57 @@ def _write_deepspeed(dcp_dir: Path, dest: Path) -> None:
     convert.run(convert.prepare(request), overwrite=False)
 
 
-DEMO_NAMES = ("training_state.pt", "dcp", "deepspeed", "model.safetensors", "hf", "run")
+DEMO_NAMES = ("training_state.pt", "dcp", "deepspeed", "model.safetensors", "hf", "run", "llama")
+# A Hugging Face Llama release (config.json + safetensors) that transformers loads: what `ckpt parity` runs.
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": VOCAB,
+    "hidden_size": DIM,
+    "intermediate_size": 2 * DIM,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": DIM // 4,
+    "hidden_act": "silu",
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def _write_llama(folder: Path) -> None:
+    """A tiny Llama's weights (seeded, at initialisation scale) under Hugging Face's names, with its config."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    c, g = LLAMA_CONFIG, torch.Generator().manual_seed(0)
+    hidden, inner, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.1
+
+    sd = {
+        "model.embed_tokens.weight": weight(VOCAB, hidden),
+        "model.norm.weight": torch.ones(hidden),
+        "lm_head.weight": weight(VOCAB, hidden),
+    }
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes = {"q_proj": (hidden, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, hidden)}
+        sd.update({f"{p}self_attn.{n}.weight": weight(*s) for n, s in shapes.items()})
+        shapes = {"gate_proj": (inner, hidden), "up_proj": (inner, hidden), "down_proj": (hidden, inner)}
+        sd.update({f"{p}mlp.{n}.weight": weight(*s) for n, s in shapes.items()})
+        sd.update({f"{p}input_layernorm.weight": torch.ones(hidden), f"{p}post_attention_layernorm.weight": torch.ones(hidden)})
+    folder.mkdir()
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(c, indent=2, sort_keys=True) + "\n")
 
 
 def is_demo(folder: Path) -> bool:
@@ -130,4 +180,5 @@ def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
                 for p in model.parameters():
                     p.add_(1e-3)
             save_model(model, str(tmp / "run" / f"step_{step}.safetensors"), metadata={"format": "pt"})
+        _write_llama(tmp / "llama")
     return [folder / n for n in DEMO_NAMES]

@@ -1,27 +1,40 @@
-"""A name map (--rename, --name-map) applied to a checkpoint written as tensors: hf, safetensors and torch exports.
+"""A name map (--rename, --name-map, --preset) applied to a checkpoint written as tensors: hf, safetensors and torch exports.
 
 Training-state conversions rename parameters through their own path (ops/crossframework.py); a weights export
-takes the checkpoint's tensors as they are, so each is split by the first `split` that matches its name
-(core/row_split.py: fused QKV to q/k/v, SwiGLU fc1 to gate/up, stacked layers to one tensor each), else renamed.
-Nothing is read: split outputs point at the source's stored bytes.
+takes the checkpoint's tensors as they are, so each is permuted by the first `permute` that matches its name
+(core/rope.py: q/k rows to the other rotary layout, per head), split by the first `split` that matches
+(core/row_split.py: fused QKV to q/k/v, SwiGLU fc1 to gate/up, stacked layers to one tensor each), and renamed.
+Nothing is read here: split outputs point at the source's stored bytes, permuted ones are computed as they are read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Any
 
+from ckpt_cli.core import rope, structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
+from ckpt_cli.core.paths import read_regular_bytes
 from ckpt_cli.core.training import NameMap
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.formats.hf import COMPANION_MAX_BYTES
 
 
 def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
-    """The checkpoint with the map's splits and renames applied to its tensor (and value) names."""
+    """The checkpoint with the map's permutes, splits and renames applied to its tensors (and its values' names)."""
     tensors: dict[str, TensorEntry] = {}
-    split, outputs, renamed = 0, 0, 0
+    split, outputs, renamed, permuted = 0, 0, 0, 0
+    config = model_config(ckpt) if any(isinstance(p.heads, str) for p in names.permutes) else None
     for entry in ckpt.tensors.values():
         base = names.strip(entry.name)
+        permute = next((p for p in names.permutes if re.fullmatch(p.pattern, base)), None)
+        if permute is not None:
+            entry = rope.permuted(entry, entry.name, permute.head_count(config, entry.name), permute.rope)
+            permuted += 1
         parts = next((p for s in names.splits if (p := s.apply(entry, base)) is not None), None)
+        if parts is not None and permute is not None:
+            raise UsageError(f"the name map both permutes and splits '{entry.name}'; split the fused tensor, then permute its parts")
         if parts is not None:
             split, outputs = split + 1, outputs + len(parts)
         else:
@@ -39,4 +52,20 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
             raise UsageError(f"the name map names two entries '{new}' ({obj.name} is one); adjust --name-map/--rename")
         objects[new] = obj if new == obj.name else dataclasses.replace(obj, name=new, path=(new,))
     note = f"name map: {split} tensors split into {outputs}, {renamed} renamed"
+    if names.permutes:
+        note += f", {permuted} permuted to the other rotary layout"
+        if not permuted:
+            note += " (the map's permute matched no tensor: is it the map for this model?)"
     return dataclasses.replace(ckpt, tensors=tensors, objects=objects, notes=[*ckpt.notes, note])
+
+
+def model_config(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The source's config.json (its companion, or --hf-config's) as a dict; None without one."""
+    source = ckpt.companions.get("config.json")
+    if source is None:
+        return None
+    data = source if isinstance(source, bytes) else read_regular_bytes(source, max_bytes=COMPANION_MAX_BYTES)
+    config = structured.load_json(data.decode("utf-8", "replace"), str(source) if isinstance(source, str) else "config.json", DataError)
+    if not isinstance(config, dict):
+        raise DataError(f"{source if isinstance(source, str) else 'config.json'}: not a JSON object")
+    return config.get("text_config") if isinstance(config.get("text_config"), dict) and "num_attention_heads" not in config else config

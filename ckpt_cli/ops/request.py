@@ -28,7 +28,8 @@ class CrossOptions:
     ds_config: Path | None = None  # DeepSpeed target: the run's config (precision, clipping, batch size)
     names: NameMap = NameMap()
     per_rank: str = "wrap"  # rule for per-rank values under a new world size
-    names_given: bool = False  # --rename or --name-map was passed
+    names_given: bool = False  # --rename, --name-map or --preset was passed
+    hf_config: Path | None = None  # --hf-config: companions (config.json, tokenizer) for a Hugging Face export
 
 
 @dataclass(frozen=True)

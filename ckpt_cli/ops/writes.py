@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli import presets
 from ckpt_cli.core import dtypes
 from ckpt_cli.core.distributed import is_main_process
 from ckpt_cli.core.interface import WriteOptions
@@ -74,14 +75,29 @@ def cross_options(
     rename: Sequence[str] | None = None,
     name_map: str | Path | None = None,
     per_rank: str = "wrap",
+    preset: str | None = None,
+    hf_config: str | Path | None = None,
 ) -> CrossOptions:
     if layout is not None and layout not in LAYOUTS:
         raise UsageError(f"--layout is one of {', '.join(LAYOUTS)}, not '{layout}'")
     if per_rank not in PER_RANK_RULES:
         raise UsageError(f"--per-rank-state is one of {', '.join(PER_RANK_RULES)}, not '{per_rank}'")
-    names = (NameMap.from_yaml(Path(name_map)) if name_map else NameMap()).with_renames(list(rename or []))
+    if preset and name_map:
+        raise UsageError("give --preset or --name-map, not both (a preset is a name map; add --rename for more)")
+    base = presets.load(preset) if preset else NameMap.from_yaml(Path(name_map)) if name_map else NameMap()
+    names = base.with_renames(list(rename or []))
     config = Path(ds_config) if ds_config is not None else None
-    return CrossOptions(layout, zero_stage, config, names, per_rank, bool(rename or name_map))
+    return CrossOptions(layout, zero_stage, config, names, per_rank, bool(rename or name_map or preset), _hf_config_dir(hf_config))
+
+
+def _hf_config_dir(path: str | Path | None) -> Path | None:
+    """--hf-config DIR: a folder holding config.json (and the tokenizer files a release carries)."""
+    if path is None:
+        return None
+    folder = location(path)
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise UsageError(f"--hf-config {path}: not a folder holding config.json (the Hugging Face model's config)")
+    return folder
 
 
 @dataclass
@@ -222,8 +238,11 @@ def convert_request(
     name_map: str | Path | None = None,
     per_rank_state: str = "wrap",
     quantize: str | None = None,
+    preset: str | None = None,
+    hf_config: str | Path | None = None,
 ) -> Request:
-    """`convert`: any readable checkpoint to the format `to`."""
+    """`convert`: any readable checkpoint to the format `to` (`preset`: a built-in name map, ckpt_cli/presets;
+    `hf_config`: the folder whose config.json, generation config and tokenizer files a Hugging Face export carries)."""
     return Request(
         location(src),
         location(dest),
@@ -231,7 +250,7 @@ def convert_request(
         SourceOptions(format, tag, trust_pickle),
         transform(dtype, weights_only, select, strip_prefix, add_prefix, quantize),
         write_options(world_size, max_shard_size, num_shards, tp),
-        cross_options(layout, zero_stage, ds_config, rename, name_map, per_rank_state),
+        cross_options(layout, zero_stage, ds_config, rename, name_map, per_rank_state, preset, hf_config),
     )
 
 

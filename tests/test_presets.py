@@ -1,0 +1,172 @@
+"""Name-map transforms and presets on numbers: the rotary permutation against the formula torchtitan's adapter and
+Hugging Face's convert_llama_weights_to_hf.py use, its inverse, casts and windows; presets listed, loaded, suggested;
+--hf-config carried into a release with its dtype and tie_word_embeddings set to what is written; parity's refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ckpt_cli import presets
+from ckpt_cli.core import rope
+from ckpt_cli.core.dtypes import by_name
+from ckpt_cli.core.model import Box, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.reading import SourceFiles, read_elements
+
+
+def to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """torchtitan Llama3StateDictAdapter._permute / Hugging Face's permute (convert_llama_weights_to_hf.py)."""
+    rows, cols = w.shape[0], w[0].numel()
+    return w.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(w.shape)
+
+
+def entry_of(tmp_path, name: str, tensor: torch.Tensor) -> TensorEntry:
+    path = tmp_path / f"{name}.bin"
+    path.write_bytes(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    dtype = by_name(str(tensor.dtype).removeprefix("torch."))
+    shape = tuple(tensor.shape)
+    array = StoredArray(str(path), 0, dtype, shape, tuple(tensor.contiguous().stride()))
+    return TensorEntry(name, dtype, shape, "model", [Piece(Box((0,) * len(shape), shape), array)])
+
+
+def read_all(entry: TensorEntry) -> torch.Tensor:
+    return read_elements(entry, 0, entry.numel, SourceFiles()).reshape(entry.shape)
+
+
+@pytest.mark.parametrize("heads,head_dim,cols", [(4, 8, 16), (2, 16, 3), (8, 2, 1), (1, 64, 5)])
+def test_permute_equals_the_reference_formula_and_round_trips(tmp_path, heads, head_dim, cols):
+    w = torch.randn(heads * head_dim, cols).squeeze(-1) if cols == 1 else torch.randn(heads * head_dim, cols)
+    src = entry_of(tmp_path, "w", w)
+    halves = rope.permuted(src, "q", heads, "halves")
+    assert torch.equal(read_all(halves), to_halves(w, heads))
+    saved = entry_of(tmp_path, "h", read_all(halves))
+    assert torch.equal(read_all(rope.permuted(saved, "q", heads, "interleaved")), w)  # the inverse: from_hf
+
+
+def test_permute_reads_any_range_and_in_windows(tmp_path, monkeypatch):
+    w = torch.randn(32 * 4, 6, dtype=torch.bfloat16)
+    monkeypatch.setattr(rope, "WINDOW_BYTES", 3 * 4 * 6 * 2)  # three heads a window: the last window is short
+    perm = rope.permuted(entry_of(tmp_path, "w", w), "q", 32, "halves")
+    expected = to_halves(w, 32).flatten()
+    windows = list(perm.derived.windows())
+    assert sum(n for _, n in windows) == w.numel() and len(windows) == 11
+    for start, count in [*windows, (5, 7), (23, 100), (0, 1), (w.numel() - 3, 3)]:
+        assert torch.equal(read_elements(perm, start, count, SourceFiles()), expected[start : start + count])
+
+
+def test_permute_refuses_shapes_that_are_not_heads(tmp_path):
+    from ckpt_cli.errors import UsageError
+
+    src = entry_of(tmp_path, "w", torch.randn(12, 4))
+    for heads in (5, 4, 0):  # 12 rows are not 5 heads; 4 heads of 3 rows have no pairs; no heads at all
+        with pytest.raises(UsageError, match="heads"):
+            rope.permuted(src, "q", heads, "halves")
+    with pytest.raises(UsageError, match="rope layout"):
+        rope.permuted(src, "q", 2, "sideways")
+
+
+def test_presets_are_listed_loaded_and_described():
+    assert "torchtitan-llama3" in presets.names()
+    names = presets.load("torchtitan-llama3")
+    assert len(names.permutes) == 2 and names.renames
+    assert "torchtitan" in presets.describe("torchtitan-llama3")
+    from ckpt_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="presets: .*torchtitan-llama3"):
+        presets.load("llama-from-mars")
+
+
+@pytest.fixture
+def titan_like(tmp_path):
+    """A state dict in torchtitan's names (older torchtitan: wq, output), and a config folder for it."""
+    torch.manual_seed(0)
+    sd = {
+        "tok_embeddings.weight": torch.randn(10, 16),
+        "layers.0.attention.wq.weight": torch.randn(16, 16),
+        "layers.0.attention.wk.weight": torch.randn(8, 16),
+        "layers.0.attention.wv.weight": torch.randn(8, 16),
+        "output.weight": torch.randn(10, 16),
+    }
+    save_file(sd, tmp_path / "titan.safetensors")
+    (tmp_path / "cfg").mkdir()
+    config = {
+        "model_type": "llama",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "cfg" / "tokenizer.json").write_text("{}")
+    return sd, tmp_path
+
+
+def test_preset_export_with_hf_config(ckpt, titan_like):
+    sd, root = titan_like
+    res = ckpt(
+        "convert",
+        root / "titan.safetensors",
+        root / "rel",
+        "--to",
+        "hf",
+        "--preset",
+        "torchtitan-llama3",
+        "--hf-config",
+        root / "cfg",
+        "--dtype",
+        "bf16",
+    )
+    assert res.code == 0, res.err
+    out = load_file(root / "rel" / "model-00001-of-00001.safetensors")
+    assert torch.equal(out["model.layers.0.self_attn.q_proj.weight"], to_halves(sd["layers.0.attention.wq.weight"], 4).bfloat16())
+    assert torch.equal(out["model.layers.0.self_attn.k_proj.weight"], to_halves(sd["layers.0.attention.wk.weight"], 2).bfloat16())
+    assert torch.equal(out["model.layers.0.self_attn.v_proj.weight"], sd["layers.0.attention.wv.weight"].bfloat16())
+    assert torch.equal(out["lm_head.weight"], sd["output.weight"].bfloat16())
+    config = json.loads((root / "rel" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"  # the dtype written
+    assert config["tie_word_embeddings"] is False and "tie_word_embeddings set to false" in res.err  # lm_head differs
+    assert (root / "rel" / "tokenizer.json").read_text() == "{}"
+
+
+def test_tied_head_not_written_sets_tie_true(ckpt, titan_like):
+    sd, root = titan_like
+    (root / "cfg" / "config.json").write_text(
+        json.dumps({"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False})
+    )
+    res = ckpt(
+        "convert", root / "titan.safetensors", root / "rel", "--to", "hf", "--preset", "torchtitan-llama3",
+        "--hf-config", root / "cfg", "--filter", "model.*",
+    )  # fmt: skip
+    assert res.code == 0, res.err
+    assert json.loads((root / "rel" / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "tie_word_embeddings set to true" in res.err
+
+
+def test_preset_refusals(ckpt, titan_like):
+    _, root = titan_like
+    res = ckpt("convert", root / "titan.safetensors", root / "a", "--to", "hf", "--preset", "nope")
+    assert res.code == 2 and "torchtitan-llama3" in res.err
+    res = ckpt("convert", root / "titan.safetensors", root / "b", "--to", "hf", "--preset", "torchtitan-llama3", "--hf-config", root)
+    assert res.code == 2 and "config.json" in res.err
+    (root / "map.yaml").write_text("rename: []\n")
+    res = ckpt(
+        "convert", root / "titan.safetensors", root / "c", "--to", "hf", "--preset", "torchtitan-llama3", "--name-map", root / "map.yaml"
+    )
+    assert res.code == 2 and "not both" in res.err
+    (root / "map.yaml").write_text("permute: [{from: 'x', rope: diagonal, heads: 2}]\n")
+    res = ckpt("convert", root / "titan.safetensors", root / "d", "--to", "hf", "--name-map", root / "map.yaml")
+    assert res.code == 2 and "rope is interleaved or halves" in res.err
+    assert not any((root / n).exists() for n in "abcd")
+
+
+def test_parity_refusals(ckpt, tmp_path):
+    res = ckpt("parity", tmp_path)
+    assert res.code == 2 and "--against DIR" in res.err
+    res = ckpt("parity", tmp_path, "--against", tmp_path)
+    assert res.code == 2 and "no config.json" in res.err
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    res = ckpt("parity", tmp_path, "--against", tmp_path)
+    assert res.code == 1 and "transformers cannot load it" in res.err and "Traceback" not in res.err

@@ -1,0 +1,98 @@
+"""torchtitan -> Hugging Face with the `torchtitan-llama3` preset, against torchtitan itself: a real torchtitan 0.3.0
+run (tests/producers/torchtitan_llama.py: FSDP2 on 2 CPU processes, saved by its own CheckpointManager) is exported
+by ckpt and compared with torchtitan's own HF export (its state-dict adapter permutes q/k for Hugging Face's rotary
+layout) bit for bit, and run by transformers against the torchtitan model's own logits (`ckpt parity`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import torchrun
+from safetensors.torch import load_file
+
+pytest.importorskip("torchtitan", reason="torchtitan is installed by the README's test command (tests/requirements-nodeps.txt)")
+
+
+@pytest.fixture(scope="module")
+def titan(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("torchtitan")
+    torchrun(2, "torchtitan_llama.py", out, timeout=600)
+    args = json.loads((out / "model_args.json").read_text())
+    from transformers import LlamaConfig
+
+    scaling = args["rope_scaling"]
+    config = LlamaConfig(
+        vocab_size=args["vocab_size"],
+        hidden_size=args["dim"],
+        intermediate_size=args["hidden_dim"],
+        num_hidden_layers=args["n_layers"],
+        num_attention_heads=args["n_heads"],
+        num_key_value_heads=args["n_kv_heads"],
+        head_dim=args["head_dim"],
+        max_position_embeddings=args["max_seq_len"],
+        rms_norm_eps=args["norm_eps"],
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": args["rope_theta"],
+            "factor": scaling["factor"],
+            "low_freq_factor": scaling["low_freq_factor"],
+            "high_freq_factor": scaling["high_freq_factor"],
+            "original_max_position_embeddings": scaling["original_max_position_embeddings"],
+        },
+    )
+    config.save_pretrained(out / "hf_config")
+    return out
+
+
+def export(ckpt, titan: Path, dest: Path, *extra: str):
+    return ckpt("convert", titan / "step-2", dest, "--to", "hf", "--hf-config", titan / "hf_config", *extra)
+
+
+def test_preset_export_is_bit_equal_to_torchtitans_own(ckpt, titan, tmp_path):
+    res = export(ckpt, titan, tmp_path / "release", "--preset", "torchtitan-llama3")
+    assert res.code == 0, res.err
+    assert "4 permuted to the other rotary layout" in res.err
+    ours = load_file(tmp_path / "release" / "model-00001-of-00001.safetensors")
+    theirs = load_file(titan / "hf_export" / "model-00001-of-00001.safetensors")
+    assert ours.keys() == theirs.keys() and len(ours) == 21
+    for name, tensor in theirs.items():
+        assert tensor.dtype == ours[name].dtype and torch.equal(tensor, ours[name]), name
+    config = json.loads((tmp_path / "release" / "config.json").read_text())
+    assert config["num_attention_heads"] == 4 and config["tie_word_embeddings"] is False
+
+
+def test_preset_export_gives_torchtitans_logits(ckpt, titan, tmp_path):
+    """transformers runs the release; the logits equal the trained torchtitan model's (fp32, max |diff| <= 1e-5)."""
+    assert export(ckpt, titan, tmp_path / "release", "--preset", "torchtitan-llama3").code == 0
+    res = ckpt("parity", tmp_path / "release", "--logits", titan / "logits.pt", "--json")
+    assert res.code == 0, res.err
+    assert res.json["ok"] and res.json["max_abs_diff"] <= 1e-5 and res.json["argmax_equal"] == 16
+    assert res.json["tokens"] == list(range(1, 17))  # the ids torchtitan ran, from the logits file
+
+
+def test_a_rename_only_export_is_caught_by_parity(ckpt, titan, tmp_path):
+    """The silent bug the preset exists for: the same renames without the q/k permutation load without an error and
+    compute something else; parity says so (exit 1)."""
+    renames = [line for line in _preset_renames()]
+    res = export(ckpt, titan, tmp_path / "wrong", *[x for r in renames for x in ("--rename", r)])
+    assert res.code == 0, res.err
+    assert "look like 'torchtitan-llama3'" not in res.err  # a name map was given: no hint
+    res = ckpt("parity", tmp_path / "wrong", "--logits", titan / "logits.pt")
+    assert res.code == 1 and "FAILED" in res.out and "Traceback" not in res.err
+
+
+def test_without_a_preset_the_export_names_it(ckpt, titan, tmp_path):
+    res = ckpt("convert", titan / "step-2", tmp_path / "plain", "--to", "hf")
+    assert res.code == 0 and "--preset torchtitan-llama3" in res.err
+    res = ckpt("convert", titan / "step-2", tmp_path / "no-config", "--to", "hf", "--preset", "torchtitan-llama3")
+    assert res.code == 2 and "--hf-config" in res.err and not (tmp_path / "no-config").exists()
+
+
+def _preset_renames() -> list[str]:
+    from ckpt_cli import presets
+
+    return [f"{pattern}={repl}" for pattern, repl in presets.load("torchtitan-llama3").renames]
