@@ -4,6 +4,7 @@ the result at 1 and 3 ranks with a plain load_checkpoint and saves the same trai
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_fails, ckpt_quiet, torchrun
-from safetensors.torch import load_file
 from test_deepspeed import all_tensors, zero_to_fp32
+
+from ckpt_cli.core import zipio
 
 # round_robin_gradients: ds_to_universal scrambles the parameters (docs/formats.md §3); BF16_Optimizer: not a ZeRO layout it reads
 CONFIGS = ["stage1-fp32", "stage2-bf16", "stage3-fp32"]
@@ -56,33 +58,32 @@ def universal_resumed(universal, tmp_path_factory) -> Path:
 def test_inspect_and_verify(ckpt, universal, config):
     res = ckpt("inspect", universal[config], "--json")
     assert res.code == 0, res.err
-    report = res.json
+    report = json.loads(res.out)
     assert report["format"] == "deepspeed-universal" and report["tag"] == "global_step3_universal" and report["step"] == 3
     assert report["details"]["zero_stage"] == int(config[5]) and report["details"]["saved_world_size"] == 2
     roles = {t["role"] for t in report["tensors"]}
-    assert roles == {"model", "optimizer", "other"}
+    assert roles == {"model", "optimizer"}  # no training-dtype copies: those live in the model states, not zero/
     assert report["training_state"]["optimizer"] and report["training_state"]["lr_scheduler"]
     assert ckpt("verify", universal[config], "--deep").code == 0
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_merge_equals_each_fp32_file_and_zero_to_fp32(ckpt, ds_saves, universal, tmp_path, config):
-    """The merged weights are the fp32.pt of every parameter (buffers and tied aliases as the model states hold
-    them), and equal zero_to_fp32 of the native checkpoint the universal one was made from."""
-    out = tmp_path / "merged.safetensors"
-    assert ckpt("merge", universal[config], out).code == 0
-    merged = load_file(out)
+def test_merge_equals_each_fp32_file_and_the_native_merge(ckpt, ds_saves, universal, tmp_path, config):
+    """The merged weights are each trained parameter's fp32.pt, and equal the merge of the native checkpoint the
+    universal one was made from (itself zero_to_fp32's, tests/test_deepspeed.py): frozen parameters, buffers and the
+    tied alias as the model states hold them, not as ds_to_universal's float copies (stage 3 has none of the frozen)."""
+    assert ckpt("merge", universal[config], tmp_path / "u.pt", "-q").code == 0
+    assert ckpt("merge", ds_saves[2] / config, tmp_path / "n.pt", "-q").code == 0
+    ours, native = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("u", "n"))
+    assert ours.keys() == native.keys()
+    for name, tensor in native.items():
+        assert tensor.dtype == ours[name].dtype and torch.equal(tensor, ours[name]), name
+    trained = set(zero_to_fp32(ds_saves[2] / config)) - {"head.weight", "scale", "frozen.weight", "frozen.bias"}  # by the optimizer
     zero = universal[config] / "global_step3_universal" / "zero"
-    for folder in (p for p in zero.iterdir() if p.is_dir() and p.name in merged):
-        saved = torch.load(folder / "fp32.pt", weights_only=True)
+    for name in sorted(trained):
+        saved = torch.load(zero / name / "fp32.pt", weights_only=True)
         saved = saved["param"] if isinstance(saved, dict) else saved
-        if folder.name == "head.weight":
-            continue  # the tied alias: its fp32.pt is a float cast of the module's copy; the owner's master is carried
-        assert torch.equal(merged[folder.name].flatten(), saved.flatten()), folder.name
-    reference = zero_to_fp32(ds_saves[2] / config)
-    assert merged.keys() == reference.keys()
-    for name, tensor in reference.items():
-        assert torch.equal(merged[name], tensor), name
+        assert torch.equal(ours[name].flatten(), saved.flatten()), name
 
 
 @pytest.mark.slow
@@ -111,25 +112,28 @@ def test_native_save_folder_with_a_universal_tag(ckpt, ds_saves, tmp_path):
     shutil.copytree(ds_saves[2] / "stage2-bf16", run)
     run_ds_to_universal(run / "global_step3", run / "global_step3_universal")
     assert (run / "latest_universal").read_text() == "global_step3_universal"
-    assert ckpt("inspect", run, "--json").json["format"] == "deepspeed"
+    assert json.loads(ckpt("inspect", run, "--json").out)["format"] == "deepspeed"
     res = ckpt("inspect", run, "--tag", "global_step3_universal", "--json")
-    assert res.code == 0 and res.json["format"] == "deepspeed-universal", res.err
+    assert res.code == 0 and json.loads(res.out)["format"] == "deepspeed-universal", res.err
 
 
 def test_broken_universal_checkpoints_fail_in_one_line(ckpt, universal, tmp_path):
     src = tmp_path / "u"
     shutil.copytree(universal["stage2-bf16"], src)
     tag = src / "global_step3_universal"
-    fp32 = next(tag.glob("zero/*/fp32.pt"))
-    data = bytearray(fp32.read_bytes())
-    data[-200] ^= 0xFF  # a byte of the stored tensor (the archive's end is its central directory)
-    fp32.write_bytes(bytes(data))
-    assert ckpt("verify", src).code == 0  # sizes and headers agree
-    assert_fails(ckpt("verify", src, "--deep"), str(fp32))
+    for param in ("block.0.weight", "head.weight"):  # a trained parameter's, and the tied alias's unused float copy
+        fp32 = tag / "zero" / param / "fp32.pt"
+        with open(fp32, "rb") as f:
+            offset = zipio.read_records(f, str(fp32))["data/0"].data_offset  # a byte of the stored tensor
+        data = bytearray(fp32.read_bytes())
+        data[offset] ^= 0xFF
+        fp32.write_bytes(bytes(data))
+        assert ckpt("verify", src).code == 0  # sizes and headers agree
+        assert_fails(ckpt("verify", src, "--deep"), str(fp32))
+        shutil.rmtree(src)
+        shutil.copytree(universal["stage2-bf16"], src)
 
-    shutil.rmtree(src)
-    shutil.copytree(universal["stage2-bf16"], src)
-    moment = next(tag.glob("zero/*/exp_avg_sq.pt"))
+    moment = tag / "zero" / "block.0.weight" / "exp_avg_sq.pt"
     moment.unlink()
     assert_fails(ckpt("inspect", src), str(moment.parent), "exp_avg.pt without exp_avg_sq.pt")
     assert not (tmp_path / "m.safetensors").exists()

@@ -22,7 +22,19 @@ def test_completions_and_man_page_are_current():
 
 def test_every_command_and_option_has_help():
     cmds = docgen.commands()
-    assert {c.name for c in cmds} == {"inspect", "verify", "convert", "reshard", "merge", "split", "demo", "ls", "diff", "parity", "completion"}
+    assert {c.name for c in cmds} == {
+        "inspect",
+        "verify",
+        "convert",
+        "reshard",
+        "merge",
+        "split",
+        "demo",
+        "ls",
+        "diff",
+        "parity",
+        "completion",
+    }
     for c in cmds:
         assert c.help, c.name
         for o in c.options:

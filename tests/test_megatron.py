@@ -309,3 +309,26 @@ def test_reshard_says_megatron_reshards_at_load(ckpt, mcore, tmp_path):
     res = ckpt("reshard", mcore / "stacked", tmp_path / "out", "--world-size", 1)
     assert res.code == 2 and "Megatron-Core reshards a torch_dist checkpoint itself" in res.err and "one file" not in res.err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,atol", [("stacked", 1e-5), ("per_layer", 0.05)])
+def test_megatron_gpt_preset_export_equals_the_hand_split_and_gives_megatrons_logits(ckpt, mcore, reference, tmp_path, name, atol):
+    """--preset megatron-gpt takes its query groups and heads from --hf-config's config.json: the same export as the
+    hand-written map, and `ckpt parity` against Megatron's own logits passes (bf16 saves: to bf16 rounding)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=GROUPS, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "config")  # fmt: skip
+    out = tmp_path / "release"
+    res = ckpt("convert", mcore / name, out, "--to", "hf", "--preset", "megatron-gpt", "--hf-config", tmp_path / "config")
+    assert res.code == 0, res.err
+    got = load_file(out / "model-00001-of-00001.safetensors")
+    want = split_by_hand(plain(reference, name), stacked=name == "stacked")
+    assert sorted(got) == sorted(want) and all(same(got[k], v) for k, v in want.items())
+    torch.save({"logits": reference[name]["logits"], "tokens": reference[name]["ids"]}, tmp_path / "logits.pt")
+    res = ckpt("parity", out, "--logits", tmp_path / "logits.pt", "--atol", str(atol), "--json")
+    assert res.code == 0 and json.loads(res.out)["ok"], res.out + res.err
+    hint = ckpt("convert", mcore / name, tmp_path / "plain", "--to", "hf")
+    assert hint.code == 0 and "--preset megatron-gpt" in hint.err

@@ -70,8 +70,8 @@ def test_preset_export_gives_torchtitans_logits(ckpt, titan, tmp_path):
     assert export(ckpt, titan, tmp_path / "release", "--preset", "torchtitan-llama3").code == 0
     res = ckpt("parity", tmp_path / "release", "--logits", titan / "logits.pt", "--json")
     assert res.code == 0, res.err
-    assert res.json["ok"] and res.json["max_abs_diff"] <= 1e-5 and res.json["argmax_equal"] == 16
-    assert res.json["tokens"] == list(range(1, 17))  # the ids torchtitan ran, from the logits file
+    assert json.loads(res.out)["ok"] and json.loads(res.out)["max_abs_diff"] <= 1e-5 and json.loads(res.out)["argmax_equal"] == 16
+    assert json.loads(res.out)["tokens"] == list(range(1, 17))  # the ids torchtitan ran, from the logits file
 
 
 def test_a_rename_only_export_is_caught_by_parity(ckpt, titan, tmp_path):

@@ -27,8 +27,8 @@ LAYER = "{layer}"
 class RowSplit:
     pattern: str  # a regular expression the whole (segment-stripped) source name must match
     names: tuple[str, ...]  # output names: regex group references (\1) and {layer} are filled in
-    shares: tuple[int, ...]  # each output's share of a block's rows
-    groups: int = 1
+    shares: tuple[int | str, ...]  # each output's share of a block's rows (a config key, "KEY/KEY": see resolved)
+    groups: int | str = 1
     layers: bool = False
 
     @classmethod
@@ -39,10 +39,13 @@ class RowSplit:
         to = item["to"]
         pairs = [(to, 1)] if isinstance(to, str) else [(n, 1) for n in to] if isinstance(to, list) else list((to or {}).items())
         groups, layers = item.get("groups", 1), item.get("layers", False)
-        if not pairs or not all(isinstance(n, str) and n and type(s) is int and s > 0 for n, s in pairs):
-            raise UsageError(f"{where}: split '{item['from']}': 'to' names the outputs (a name, a list, or name: share with shares >= 1)")
-        if type(groups) is not int or groups < 1 or not isinstance(layers, bool):
-            raise UsageError(f"{where}: split '{item['from']}': groups is an integer >= 1 and layers true or false")
+        if not pairs or not all(isinstance(n, str) and n and _count_or_key(s) for n, s in pairs):
+            raise UsageError(
+                f"{where}: split '{item['from']}': 'to' names the outputs (a name, a list, or name: share with shares >= 1 "
+                "or config.json keys)"
+            )
+        if not _count_or_key(groups) or not isinstance(layers, bool):
+            raise UsageError(f"{where}: split '{item['from']}': groups is an integer >= 1 (or a config.json key) and layers true or false")
         if layers and not all(LAYER in n for n, _ in pairs):
             raise UsageError(f"{where}: split '{item['from']}' has layers: true, so every output name needs {LAYER}")
         if len({n for n, _ in pairs}) != len(pairs):
@@ -52,6 +55,22 @@ class RowSplit:
         except re.error as exc:
             raise UsageError(f"{where}: bad regular expression '{item['from']}' ({exc})") from exc
         return cls(str(item["from"]), tuple(n for n, _ in pairs), tuple(s for _, s in pairs), groups, layers)
+
+    def needs_config(self) -> bool:
+        return isinstance(self.groups, str) or any(isinstance(s, str) for s in self.shares)
+
+    def resolved(self, config: dict[str, Any] | None) -> RowSplit:
+        """The split with its config.json keys replaced by their values: `groups: num_key_value_heads`, a share
+        `num_attention_heads/num_key_value_heads` (the query heads of a group, a whole number)."""
+        if not self.needs_config():
+            return self
+        if config is None:
+            raise UsageError(
+                f"split /{self.pattern}/ takes its sizes from the model's config.json: pass --hf-config DIR "
+                "(the folder of the Hugging Face config)"
+            )
+        shares = tuple(_config_count(s, config, self.pattern) for s in self.shares)
+        return RowSplit(self.pattern, self.names, shares, _config_count(self.groups, config, self.pattern), self.layers)
 
     def describe(self) -> str:
         parts = ", ".join(f"{n} ({s})" if len(set(self.shares)) > 1 else n for n, s in zip(self.names, self.shares))
@@ -89,6 +108,25 @@ class RowSplit:
                 new = match.expand(template).replace(LAYER, str(layer))
                 out.append(_gather(entry, new, runs, starts, ranges, (self.groups * share * unit, *inner[1:])))
         return out
+
+
+def _count_or_key(value: Any) -> bool:
+    return type(value) is int and value > 0 or isinstance(value, str) and bool(re.fullmatch(r"\w+(/\w+)?", value))
+
+
+def _config_count(value: int | str, config: dict[str, Any], pattern: str) -> int:
+    """A positive integer, or config.json's value of KEY, or of KEY/KEY when the division is exact."""
+    if isinstance(value, int):
+        return value
+    parts = []
+    for key in value.split("/"):
+        got = config.get(key)
+        if isinstance(got, bool) or not isinstance(got, int) or got < 1:
+            raise UsageError(f"split /{pattern}/: config.json has no positive integer '{key}' ({got!r})")
+        parts.append(got)
+    if len(parts) == 2 and parts[0] % parts[1]:
+        raise UsageError(f"split /{pattern}/: {value} is {parts[0]}/{parts[1]}, not a whole number")
+    return parts[0] // parts[1] if len(parts) == 2 else parts[0]
 
 
 def _gather(

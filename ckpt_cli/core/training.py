@@ -39,7 +39,7 @@ NAME_MAP_SCHEMA = {
     "strip_segments": Optional([str]),
     "rename": Optional([{"from": str, "to": str}]),
     "tied": Optional({str: str}),
-    "split": Optional([{"from": str, "to": (str, list, dict), "groups": Optional(structured.non_negative), "layers": Optional(bool)}]),
+    "split": Optional([{"from": str, "to": (str, list, dict), "groups": Optional((int, str)), "layers": Optional(bool)}]),
     "permute": Optional([{"from": str, "rope": str, "heads": (int, str)}]),
 }
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core import dtypes, zipio
+from ckpt_cli.core import zipio
 from ckpt_cli.core.interface import ReadOptions
-from ckpt_cli.core.model import Checkpoint, FileInfo, FlatRange, ObjectEntry, Piece, TensorEntry
+from ckpt_cli.core.model import Box, Checkpoint, FileInfo, FlatRange, ObjectEntry, Piece, TensorEntry
 from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
 from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tags import pick as pick_tag
@@ -105,17 +105,19 @@ class UniversalReader:
         shapes: list[Mapping[str, Any]] = model.get("param_shapes") or []
         expected = {n: tuple(s) for group in shapes for n, s in group.items()}
         expected.update({n: tuple(s) for n, s in (model.get("frozen_param_shapes") or {}).items()})
-        buffers = set(model.get("buffer_names") or [])
         shared = dict(model.get("shared_params") or {})
         module = model.get("module") or {}
         stage = _stage(optim, model)
         files = [first.path] + [p for p in model_paths if p != first.path] + ([optim_path] if optim else [])
-        tensors, read_files = self._param_tensors(folder / ZERO, expected, buffers, shared, module, options, parsed)
+        # Buffers and frozen parameters as the native reader gives them, from the model states (their zero/ copies
+        # are float casts of the module's, and stage 3 has none of the frozen ones: docs/formats.md §2.13)
+        ranks = _stage3_ranks(folder, model_paths, first, options, parsed)
+        from_model_states = NATIVE._frozen_and_buffers(first, ranks, max(len(ranks), 1), stage)
+        skip = set(from_model_states)
+        tensors, read_files = self._param_tensors(folder / ZERO, expected, skip, shared, module, options, parsed)
         files += read_files
-        for name in buffers:  # as the native reader (and zero_to_fp32) gives them: floating ones in fp32
-            ref = module.get(name)
-            if isinstance(ref, TensorRef):
-                tensors[name] = TensorEntry(name, dtypes.FLOAT32 if ref.dtype.is_float else ref.dtype, ref.shape, "model", first.whole(ref))
+        tensors.update(from_model_states)
+        tensors.update(_group_steps(optim, shapes, tensors))
         for alias, owner in shared.items():
             if owner in tensors:
                 tensors[alias] = TensorEntry(alias, tensors[owner].dtype, tensors[owner].shape, "model", tensors[owner].pieces)
@@ -154,7 +156,7 @@ class UniversalReader:
         self,
         zero: Path,
         expected: dict[str, tuple[int, ...]],
-        buffers: set[str],
+        skip: set[str],
         shared: dict[str, str],
         module: Mapping[str, Any],
         options: ReadOptions,
@@ -165,8 +167,9 @@ class UniversalReader:
         files: list[Path] = []
         folders = {p.name: p for p in zero.iterdir() if p.is_dir()}
         for name in [*expected, *(n for n in folders if n not in expected)]:
-            if name in buffers or name in shared:
-                continue  # taken from the model states, as DeepSpeed's universal loader does
+            if name in skip or name in shared:  # taken from the model states; the folder's files are still checked
+                files += sorted(p for p in folders[name].iterdir() if p.suffix == ".pt") if name in folders else []
+                continue
             param = folders.get(name)
             if param is None:
                 raise DataError(f"{zero}: no folder for parameter '{name}' (the model states list it); an incomplete conversion?")
@@ -204,6 +207,14 @@ class UniversalReader:
         return problems
 
 
+def _stage3_ranks(folder: Path, paths: list[Path], first: RankFile, options: ReadOptions, parsed: Shared) -> deepspeed.LazyRanks:
+    """Every rank's model states by rank, each parsed when asked for (stage 3 frozen parameters: a fragment each)."""
+    ranks = {int(m.group(1)): p for p in paths if (m := MODEL_STATES.match(p.name)) and m.group(1) is not None}
+    if ranks and sorted(ranks) != list(range(len(ranks))):
+        raise DataError(f"{folder}: model-states files of ranks {sorted(ranks)}; stage 3 needs ranks 0..{len(ranks) - 1}")
+    return deepspeed.LazyRanks(ranks, lambda p: _load(p, options, parsed), {0: first} if 0 in ranks else {})
+
+
 def _load(path: Path, options: ReadOptions, parsed: Shared) -> RankFile:
     try:
         f = open_regular(path)
@@ -237,6 +248,25 @@ def _flat_pieces(array: Any, shape: tuple[int, ...]) -> list[Piece]:
         raise DataError(f"{array.path}: a strided view; a universal checkpoint stores each state whole")
     n = math.prod(shape)
     return [Piece(FlatRange(0, n), array, 0)] if n else []
+
+
+def _group_steps(optim: RankFile | None, shapes: list[Mapping[str, Any]], tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """Adam's step for trained parameters that have no step.pt (ds_to_universal's stage-3 path writes none): the
+    base optimizer's step of the parameter's flat group, kept in optimizer_state.pt (as the native reader takes it)."""
+    state = ((optim.tree.get("optimizer_state_dict") or {}).get("state") or {}) if optim else {}
+    out = {}
+    for g, group in enumerate(shapes):
+        ref = (state.get(g) or {}).get("step") if isinstance(state.get(g), dict) else None
+        if not isinstance(ref, TensorRef) or ref.shape:
+            continue
+        for name in group:
+            path = ("optimizer", "state", name, "step")
+            if path_name(path) not in tensors and f"optimizer.state.{name}.exp_avg" in tensors:
+                assert optim is not None
+                out[path_name(path)] = TensorEntry(
+                    path_name(path), ref.dtype, (), "optimizer", [Piece(Box((), ()), optim.array(ref))], path
+                )
+    return out
 
 
 def _stage(optim: RankFile | None, model: Mapping[str, Any]) -> int | None:

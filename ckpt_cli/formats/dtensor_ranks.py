@@ -290,6 +290,7 @@ class DTensorRanksReader:
             containers.update(part.containers)
         files = [FileInfo(str(p), p.stat().st_size) for paths in listed.values() for p in paths]
         step = STEP_FOLDER.search(path.resolve().parent.name)
+        companions, found_notes = _hf_companions(path)
         return Checkpoint(
             format=self.name,
             path=str(path),
@@ -300,8 +301,9 @@ class DTensorRanksReader:
             world_size=world,
             containers=containers,
             details=_details(tensors, listed, config, not_read),
-            notes=notes,
+            notes=notes + found_notes,
             source=DTensorSource(path, {k: list(v) for k, v in listed.items()}),
+            companions=companions,
         )
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
@@ -337,6 +339,17 @@ def _details(
     if not_read:
         details["not_read"] = not_read
     return details
+
+
+def _hf_companions(path: Path) -> tuple[dict[str, str | bytes], list[str]]:
+    """The model's config and tokenizer that verl's checkpoint manager saves beside the rank files (`huggingface/`,
+    docs/formats.md §8.1): a Hugging Face export of the run carries them, as verl's own merger does."""
+    folder = path / "huggingface"
+    if not folder.is_dir():
+        return {}, []
+    from ckpt_cli.formats.hf import companions_in
+
+    return companions_in(folder)
 
 
 READER = DTensorRanksReader()

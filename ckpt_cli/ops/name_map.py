@@ -25,14 +25,16 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
     """The checkpoint with the map's permutes, splits and renames applied to its tensors (and its values' names)."""
     tensors: dict[str, TensorEntry] = {}
     split, outputs, renamed, permuted = 0, 0, 0, 0
-    config = model_config(ckpt) if any(isinstance(p.heads, str) for p in names.permutes) else None
+    needs = any(isinstance(p.heads, str) for p in names.permutes) or any(s.needs_config() for s in names.splits)
+    config = model_config(ckpt) if needs else None
+    splits = [s.resolved(config) for s in names.splits]
     for entry in ckpt.tensors.values():
         base = names.strip(entry.name)
         permute = next((p for p in names.permutes if re.fullmatch(p.pattern, base)), None)
         if permute is not None:
             entry = rope.permuted(entry, entry.name, permute.head_count(config, entry.name), permute.rope)
             permuted += 1
-        parts = next((p for s in names.splits if (p := s.apply(entry, base)) is not None), None)
+        parts = next((p for s in splits if (p := s.apply(entry, base)) is not None), None)
         if parts is not None and permute is not None:
             raise UsageError(f"the name map both permutes and splits '{entry.name}'; split the fused tensor, then permute its parts")
         if parts is not None:
