@@ -40,7 +40,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -l rename -r -d 'Renam
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l name-map -r -d 'YAML name map: strip_segments, rename [{from, to}], tied {alias: owner}; weight exports (hf, safetensors, torch) also split [{from, to, groups, layers}]: fused QKV, gate/up and layer-stacked tensors by rows.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l per-rank-state -x -a 'wrap first drop' -d 'Per-rank values (keys rank_R / dp_rank_R; a run folders rng_state_R / random_states_R files) under a new world size: wrap (new rank r takes old rank r mod W), first (all take rank 0s) or drop.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l quantize -r -d 'fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships.'
-complete -c ckpt -n '__fish_seen_subcommand_from convert' -l preset -r -d 'A built-in name map for an export to Hugging Face: torchtitan-llama3 (renames, q/k rotary permutation).'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l preset -r -d 'A built-in name map for an export to Hugging Face: megatron-gpt, torchtitan-llama3 (renames, q/k rotary permutation).'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l hf-config -r -d 'hf target: the folder whose config.json, generation_config.json and tokenizer files the release carries (its dtype set to the weights written); a presets head counts come from it.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from demo' -F

@@ -107,14 +107,16 @@ def test_reshard_to_native_loads_in_deepspeed(ds_saves, universal_resumed, confi
 
 def test_native_save_folder_with_a_universal_tag(ckpt, ds_saves, tmp_path):
     """ds_to_universal writes latest_universal beside the native run's `latest`: the folder reads as native DeepSpeed
-    (what a plain load_checkpoint loads), and --tag picks the universal one."""
+    (what a plain load_checkpoint loads), and --format deepspeed-universal reads the universal one."""
     run = tmp_path / "run"
     shutil.copytree(ds_saves[2] / "stage2-bf16", run)
     run_ds_to_universal(run / "global_step3", run / "global_step3_universal")
     assert (run / "latest_universal").read_text() == "global_step3_universal"
     assert json.loads(ckpt("inspect", run, "--json").out)["format"] == "deepspeed"
-    res = ckpt("inspect", run, "--tag", "global_step3_universal", "--json")
-    assert res.code == 0 and json.loads(res.out)["format"] == "deepspeed-universal", res.err
+    res = ckpt("inspect", run, "--tag", "global_step3_universal")
+    assert res.code == 2 and "--format deepspeed-universal" in res.err
+    res = ckpt("inspect", run, "--format", "deepspeed-universal", "--json")  # latest_universal names the tag
+    assert res.code == 0 and json.loads(res.out)["tag"] == "global_step3_universal", res.err
 
 
 def test_broken_universal_checkpoints_fail_in_one_line(ckpt, universal, tmp_path):

@@ -11,7 +11,6 @@ once in deepspeed_layout.py; deepspeed_partitions.py turns the saved partitions 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import re
@@ -34,7 +33,7 @@ from ckpt_cli.formats import deepspeed_layout as zl
 from ckpt_cli.formats import deepspeed_moe
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
 from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, WholePiece, ZeroFile, stage3_frozen_pieces
-from ckpt_cli.formats.deepspeed_variants import refuse_variants
+from ckpt_cli.formats.deepspeed_variants import refuse_universal, refuse_variants
 from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
 from ckpt_cli.store import location
 
@@ -277,11 +276,8 @@ class DeepSpeedReader:
         if moe_here:
             deepspeed_moe.refuse_unsupported(folder, first_model.tree, bool(optim_paths))
         refuse_variants(folder, first_model.tree, MODEL_STATES)
-        if not optim_paths and (folder / "zero").is_dir():  # ds_to_universal's output, picked by --tag or a tag folder
-            from ckpt_cli.formats import deepspeed_universal
-
-            return deepspeed_universal.READER.read(folder, dataclasses.replace(options, tag=None))
         if not optim_paths:
+            refuse_universal(folder)  # ds_to_universal's output beside a native run's `latest`, picked by --tag
             raise UsageError(
                 f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"
             )

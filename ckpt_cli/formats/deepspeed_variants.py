@@ -47,3 +47,12 @@ def _tensor_parallel_refusal(folder: Path, tp: int, model: dict[str, Any]) -> st
         f"{folder}: tensor-parallel checkpoint ({tp} mp_rank files) with universal-checkpoint patterns: ckpt does not join "
         "tensor-parallel slices yet; DeepSpeed's ds_to_universal reads these patterns"
     )
+
+
+def refuse_universal(folder: Path) -> None:
+    """A universal checkpoint's tag folder (zero/ + model states, no ZeRO optimizer files) met by the native reader."""
+    if (folder / "zero").is_dir():
+        raise UsageError(
+            f"{folder}: a DeepSpeed universal checkpoint (zero/ + model states, no ZeRO optimizer files); "
+            "read it with --format deepspeed-universal"
+        )

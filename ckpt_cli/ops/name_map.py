@@ -18,7 +18,6 @@ from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
 from ckpt_cli.core.paths import read_regular_bytes
 from ckpt_cli.core.training import NameMap
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.formats.hf import COMPANION_MAX_BYTES
 
 
 def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
@@ -63,6 +62,8 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
 
 def model_config(ckpt: Checkpoint) -> dict[str, Any] | None:
     """The source's config.json (its companion, or --hf-config's) as a dict; None without one."""
+    from ckpt_cli.formats.hf import COMPANION_MAX_BYTES  # (inspect of a safetensors file imports no folder format)
+
     source = ckpt.companions.get("config.json")
     if source is None:
         return None
