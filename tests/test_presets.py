@@ -170,3 +170,51 @@ def test_parity_refusals(ckpt, tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     res = ckpt("parity", tmp_path, "--against", tmp_path)
     assert res.code == 1 and "transformers cannot load it" in res.err and "Traceback" not in res.err
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """A tiny Qwen3-MoE saved by transformers' own save_pretrained (one tensor per expert on disk), and the model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("qwen3moe") / "hf"
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def test_experts_pack_equals_transformers_v5_packed_tensors_and_unpacks_bit_equal(ckpt, qwen3_moe, tmp_path):
+    """Per-expert (v4 names, what save_pretrained writes) -> packed: equal to the packed tensors the v5 model holds,
+    loaded by transformers with the same logits; packed -> per-expert: the original files bit for bit."""
+    folder, model = qwen3_moe
+    res = ckpt("convert", folder, tmp_path / "packed", "--to", "hf", "--preset", "hf-experts-pack")
+    assert res.code == 0 and "24 stacked into 4" in res.err, res.err
+    packed = load_file(tmp_path / "packed" / "model-00001-of-00001.safetensors")
+    state = model.state_dict()
+    experts = [k for k in state if ".experts." in k]
+    assert len(experts) == 4 and all(torch.equal(packed[k], state[k]) for k in experts)
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "packed").eval()
+    ids = torch.arange(1, 17)[None]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
+    res = ckpt("convert", tmp_path / "packed", tmp_path / "unpacked", "--to", "hf", "--preset", "hf-experts-unpack")
+    assert res.code == 0, res.err
+    assert ckpt("diff", folder, tmp_path / "unpacked").code == 0  # bit-exact, every tensor by name
+
+
+def test_experts_pack_refuses_a_missing_expert(ckpt, qwen3_moe, tmp_path):
+    folder, _ = qwen3_moe
+    res = ckpt("convert", folder, tmp_path / "p", "--to", "hf", "--preset", "hf-experts-pack", "--filter", "*")
+    assert res.code == 0
+    dropped = tmp_path / "dropped.safetensors"
+    full = load_file(next(folder.glob("*.safetensors")))
+    save_file({k: v for k, v in full.items() if ".experts.2.up_proj" not in k}, dropped)
+    res = ckpt("convert", dropped, tmp_path / "q", "--to", "hf", "--preset", "hf-experts-pack")
+    assert res.code == 2 and "index 2 part 'up'" in res.err and not (tmp_path / "q").exists()

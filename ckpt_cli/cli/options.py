@@ -129,7 +129,7 @@ Preset = Annotated[
     typer.Option(
         "--preset",
         metavar="NAME",
-        help=f"A built-in name map for an export to Hugging Face: {', '.join(_preset_names())} (renames, q/k rotary permutation).",
+        help=f"A built-in name map for an export (ckpt_cli/presets): {', '.join(_preset_names())}.",
         show_default=False,
     ),
 ]
@@ -149,7 +149,8 @@ NameMapFile = Annotated[
         "--name-map",
         metavar="FILE",
         help="YAML name map: strip_segments, rename [{from, to}], tied {alias: owner}; weight exports (hf, safetensors, torch) "
-        "also split [{from, to, groups, layers}]: fused QKV, gate/up and layer-stacked tensors by rows.",
+        "also split [{from, to, groups, layers}] (fused QKV, gate/up, layer-stacked tensors by rows), permute [{from, rope, "
+        "heads}] (q/k rotary layout) and stack [{from, to, parts}] (per-expert tensors into one).",
     ),
 ]
 PerRankState = Annotated[

@@ -74,7 +74,7 @@ class RowSplit:
 
     def describe(self) -> str:
         parts = ", ".join(f"{n} ({s})" if len(set(self.shares)) > 1 else n for n, s in zip(self.names, self.shares))
-        how = f"{self.groups} groups of rows" if self.groups > 1 else "rows"
+        how = f"{self.groups} groups of rows" if self.groups != 1 else "rows"
         return f"split /{self.pattern}/{' per layer' if self.layers else ''}: {how} -> {parts}"
 
     def apply(self, entry: TensorEntry, name: str) -> list[TensorEntry] | None:

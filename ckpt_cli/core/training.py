@@ -22,6 +22,7 @@ from ckpt_cli.core import structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.paths import read_regular_text
 from ckpt_cli.core.row_split import RowSplit
+from ckpt_cli.core.stack import Stack
 from ckpt_cli.core.structured import Optional
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
@@ -41,6 +42,7 @@ NAME_MAP_SCHEMA = {
     "tied": Optional({str: str}),
     "split": Optional([{"from": str, "to": (str, list, dict), "groups": Optional((int, str)), "layers": Optional(bool)}]),
     "permute": Optional([{"from": str, "rope": str, "heads": (int, str)}]),
+    "stack": Optional([{"from": str, "to": str, "parts": Optional([str])}]),
 }
 
 
@@ -98,6 +100,7 @@ class NameMap:
     tied: tuple[tuple[str, str], ...] = ()
     splits: tuple[RowSplit, ...] = ()
     permutes: tuple[Permute, ...] = ()
+    stacks: tuple[Stack, ...] = ()
 
     @classmethod
     def from_yaml(cls, path: Path) -> NameMap:
@@ -136,6 +139,7 @@ class NameMap:
             tuple((str(a), str(o)) for a, o in tied.items()),
             tuple(RowSplit.parse(item, where) for item in splits),
             tuple(Permute.parse(item, where) for item in data.get("permute") or []),
+            tuple(Stack.parse(item, where) for item in data.get("stack") or []),
         ).checked(where)
 
     def with_renames(self, pairs: list[str]) -> NameMap:
@@ -174,6 +178,7 @@ class NameMap:
         rules += [f"tie {a} -> {o}" for a, o in self.tied]
         rules += [s.describe() for s in self.splits]
         rules += [p.describe() for p in self.permutes]
+        rules += [s.describe() for s in self.stacks]
         return "; ".join(rules)
 
 

@@ -1,7 +1,8 @@
 """A name map (--rename, --name-map, --preset) applied to a checkpoint written as tensors: hf, safetensors and torch exports.
 
 Training-state conversions rename parameters through their own path (ops/crossframework.py); a weights export
-takes the checkpoint's tensors as they are, so each is permuted by the first `permute` that matches its name
+takes the checkpoint's tensors as they are: tensors a `stack` matches are laid end to end into one (core/stack.py:
+per-expert weights into packed experts), each other is permuted by the first `permute` that matches its name
 (core/rope.py: q/k rows to the other rotary layout, per head), split by the first `split` that matches
 (core/row_split.py: fused QKV to q/k/v, SwiGLU fc1 to gate/up, stacked layers to one tensor each), and renamed.
 Nothing is read here: split outputs point at the source's stored bytes, permuted ones are computed as they are read.
@@ -21,13 +22,19 @@ from ckpt_cli.errors import DataError, UsageError
 
 
 def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
-    """The checkpoint with the map's permutes, splits and renames applied to its tensors (and its values' names)."""
+    """The checkpoint with the map's stacks, permutes, splits and renames applied to its tensors (and its values' names)."""
     tensors: dict[str, TensorEntry] = {}
     split, outputs, renamed, permuted = 0, 0, 0, 0
     needs = any(isinstance(p.heads, str) for p in names.permutes) or any(s.needs_config() for s in names.splits)
     config = model_config(ckpt) if needs else None
     splits = [s.resolved(config) for s in names.splits]
-    for entry in ckpt.tensors.values():
+    sources = dict(ckpt.tensors)
+    stacked: dict[str, TensorEntry] = {}
+    for stack in names.stacks:
+        made, taken = stack.gather(sources, names.strip)
+        stacked.update(made)
+        sources = {n: e for n, e in sources.items() if n not in taken}
+    for entry in sources.values():
         base = names.strip(entry.name)
         permute = next((p for p in names.permutes if re.fullmatch(p.pattern, base)), None)
         if permute is not None:
@@ -46,6 +53,10 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
             if part.name in tensors:
                 raise UsageError(f"the name map names two tensors '{part.name}' ({entry.name} is one); adjust --name-map/--rename")
             tensors[part.name] = part
+    for name, entry in stacked.items():
+        if name in tensors:
+            raise UsageError(f"the name map names two tensors '{name}' (a stack's output is one); adjust --name-map")
+        tensors[name] = entry
     objects: dict[str, ObjectEntry] = {}
     for obj in ckpt.objects.values():
         new = names.apply(obj.name)
@@ -53,6 +64,8 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
             raise UsageError(f"the name map names two entries '{new}' ({obj.name} is one); adjust --name-map/--rename")
         objects[new] = obj if new == obj.name else dataclasses.replace(obj, name=new, path=(new,))
     note = f"name map: {split} tensors split into {outputs}, {renamed} renamed"
+    if names.stacks:
+        note += f", {len(ckpt.tensors) - len(sources)} stacked into {len(stacked)}"
     if names.permutes:
         note += f", {permuted} permuted to the other rotary layout"
         if not permuted:

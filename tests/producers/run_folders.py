@@ -1,9 +1,11 @@
 """Run folders as the frameworks write them: transformers Trainer, accelerate and Lightning, each through its
 own save path, on the CPU (gloo, DS_ACCELERATOR=cpu). A tiny Llama (tiny_llama.py), 4 steps, a save every 2 steps.
 
-Runs (NAME): trainer-ds2, trainer-ds3, trainer-fsdp2, accelerate-fsdp2, accelerate-ds, lightning-ds2, lightning-ds3,
-lightning-fsdp (under torchrun, 2 processes, all in one launch), and trainer-plain, lightning-plain (one plain
-process, no torchrun).
+Runs (NAME): trainer-ds2, trainer-ds3, trainer-fsdp2, accelerate-fsdp2, accelerate-fsdp1-local,
+accelerate-fsdp1-nodcp, accelerate-ds, lightning-ds2, lightning-ds3, lightning-fsdp (under torchrun, 2 processes, all
+in one launch), and trainer-plain, lightning-plain (one plain process, no torchrun). accelerate-fsdp1-local (FSDP1,
+LOCAL_STATE_DICT) and accelerate-fsdp1-nodcp (FSDP1, SHARDED_STATE_DICT without DCP) write per-rank .bin files of the
+model (and, nodcp, of the optimizer) that no tool here consolidates.
 
     torchrun --nproc-per-node 2 run_folders.py save BASE NAME...     (plain runs: python run_folders.py save ...)
         Writes each run root as the framework leaves it under BASE/runs/NAME, and (rank 0) what the run held
@@ -24,6 +26,9 @@ else; every save and load goes through the framework's own code:
     AcceleratorState only turns an fsdp_plugin on for GPU-like types), and Trainer is told to use it
     (accelerator_config use_configured_state). With Trainer's own CPU path (use_cpu) neither DeepSpeed nor
     FSDP is ever engaged, and its DeepSpeed path without a backend runs every rank as a world of 1.
+  - not a CPU matter: accelerate's per-rank torch.save of FSDP's sharded state dicts (use_dcp=False) is an
+    argument of save_fsdp_model/save_fsdp_optimizer (and their load twins) that save_state and load_state never
+    pass; accelerate_use_dcp rebinds the names they call (accelerate-fsdp1-nodcp).
   - Lightning's DeepSpeedStrategy refuses non-CUDA accelerators and device index None (CPUDeepSpeedStrategy);
     its FSDPStrategy is refused for accelerator="cpu" by an exact type check, and FSDP1 needs device_id=cpu
     to run on the CPU (CPUFSDPStrategy).
@@ -254,21 +259,34 @@ class TrainState:
         self.step = state["step"]
 
 
+def accelerate_use_dcp(use_dcp: bool) -> None:
+    """save_state/load_state with accelerate's use_dcp (module docstring): False writes and reads per-rank .bin files."""
+    import functools
+
+    import accelerate.accelerator
+    from accelerate.utils import fsdp_utils
+
+    for function in ("save_fsdp_model", "save_fsdp_optimizer", "load_fsdp_model", "load_fsdp_optimizer"):
+        setattr(accelerate.accelerator, function, functools.partial(getattr(fsdp_utils, function), use_dcp=use_dcp))
+
+
 def accelerate_run(name: str, project_dir: Path) -> tuple[Any, ...]:
-    """An Accelerator with the FSDP2 (sharded state dict) or DeepSpeed ZeRO-2 plugin, the model, AdamW, a LinearLR
-    schedule and the dataloader prepared, and a registered TrainState."""
+    """An Accelerator with the FSDP2 (sharded state dict), FSDP1 (local, or sharded without DCP) or DeepSpeed ZeRO-2
+    plugin, the model, AdamW, a LinearLR schedule and the dataloader prepared, and a registered TrainState."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, ProjectConfiguration
 
     configure_accelerate(engine_kind(name))
+    accelerate_use_dcp(name != "accelerate-fsdp1-nodcp")
     if name == "accelerate-ds":
         plugin: dict[str, Any] = {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1)}
     else:
         fsdp = FullyShardedDataParallelPlugin(
-            fsdp_version=2,
-            state_dict_type="SHARDED_STATE_DICT",
+            fsdp_version=1 if "fsdp1" in name else 2,
+            state_dict_type="LOCAL_STATE_DICT" if name == "accelerate-fsdp1-local" else "SHARDED_STATE_DICT",
             auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+            use_orig_params=True if "fsdp1" in name else None,  # FSDP1 flattens them: the optimizer is made first
         )
         plugin = {"fsdp_plugin": fsdp}
     project = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True)
