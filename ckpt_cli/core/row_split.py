@@ -110,6 +110,12 @@ class RowSplit:
         return out
 
 
+def gather(entry: TensorEntry, name: str, ranges: list[tuple[int, int]], shape: tuple[int, ...]) -> TensorEntry:
+    """Elements [start, start + count) of `entry` for each range, one after the other, as a tensor of `shape`."""
+    runs = entry.runs()
+    return _gather(entry, name, runs, [r[0] for r in runs], ranges, shape)
+
+
 def _count_or_key(value: Any) -> bool:
     return type(value) is int and value > 0 or isinstance(value, str) and bool(re.fullmatch(r"\w+(/\w+)?", value))
 
