@@ -219,3 +219,23 @@ def test_experts_pack_refuses_a_missing_expert(ckpt, qwen3_moe, tmp_path):
     save_file({k: v for k, v in full.items() if ".experts.2.up_proj" not in k}, dropped)
     res = ckpt("convert", dropped, tmp_path / "q", "--to", "hf", "--preset", "hf-experts-pack")
     assert res.code == 2 and "index 2 part 'up'" in res.err and not (tmp_path / "q").exists()
+
+
+def test_transpose_of_gpt2_conv1d_weights(ckpt, tmp_path):
+    """GPT-2 keeps Linear weights as Conv1D [in, out]: a name map's transpose writes them [out, in] (from a real
+    transformers save, and from a DCP save whose pieces are row chunks), bit-equal to .t()."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=16))
+    model.save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "map.yaml").write_text(r"transpose: ['.*\.(c_attn|c_proj|c_fc)\.weight']" + "\n")
+    res = ckpt("convert", tmp_path / "gpt2", tmp_path / "out.safetensors", "--to", "safetensors", "--name-map", tmp_path / "map.yaml")
+    assert res.code == 0 and "4 transposed" in res.err, res.err
+    out, state = load_file(tmp_path / "out.safetensors"), model.state_dict()
+    for name in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"):
+        assert torch.equal(out[name], state[name].t()), name
+    assert torch.equal(out["transformer.wte.weight"], state["transformer.wte.weight"])
+    w = torch.randn(6, 4)
+    src = entry_of(tmp_path, "w", w)
+    assert torch.equal(read_all(rope.transposed(src, "t")), w.t())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from ckpt_cli.core.model import TensorEntry
+from ckpt_cli.core.model import Box, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.row_split import gather
 from ckpt_cli.errors import UsageError
 
@@ -48,3 +48,21 @@ def permuted(entry: TensorEntry, name: str, heads: int, to: str) -> TensorEntry:
     row = math.prod(entry.shape[1:])
     ranges = [(r * row, row) for r in source_rows(heads, rows // heads, to == "halves")]
     return gather(entry, name, ranges, entry.shape)
+
+
+def transposed(entry: TensorEntry, name: str) -> TensorEntry:
+    """A 2-D `entry` [rows, cols] as [cols, rows] (a name map's `transpose`: GPT-2's Conv1D keeps Linear weights
+    transposed), without reading it: each stored piece of whole rows becomes a strided view of the same bytes (a
+    column block of the result); the export reads such a view through torch, one piece at a time."""
+    if len(entry.shape) != 2:
+        raise UsageError(f"transpose of '{entry.name}' {list(entry.shape)}: only 2-D tensors transpose")
+    rows, cols = entry.shape
+    pieces = []
+    for start, length, piece, local in entry.runs():
+        data = piece.data
+        if start % cols or length % cols or not data.is_contiguous:
+            raise UsageError(f"transpose of '{entry.name}': a stored piece holds part of a row; ckpt transposes whole stored rows")
+        r0, n = start // cols, length // cols
+        view = StoredArray(data.path, data.offset, data.dtype, (cols, n), (1, cols), data.storage_offset + local, data.record)
+        pieces.append(Piece(Box((0, r0), (cols, n)), view))
+    return TensorEntry(name, entry.dtype, (cols, rows), entry.role, pieces, (name,))

@@ -43,6 +43,7 @@ NAME_MAP_SCHEMA = {
     "split": Optional([{"from": str, "to": (str, list, dict), "groups": Optional((int, str)), "layers": Optional(bool)}]),
     "permute": Optional([{"from": str, "rope": str, "heads": (int, str)}]),
     "stack": Optional([{"from": str, "to": str, "parts": Optional([str])}]),
+    "transpose": Optional([str]),
 }
 
 
@@ -101,6 +102,7 @@ class NameMap:
     splits: tuple[RowSplit, ...] = ()
     permutes: tuple[Permute, ...] = ()
     stacks: tuple[Stack, ...] = ()
+    transposes: tuple[str, ...] = ()  # regular expressions: 2-D tensors written transposed (core/rope.py)
 
     @classmethod
     def from_yaml(cls, path: Path) -> NameMap:
@@ -140,6 +142,7 @@ class NameMap:
             tuple(RowSplit.parse(item, where) for item in splits),
             tuple(Permute.parse(item, where) for item in data.get("permute") or []),
             tuple(Stack.parse(item, where) for item in data.get("stack") or []),
+            tuple(str(p) for p in data.get("transpose") or []),
         ).checked(where)
 
     def with_renames(self, pairs: list[str]) -> NameMap:
@@ -153,7 +156,7 @@ class NameMap:
         return dataclasses.replace(self, renames=self.renames + tuple(extra)).checked("--rename")
 
     def checked(self, where: str) -> NameMap:
-        for pattern, _ in self.renames:
+        for pattern in [p for p, _ in self.renames] + list(self.transposes):
             try:
                 re.compile(pattern)
             except re.error as exc:
@@ -179,6 +182,7 @@ class NameMap:
         rules += [s.describe() for s in self.splits]
         rules += [p.describe() for p in self.permutes]
         rules += [s.describe() for s in self.stacks]
+        rules += [f"transpose /{p}/" for p in self.transposes]
         return "; ".join(rules)
 
 

@@ -24,7 +24,7 @@ from ckpt_cli.errors import DataError, UsageError
 def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
     """The checkpoint with the map's stacks, permutes, splits and renames applied to its tensors (and its values' names)."""
     tensors: dict[str, TensorEntry] = {}
-    split, outputs, renamed, permuted = 0, 0, 0, 0
+    split, outputs, renamed, permuted, turned = 0, 0, 0, 0, 0
     needs = any(isinstance(p.heads, str) for p in names.permutes) or any(s.needs_config() for s in names.splits)
     config = model_config(ckpt) if needs else None
     splits = [s.resolved(config) for s in names.splits]
@@ -40,9 +40,15 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
         if permute is not None:
             entry = rope.permuted(entry, entry.name, permute.head_count(config, entry.name), permute.rope)
             permuted += 1
+        transpose = any(re.fullmatch(p, base) for p in names.transposes)
+        if transpose:
+            entry = rope.transposed(entry, entry.name)
+            turned += 1
         parts = next((p for s in splits if (p := s.apply(entry, base)) is not None), None)
-        if parts is not None and permute is not None:
-            raise UsageError(f"the name map both permutes and splits '{entry.name}'; split the fused tensor, then permute its parts")
+        if parts is not None and (permute is not None or transpose):
+            raise UsageError(
+                f"the name map splits '{entry.name}' and permutes or transposes it; split the fused tensor, then change its parts"
+            )
         if parts is not None:
             split, outputs = split + 1, outputs + len(parts)
         else:
@@ -64,6 +70,8 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
             raise UsageError(f"the name map names two entries '{new}' ({obj.name} is one); adjust --name-map/--rename")
         objects[new] = obj if new == obj.name else dataclasses.replace(obj, name=new, path=(new,))
     note = f"name map: {split} tensors split into {outputs}, {renamed} renamed"
+    if names.transposes:
+        note += f", {turned} transposed"
     if names.stacks:
         note += f", {len(ckpt.tensors) - len(sources)} stacked into {len(stacked)}"
     if names.permutes:

@@ -5,7 +5,8 @@ Runs (NAME): trainer-ds2, trainer-ds3, trainer-fsdp2, accelerate-fsdp2, accelera
 accelerate-fsdp1-nodcp, accelerate-ds, lightning-ds2, lightning-ds3, lightning-fsdp (under torchrun, 2 processes, all
 in one launch), and trainer-plain, lightning-plain (one plain process, no torchrun). accelerate-fsdp1-local (FSDP1,
 LOCAL_STATE_DICT) and accelerate-fsdp1-nodcp (FSDP1, SHARDED_STATE_DICT without DCP) write per-rank .bin files of the
-model (and, nodcp, of the optimizer) that no tool here consolidates.
+model (and, nodcp, of the optimizer) of ShardedTensors, which no tool here consolidates and accelerate's own
+load_state cannot read back (its torch.load(weights_only=True) refuses ShardedTensor): they are saved, never resumed.
 
     torchrun --nproc-per-node 2 run_folders.py save BASE NAME...     (plain runs: python run_folders.py save ...)
         Writes each run root as the framework leaves it under BASE/runs/NAME, and (rank 0) what the run held
