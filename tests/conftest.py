@@ -234,6 +234,8 @@ RUN_FOLDERS_TWO_PROCESS = [
 ]
 RUN_FOLDERS_ONE_PROCESS = ["trainer-plain", "lightning-plain"]
 RUN_FOLDERS = RUN_FOLDERS_TWO_PROCESS + RUN_FOLDERS_ONE_PROCESS
+# Saved by the frameworks, refused by ckpt by name (accelerate FSDP1 per-rank files: docs/formats.md §7.3)
+RUN_FOLDERS_REFUSED = ["accelerate-fsdp1-local", "accelerate-fsdp1-nodcp"]
 
 
 def producer(script: str, *args: str | Path, timeout: int = 600) -> str:
@@ -248,9 +250,9 @@ def run_folders(tmp_path_factory) -> dict[str, Path]:
     RUN_FOLDERS_TWO_PROCESS come from one torchrun of 2 processes, the two plain ones from one plain process.
     What each run held at each save: run_folder_saved(root, step)."""
     base = tmp_path_factory.mktemp("run_folders")
-    torchrun(2, "run_folders.py", "save", base, *RUN_FOLDERS_TWO_PROCESS)
+    torchrun(2, "run_folders.py", "save", base, *RUN_FOLDERS_TWO_PROCESS, *RUN_FOLDERS_REFUSED)
     producer("run_folders.py", "save", base, *RUN_FOLDERS_ONE_PROCESS)
-    return {name: base / "runs" / name for name in RUN_FOLDERS}
+    return {name: base / "runs" / name for name in RUN_FOLDERS + RUN_FOLDERS_REFUSED}
 
 
 def run_folder_checkpoint(root: Path, step: int = 4) -> Path:

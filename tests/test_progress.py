@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import run_subprocess
+from conftest import run_subprocess
 
 NOW = {"CKPT_PROGRESS_DELAY": "0"}  # show at once: these checkpoints take well under the half second a user waits
 

@@ -227,11 +227,13 @@ def test_pointed_too_high_names_the_runs(ckpt, run_folders):
     """A folder holding several runs: which is newest is the user's call; the error names them, ls lists all."""
     top = run_folders["trainer-ds2"].parent
     res = ckpt("inspect", top)
-    assert res.code == 2 and "runs (" in res.err and str(top / "trainer-ds2") in res.err, res.err
+    assert res.code == 2 and "runs (" in res.err and str(top / "accelerate-ds") in res.err, res.err
     rows = json.loads(ckpt("ls", top, "--json").out)["checkpoints"]
     newest = sorted(r["path"] for r in rows if r["newest"])
     assert "trainer-ds2/checkpoint-4" in newest and "accelerate-ds/checkpoints/checkpoint_1" in newest
-    assert all(r["complete"] for r in rows) and len(rows) >= 12
+    refused = [r for r in rows if r["path"].startswith("accelerate-fsdp1-")]  # listed as unsupported, not incomplete
+    assert len(refused) == 4 and all(r["unsupported"] for r in refused)
+    assert all(r["complete"] for r in rows if r not in refused) and len(rows) >= 16
 
 
 def test_hf_export_carries_the_tokenizer_and_names_the_rest(ckpt, run_folders, tmp_path):
@@ -256,3 +258,20 @@ def test_verl_global_step_folders_are_one_run(ckpt, dtensor_saves_2, tmp_path):
     assert json.loads(res.out)["path"] == str(root / "global_step_20" / "actor")
     rows = json.loads(ckpt("ls", root, "--json").out)["checkpoints"]
     assert [(r["path"], r["step"], r["newest"]) for r in rows] == [("global_step_10/actor", 10, False), ("global_step_20/actor", 20, True)]
+
+
+@pytest.mark.parametrize("name,layout", [("accelerate-fsdp1-local", "LOCAL_STATE_DICT"), ("accelerate-fsdp1-nodcp", "use_dcp=False")])
+def test_accelerate_fsdp1_per_rank_files_are_refused_by_name(ckpt, run_folders, tmp_path, name, layout):
+    """accelerate's FSDP1 per-rank files (LOCAL_STATE_DICT: flat-parameter shards without the parameters' shapes;
+    use_dcp=False: ShardedTensor pickles) are refused as unsupported (exit 2) and named, never called damaged; ls lists
+    them as UNSUPPORTED."""
+    root = run_folders[name]
+    checkpoint = run_folder_checkpoint(root)
+    for args in (["inspect", checkpoint], ["verify", checkpoint], ["inspect", root], ["convert", root, tmp_path / "out", "--to", "hf"]):
+        res = ckpt(*args)
+        text = res.out + res.err
+        assert res.code == 2 and layout in text and "pytorch_model_fsdp" in text, (args, text)
+        assert "damaged" not in text and "Traceback" not in text
+    assert not (tmp_path / "out").exists()
+    rows = json.loads(ckpt("ls", root, "--json").out)["checkpoints"]
+    assert len(rows) == 2 and all(r["unsupported"] and not r["complete"] for r in rows)

@@ -71,7 +71,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     width = max([len("path")] + [len(r["path"]) for r in rows])
     lines = [f"  {'path':<{width}}  {'framework':<10} {'format':<11} {'step':>6} {'world':>5} {'size':>10}  state"]
     for r in rows:
-        state = "complete" if r["complete"] else f"INCOMPLETE: {r['problem']}"
+        state = "complete" if r["complete"] else f"{'UNSUPPORTED' if r.get('unsupported') else 'INCOMPLETE'}: {r['problem']}"
         cells = (r["framework"] or "-", r["format"], r["step"] if r["step"] is not None else "-", r["world_size"] or "-")
         mark = "*" if r["newest"] else " "
         size = human_bytes(r["bytes"])

@@ -20,7 +20,7 @@ from ckpt_cli.core import roles, structured, zipio
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text
-from ckpt_cli.errors import DataError
+from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry, runs
 from ckpt_cli.formats.runs import Companion, Part, RunCheckpoint
 
@@ -52,6 +52,8 @@ def is_run(ckpt: Checkpoint) -> bool:
 
 
 def read(run: RunCheckpoint, options: ReadOptions) -> Checkpoint:
+    if run.unsupported:
+        raise UsageError(run.unsupported)
     parts = [(part, _read_part(run, part, options)) for part in run.parts]
     parts = [(_nesting(part, ckpt), ckpt) for part, ckpt in parts]
     source = RunSource(run, parts)

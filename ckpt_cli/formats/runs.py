@@ -25,6 +25,8 @@ CUSTOM = re.compile(r"custom_checkpoint_\d+\.pkl")  # accelerate register_for_ch
 FSDP_MODEL = re.compile(r"pytorch_model_fsdp_(\d+)")  # Trainer / accelerate FSDP sharded state dict (DCP)
 FSDP_OPTIM = re.compile(r"optimizer_(\d+)")
 TORCHTITAN_STEP = re.compile(r"step-(\d+)")
+# accelerate FSDP1 per-rank files: LOCAL_STATE_DICT (pytorch_model_fsdp_rankR.bin) or use_dcp=False (..._I_rankR.bin)
+FSDP_RANK_FILES = re.compile(r"(pytorch_model_fsdp(_\d+)?|optimizer(_\d+)?)_rank\d+\.bin")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bin")  # the last: accelerate FSDP FULL_STATE_DICT
 TOKENIZER_FILES = {"special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model"}
 NESTING_KEYS = ("model", "state_dict", "module")  # keys a framework nests the model weights under
@@ -60,6 +62,7 @@ class RunCheckpoint:
     parts: tuple[Part, ...]
     companions: tuple[Companion, ...]
     unknown: tuple[str, ...] = field(default=())  # folders that are neither a part nor a companion: not carried
+    unsupported: str | None = None  # a layout ckpt recognises and refuses: why, and what to save instead
 
     def part_path(self, part: Part) -> Path:
         return self.path / part.relpath if part.relpath else self.path
@@ -102,6 +105,9 @@ def detect(path: Path) -> RunCheckpoint | None:
 
 
 def _assemble(framework: str, path: Path, entries: dict[str, Path], dcp_prefix: str = "") -> RunCheckpoint | None:
+    ranked = sorted((n for n in entries if FSDP_RANK_FILES.fullmatch(n)), key=lambda n: (n.startswith("optimizer"), n))
+    if ranked:
+        return RunCheckpoint(framework, path, (), (), unsupported=_fsdp1_rank_files(path, ranked[0]))
     parts, claimed = _parts(path, entries, dcp_prefix)
     if not parts:
         return None
@@ -118,6 +124,21 @@ def _assemble(framework: str, path: Path, entries: dict[str, Path], dcp_prefix: 
             continue
         companions.append(_companion(name, deepspeed))
     return RunCheckpoint(framework, path, tuple(parts), tuple(companions), tuple(unknown))
+
+
+def _fsdp1_rank_files(path: Path, name: str) -> str:
+    """Why accelerate's per-rank FSDP1 files are refused (docs/formats.md §7.3), and what to save instead."""
+    if re.fullmatch(r"(pytorch_model_fsdp|optimizer)_rank\d+\.bin", name):
+        why = (
+            "FSDP1's LOCAL_STATE_DICT: each rank's shard of every FSDP unit's flat parameter, and torch saves neither the "
+            "shapes nor the padding of the parameters flattened into it, so no tool can take them apart exactly"
+        )
+    else:
+        why = "FSDP1's SHARDED_STATE_DICT saved with use_dcp=False: per-rank ShardedTensor pickles, which ckpt does not read"
+    return (
+        f"{path / name}: {why}; save with FSDP state_dict_type SHARDED_STATE_DICT (through DCP, accelerate's default) or "
+        "FULL_STATE_DICT, which ckpt reads"
+    )
 
 
 def _parts(path: Path, entries: dict[str, Path], dcp_prefix: str) -> tuple[list[Part], set[str]]:

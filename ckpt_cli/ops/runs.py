@@ -60,7 +60,7 @@ class Found:
 def identify(path: Path) -> Found | None:
     run = runs.detect(path)
     if run is not None:
-        return Found(path, run.framework, run.parts[0].format)
+        return Found(path, run.framework, run.parts[0].format if run.parts else "-")
     if path.is_file() and (COMPANION_FILE.fullmatch(path.name) or registry.member_of(path)):
         return None
     fmt = registry.detect(path)
@@ -211,17 +211,20 @@ def listing(root: Path, trust_pickle: bool = False, format_name: str | None = No
             try:
                 ckpt = open_exact(found.path, None, inner, trust_pickle)
             except UsageError:
-                if inner is None:
+                if inner is None and found.format != "-":
                     raise
-                continue  # the tag names none of the folder's own tags
+                if inner is not None:
+                    continue  # the tag names none of the folder's own tags
+                raise
             if inner is not None:
                 row["path"] = f"{row['path']}/{ckpt.tag}"
             problems = structure_problems(ckpt)
             step = ckpt.step if ckpt.step is not None or found.framework not in (None, runs.TORCHTITAN) else found.name_step
             row |= {"step": step, "world_size": ckpt.world_size, "bytes": sum(max(f.bytes, 0) for f in ckpt.files)}
-        except DataError as exc:
+        except (DataError, UsageError) as exc:  # a UsageError here: a layout ckpt refuses by name (runs.FSDP_RANK_FILES)
             problems = [str(exc)]
-            row |= {"step": None, "world_size": None, "bytes": _du(found.path)}
+            row |= {"step": None, "world_size": None, "bytes": _du(found.path), "unsupported": isinstance(exc, UsageError)}
+        row.setdefault("unsupported", False)
         row |= {"complete": not problems, "problem": problems[0] if problems else None, "newest": False}
         rows.append((run_of(found, root), row))
     runs_marked = {p for p, _ in rows} if format_name is None and tag is None else set()
