@@ -1,7 +1,7 @@
 """ckpt: inspect, verify and convert training checkpoints (DCP, DeepSpeed, Hugging Face, safetensors, torch).
 
 The Python API (ckpt_cli/api.py): `ckpt_cli.open(path)` for metadata and streamed tensor reads, and
-`convert`, `reshard`, `merge`, `split`, `verify`, `inspect`, `diff` as functions returning the reports the CLI prints.
+`convert`, `reshard`, `merge`, `split`, `verify`, `inspect`, `diff`, `parity` as functions returning the reports the CLI prints.
 The library never imports typer, rich or tqdm; those belong to `ckpt_cli.cli`.
 """
 
@@ -11,7 +11,7 @@ from ckpt_cli.errors import CkptError, DataError, UnsafePickleError, UsageError
 
 _API = ("Checkpoint", "Report", "TensorInfo", "Tree", "WriteReport", "convert", "diff", "inspect", "merge", "open", "reshard")
 _API += ("split", "verify", "Request", "PreparedWrite", "prepare", "write", "convert_request", "reshard_request")
-_API += ("merge_request", "split_request")
+_API += ("merge_request", "split_request", "parity", "ParityReport")
 
 
 def __getattr__(name: str) -> object:  # no typing import: ckpt starts without it (cli/entry.py)
@@ -49,6 +49,8 @@ __all__ = [
     "merge_request",
     "open",
     "open_checkpoint",
+    "parity",
+    "ParityReport",
     "prepare",
     "reshard",
     "reshard_request",

@@ -38,6 +38,7 @@ from ckpt_cli.ops import inspect as inspect_op
 from ckpt_cli.ops import tensor_read, tree_view
 from ckpt_cli.ops.diff import DiffOptions, DiffReport
 from ckpt_cli.ops.diff import diff as diff_op
+from ckpt_cli.ops.parity import ParityReport
 from ckpt_cli.ops.request import Request
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.tree_view import Tree
@@ -289,6 +290,22 @@ def diff(
     return diff_op(a, b, DiffOptions(atol=atol, rtol=rtol, filters=tuple(filters), depth=depth, trust_pickle=trust_pickle))
 
 
+def parity(
+    release: str | Path,
+    *,
+    against: str | Path | None = None,
+    logits: str | Path | None = None,
+    tokens: Sequence[int] | None = None,
+    atol: float = 1e-5,
+) -> ParityReport:
+    """Run a Hugging Face release with transformers (CPU, float32) on fixed token ids and compare its logits with
+    `against` (another Hugging Face folder) or `logits` (a torch.save of logits, with their token ids), as
+    `ckpt parity` does: max and mean |diff|, KL, top-token agreement, `ok` within `atol`, `to_json()`."""
+    from ckpt_cli.ops.parity import parity as parity_op  # (torch and transformers: imported when it runs)
+
+    return parity_op(Path(release), _path(against), _path(logits), list(tokens) if tokens is not None else None, atol)
+
+
 def _path(value: str | Path | None) -> Path | None:
     return Path(value) if value is not None else None
 
@@ -328,6 +345,8 @@ def convert(
     name_map: str | Path | None = None,
     per_rank_state: str = "wrap",
     quantize: str | None = None,
+    preset: str | None = None,
+    hf_config: str | Path | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
     workers: int | None = None,
@@ -337,12 +356,13 @@ def convert(
     streamed, and return what was written (`dry_run=True`: what would be, writing nothing). Between DeepSpeed and
     dcp the whole training state moves (`world_size` needed; `tp`: a dcp target on a (world_size / tp) x tp mesh).
     A quantized source (FP8 block-scaled, MXFP4) is dequantized by `dtype='bf16'` (or fp32, fp16); `quantize='fp8'`
-    writes FP8 block-scaled weights. Options as the CLI's flags of the same names."""
+    writes FP8 block-scaled weights. `preset`: a built-in name map (torchtitan-llama3, megatron-gpt, ...); `hf_config`:
+    the folder whose config.json and tokenizer an hf release carries. Options as the CLI's flags of the same names."""
     request = convert_request(
         src, dest, to=to, world_size=world_size, tp=tp, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
         trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
-        per_rank_state=per_rank_state, quantize=quantize,
+        per_rank_state=per_rank_state, quantize=quantize, preset=preset, hf_config=hf_config,
     )  # fmt: skip
     return write(request, overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress)
 

@@ -96,3 +96,54 @@ def _preset_renames() -> list[str]:
     from ckpt_cli import presets
 
     return [f"{pattern}={repl}" for pattern, repl in presets.load("torchtitan-llama3").renames]
+
+
+# ---- torchtitan Qwen3 MoE (tests/producers/torchtitan_qwen3_moe.py) -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> dict[str, Path]:
+    """Two real torchtitan Qwen3-MoE runs: with its default load-balancing bias ("balanced") and without it ("plain")."""
+    root = tmp_path_factory.mktemp("torchtitan_qwen3")
+    torchrun(2, "torchtitan_qwen3_moe.py", root / "balanced", timeout=600)
+    torchrun(2, "torchtitan_qwen3_moe.py", root / "plain", "--no-load-balance", timeout=600)
+    args = json.loads((root / "plain" / "model_args.json").read_text())
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        vocab_size=args["vocab_size"], hidden_size=args["dim"], intermediate_size=args["moe_hidden_dim"],
+        moe_intermediate_size=args["moe_hidden_dim"], num_hidden_layers=args["n_layers"], num_attention_heads=args["n_heads"],
+        num_key_value_heads=args["n_kv_heads"], head_dim=args["head_dim"], max_position_embeddings=args["max_seq_len"],
+        rms_norm_eps=args["norm_eps"], num_experts=args["num_experts"], num_experts_per_tok=args["top_k"],
+        norm_topk_prob=args["route_norm"], decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": args["rope_theta"]},
+    ).save_pretrained(root / "hf_config")  # fmt: skip
+    return {"balanced": root / "balanced", "plain": root / "plain", "config": root / "hf_config"}
+
+
+def test_qwen3_moe_preset_export_has_every_expert_and_torchtitans_logits(ckpt, qwen3, tmp_path):
+    """Every expert of the grouped [E, F, D] tensors split out, bit-equal to torchtitan's own export (Qwen3StateDictAdapter);
+    transformers' Qwen3-MoE gives the torchtitan model's logits (its experts' GEMMs in float32, as the fp32 release)."""
+    run = qwen3["plain"]
+    res = ckpt(
+        "convert", run / "step-2", tmp_path / "release", "--to", "hf", "--preset", "torchtitan-qwen3", "--hf-config", qwen3["config"]
+    )
+    assert res.code == 0, res.err
+    ours = load_file(tmp_path / "release" / "model-00001-of-00001.safetensors")
+    theirs = load_file(run / "hf_export" / "model-00001-of-00001.safetensors")
+    assert ours.keys() == theirs.keys() and sum(".mlp.experts." in k for k in ours) == 2 * 4 * 3
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    res = ckpt("parity", tmp_path / "release", "--logits", run / "logits_fp32.pt", "--json")
+    assert res.code == 0 and json.loads(res.out)["max_abs_diff"] <= 1e-5, res.out + res.err
+    hint = ckpt("convert", run / "step-2", tmp_path / "plain", "--to", "hf")
+    assert "--preset torchtitan-qwen3" in hint.err and "torchtitan-llama3" not in hint.err
+
+
+def test_qwen3_moe_with_a_load_balancing_bias_is_refused(ckpt, qwen3, tmp_path):
+    """torchtitan routes with its trained expert_bias_E; Hugging Face's Qwen3-MoE router has none, so a release would
+    send some tokens to other experts: refused by name (exit 2), nothing written."""
+    run = qwen3["balanced"]
+    res = ckpt(
+        "convert", run / "step-2", tmp_path / "release", "--to", "hf", "--preset", "torchtitan-qwen3", "--hf-config", qwen3["config"]
+    )
+    assert res.code == 2 and "expert_bias_E is not all zeros" in res.err and not (tmp_path / "release").exists()

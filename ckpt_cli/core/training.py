@@ -44,6 +44,7 @@ NAME_MAP_SCHEMA = {
     "permute": Optional([{"from": str, "rope": str, "heads": (int, str)}]),
     "stack": Optional([{"from": str, "to": str, "parts": Optional([str])}]),
     "transpose": Optional([str]),
+    "zero": Optional([str]),
 }
 
 
@@ -103,6 +104,7 @@ class NameMap:
     permutes: tuple[Permute, ...] = ()
     stacks: tuple[Stack, ...] = ()
     transposes: tuple[str, ...] = ()  # regular expressions: 2-D tensors written transposed (core/rope.py)
+    zeros: tuple[str, ...] = ()  # regular expressions: tensors the target has no place for, left out only while all zero
 
     @classmethod
     def from_yaml(cls, path: Path) -> NameMap:
@@ -143,6 +145,7 @@ class NameMap:
             tuple(Permute.parse(item, where) for item in data.get("permute") or []),
             tuple(Stack.parse(item, where) for item in data.get("stack") or []),
             tuple(str(p) for p in data.get("transpose") or []),
+            tuple(str(p) for p in data.get("zero") or []),
         ).checked(where)
 
     def with_renames(self, pairs: list[str]) -> NameMap:
@@ -156,7 +159,7 @@ class NameMap:
         return dataclasses.replace(self, renames=self.renames + tuple(extra)).checked("--rename")
 
     def checked(self, where: str) -> NameMap:
-        for pattern in [p for p, _ in self.renames] + list(self.transposes):
+        for pattern in [p for p, _ in self.renames] + list(self.transposes) + list(self.zeros):
             try:
                 re.compile(pattern)
             except re.error as exc:
@@ -183,6 +186,7 @@ class NameMap:
         rules += [p.describe() for p in self.permutes]
         rules += [s.describe() for s in self.stacks]
         rules += [f"transpose /{p}/" for p in self.transposes]
+        rules += [f"leave out /{p}/ while all zero" for p in self.zeros]
         return "; ".join(rules)
 
 

@@ -34,6 +34,9 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
         made, taken = stack.gather(sources, names.strip)
         stacked.update(made)
         sources = {n: e for n, e in sources.items() if n not in taken}
+    left_out = [n for n, e in sources.items() if any(re.fullmatch(p, names.strip(n)) for p in names.zeros)]
+    for name in left_out:
+        _require_zero(sources.pop(name))
     for entry in sources.values():
         base = names.strip(entry.name)
         permute = next((p for p in names.permutes if re.fullmatch(p.pattern, base)), None)
@@ -70,6 +73,8 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
             raise UsageError(f"the name map names two entries '{new}' ({obj.name} is one); adjust --name-map/--rename")
         objects[new] = obj if new == obj.name else dataclasses.replace(obj, name=new, path=(new,))
     note = f"name map: {split} tensors split into {outputs}, {renamed} renamed"
+    if left_out:
+        note += f", {len(left_out)} all-zero tensors left out ({left_out[0]}{', ...' if len(left_out) > 1 else ''})"
     if names.transposes:
         note += f", {turned} transposed"
     if names.stacks:
@@ -79,6 +84,23 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
         if not permuted:
             note += " (the map's permute matched no tensor: is it the map for this model?)"
     return dataclasses.replace(ckpt, tensors=tensors, objects=objects, notes=[*ckpt.notes, note])
+
+
+def _require_zero(entry: TensorEntry) -> None:
+    """A tensor the target model has no place for (a name map's `zero`) may be left out only while it changes nothing:
+    all its bytes zero (a -0.0 counts as a value). Read here, a window at a time; such tensors are small (a router bias)."""
+    from ckpt_cli.core.reading import SourceFiles, tensor_bytes
+
+    sources = SourceFiles()
+    try:
+        if all(not any(memoryview(block).cast("B")) for block in tensor_bytes(entry, sources)):
+            return
+    finally:
+        sources.close()
+    raise UsageError(
+        f"{entry.name} is not all zeros, and the target model has no place for it (the map leaves it out only while it is "
+        "zero): the release would compute something else. Export it with a name map of your own that keeps or drops it"
+    )
 
 
 def model_config(ckpt: Checkpoint) -> dict[str, Any] | None:

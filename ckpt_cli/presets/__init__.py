@@ -1,7 +1,8 @@
 """Built-in name maps for what people train, selected by name (`--preset NAME`): one YAML file per preset here.
 
-A preset is a name map (core/training.py NameMap: rename, split, permute, tied) plus a `description` and a
-`detect` pattern: a regular expression that some tensor name of a source in that layout matches, so that an
+A preset is a name map (core/training.py NameMap: rename, split, permute, stack, transpose, zero, tied) plus a
+`description`, a `detect` pattern (a regular expression that some tensor name of a source in that layout matches)
+and optionally `unless` (one that no name of such a source matches: Llama has no q_norm, Qwen3 has), so that an
 export without a preset can suggest the one that fits (never apply it unasked).
 """
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from ckpt_cli.core.model import Checkpoint
     from ckpt_cli.core.training import NameMap
 
-_KEYS = ("description", "detect", "target")
+_KEYS = ("description", "detect", "unless", "target")
 
 
 def names() -> list[str]:
@@ -49,5 +50,12 @@ def load(name: str) -> NameMap:
 
 def suggest(ckpt: Checkpoint) -> str | None:
     """The preset whose layout the checkpoint's tensor names show, if exactly one does."""
-    fits = [n for n in names() if any(re.fullmatch(_document(n)["detect"], t) for t in ckpt.tensors)]
+    fits = [n for n in names() if _fits(_document(n), list(ckpt.tensors))]
     return fits[0] if len(fits) == 1 else None
+
+
+def _fits(doc: dict[str, Any], tensors: list[str]) -> bool:
+    unless = doc.get("unless")
+    if unless and any(re.fullmatch(unless, t) for t in tensors):
+        return False
+    return any(re.fullmatch(doc["detect"], t) for t in tensors)
