@@ -239,3 +239,22 @@ def test_transpose_of_gpt2_conv1d_weights(ckpt, tmp_path):
     w = torch.randn(6, 4)
     src = entry_of(tmp_path, "w", w)
     assert torch.equal(read_all(rope.transposed(src, "t")), w.t())
+
+
+@pytest.mark.parametrize(
+    "names,preset",
+    [
+        (["tok_embeddings.weight", "layers.0.attention.wq.weight", "output.weight"], "torchtitan-llama3"),
+        (["layers.0.attention.qkv_linear.wq.weight", "layers.0.attention.q_norm.weight"], "torchtitan-qwen3"),
+        (["layers.0.attention.wkv_a.weight", "layers.0.attention.q_norm.weight", "layers.1.moe.expert_bias_E"], "torchtitan-deepseek-v3"),
+        (["decoder.layers.self_attention.linear_qkv.weight"], "megatron-gpt"),
+        (["decoder.layers.3.self_attention.linear_qkv.weight"], "megatron-gpt"),
+        (["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"], "hf-experts-unpack"),
+        (["model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.0.self_attn.q_proj.weight"], None),  # a release: no hint
+    ],
+)
+def test_each_layout_suggests_exactly_its_preset(names, preset):
+    from ckpt_cli.core.model import Checkpoint
+
+    tensors = {n: TensorEntry(n, by_name("float32"), (2, 2), "model", []) for n in names}
+    assert presets.suggest(Checkpoint("safetensors", "x", tensors)) == preset

@@ -3,7 +3,8 @@
 A preset is a name map (core/training.py NameMap: rename, split, permute, stack, transpose, zero, tied) plus a
 `description`, a `detect` pattern (a regular expression that some tensor name of a source in that layout matches)
 and optionally `unless` (one that no name of such a source matches: Llama has no q_norm, Qwen3 has), so that an
-export without a preset can suggest the one that fits (never apply it unasked).
+export without a preset can suggest the one that fits (never apply it unasked); a preset without `detect` is never
+suggested.
 """
 
 from __future__ import annotations
@@ -58,4 +59,4 @@ def _fits(doc: dict[str, Any], tensors: list[str]) -> bool:
     unless = doc.get("unless")
     if unless and any(re.fullmatch(unless, t) for t in tensors):
         return False
-    return any(re.fullmatch(doc["detect"], t) for t in tensors)
+    return bool(doc.get("detect")) and any(re.fullmatch(doc["detect"], t) for t in tensors)
