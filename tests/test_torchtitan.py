@@ -147,3 +147,49 @@ def test_qwen3_moe_with_a_load_balancing_bias_is_refused(ckpt, qwen3, tmp_path):
         "convert", run / "step-2", tmp_path / "release", "--to", "hf", "--preset", "torchtitan-qwen3", "--hf-config", qwen3["config"]
     )
     assert res.code == 2 and "expert_bias_E is not all zeros" in res.err and not (tmp_path / "release").exists()
+
+
+# ---- torchtitan DeepSeek-V3 (tests/producers/torchtitan_deepseek_v3.py) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> dict[str, Path]:
+    """A real torchtitan DeepSeek-V3 run (MLA, a dense layer then two MoE layers with a shared expert, sigmoid routing,
+    a trained load-balancing bias) and the Hugging Face config its sizes give."""
+    root = tmp_path_factory.mktemp("torchtitan_deepseek_v3")
+    torchrun(2, "torchtitan_deepseek_v3.py", root / "run", timeout=600)
+    a = json.loads((root / "run" / "model_args.json").read_text())
+    from transformers import DeepseekV3Config
+
+    assert a["score_func"] == "sigmoid" and a["rope_format"] == "complex" and a["rope_scaling"] == "yarn"
+    rope = {"rope_type": "yarn", "rope_theta": a["rope_theta"], "factor": a["rope_factor"], "truncate": a["rope_truncate"]}
+    rope |= {"original_max_position_embeddings": a["original_seq_len"], "beta_fast": a["beta_fast"], "beta_slow": a["beta_slow"]}
+    rope |= {"mscale": a["mscale"], "mscale_all_dim": a["mscale"]}  # equal: torchtitan applies no extra attention factor
+    DeepseekV3Config(
+        vocab_size=a["vocab_size"], hidden_size=a["dim"], intermediate_size=a["dense_hidden_dim"],
+        moe_intermediate_size=a["moe_hidden_dim"], num_hidden_layers=a["n_layers"], num_attention_heads=a["n_heads"],
+        num_key_value_heads=a["n_heads"], n_shared_experts=a["num_shared_experts"], n_routed_experts=a["num_experts"],
+        routed_scaling_factor=a["route_scale"], kv_lora_rank=a["kv_lora_rank"], q_lora_rank=a["q_lora_rank"] or None,
+        qk_rope_head_dim=a["qk_rope_head_dim"], v_head_dim=a["v_head_dim"], qk_nope_head_dim=a["qk_nope_head_dim"],
+        n_group=1, topk_group=1, num_experts_per_tok=a["top_k"], first_k_dense_replace=a["n_dense_layers"],
+        norm_topk_prob=a["route_norm"], max_position_embeddings=int(a["original_seq_len"] * a["rope_factor"]),
+        rms_norm_eps=a["norm_eps"], tie_word_embeddings=False, rope_parameters=rope, rope_interleave=True, num_mtp_layers=0,
+    ).save_pretrained(root / "hf_config")  # fmt: skip
+    return {"run": root / "run", "config": root / "hf_config"}
+
+
+def test_deepseek_v3_preset_export_equals_torchtitans_own_and_its_logits(ckpt, deepseek, tmp_path):
+    """MLA, the dense and MoE layers, shared experts and the router's bias (as e_score_correction_bias) bit-equal to
+    torchtitan's own export; transformers' DeepseekV3 gives its logits to 1e-4: transformers builds kv_a_layernorm with
+    eps 1e-6 in code where torchtitan's kv_norm has 1e-5 (about 3e-5 in the logits; docs/formats.md §12)."""
+    run = deepseek["run"]
+    preset = ("--preset", "torchtitan-deepseek-v3", "--hf-config", deepseek["config"])
+    res = ckpt("convert", run / "step-2", tmp_path / "release", "--to", "hf", *preset)
+    assert res.code == 0, res.err
+    ours = load_file(tmp_path / "release" / "model-00001-of-00001.safetensors")
+    theirs = load_file(run / "hf_export" / "model-00001-of-00001.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert sum(".mlp.experts." in k for k in ours) == 2 * 4 * 3 and "model.layers.1.mlp.gate.e_score_correction_bias" in ours
+    assert ours["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() > 0  # a trained bias, carried
+    res = ckpt("parity", tmp_path / "release", "--logits", run / "logits_fp32.pt", "--atol", "1e-4", "--json")
+    assert res.code == 0 and json.loads(res.out)["argmax_equal"] == 16, res.out + res.err

@@ -186,6 +186,10 @@ def main(out: Path, load_balance: bool = True) -> None:
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
+    # DTensor has no offset-based RNG on the CPU: each rank draws its shard from its own generator, so under the one
+    # seed set_determinism gives every rank, both halves of each dim-0 sharded tensor would be equal (twin heads,
+    # twin experts): a seed per rank makes every row its own.
+    torch.manual_seed(rank)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
