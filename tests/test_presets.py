@@ -51,7 +51,7 @@ def test_permute_is_row_ranges_of_the_source_read_anywhere(tmp_path):
     w = torch.randn(32 * 4, 6, dtype=torch.bfloat16)
     src = entry_of(tmp_path, "w", w)
     perm = rope.permuted(src, "q", 32, "halves")
-    assert perm.derived is None and {p.data.path for p in perm.pieces} == {str(tmp_path / "w.bin")}
+    assert perm.derived is None and {p.data.path for p in perm.pieces} == {str(tmp_path / "w.bin")}  # made when read
     assert len(perm.pieces) == 32 * 4 and all(p.region.length == 6 for p in perm.pieces)
     expected = to_halves(w, 32).flatten()
     for start, count in [(5, 7), (23, 100), (0, 1), (w.numel() - 3, 3), (0, w.numel())]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from ckpt_cli.core.model import Box, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.model import Box, LazyPieces, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.row_split import gather
 from ckpt_cli.errors import UsageError
 
@@ -45,9 +45,16 @@ def permuted(entry: TensorEntry, name: str, heads: int, to: str) -> TensorEntry:
             f"permute of '{entry.name}' {list(entry.shape)}: {rows} rows are not {heads} heads of an even head_dim; "
             "check the head count the map takes from the config"
         )
-    row = math.prod(entry.shape[1:])
-    ranges = [(r * row, row) for r in source_rows(heads, rows // heads, to == "halves")]
-    return gather(entry, name, ranges, entry.shape)
+    row, to_halves = math.prod(entry.shape[1:]), to == "halves"
+
+    def pieces() -> list[Piece]:
+        ranges = [(r * row, row) for r in source_rows(heads, rows // heads, to_halves)]
+        return list(gather(entry, name, ranges, entry.shape).pieces)
+
+    # One piece per row, made when the tensor is read and not kept: an export holds one tensor's rows at a time
+    # (a 70B model's q/k have 600,000 rows), not every permuted tensor's
+    lazy = LazyPieces(pieces, keep=False, arrays=entry.stored_arrays)
+    return TensorEntry(name, entry.dtype, entry.shape, entry.role, lazy, (name,))
 
 
 def transposed(entry: TensorEntry, name: str) -> TensorEntry:
