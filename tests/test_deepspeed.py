@@ -237,9 +237,15 @@ def all_tensors(path):
 def test_reshard_loads_in_deepspeed_and_resaves_identically(ds_saves, ds_resumed, config, src, dst):
     """DeepSpeed at M loads the resharded checkpoint with plain load_checkpoint; its immediate re-save holds the same
     fp32 master weights, exp_avg, exp_avg_sq and step (bit for bit), LR scheduler, global steps and client state."""
-    source, before = all_tensors(ds_saves[src] / config)
-    resaved, after = all_tensors(ds_resumed / f"{config}-{src}to{dst}" / "resaved")
-    assert resaved.world_size == dst and resaved.details["zero_stage"] == source.details["zero_stage"]
+    assert_resaved_state(ds_saves[src] / config, ds_resumed / f"{config}-{src}to{dst}" / "resaved", dst)
+
+
+def assert_resaved_state(original, resaved_dir, world):
+    """What DeepSpeed re-saved at `world` right after loading holds the original's fp32 master weights, exp_avg,
+    exp_avg_sq and step (bit for bit), ZeRO stage, LR scheduler, global steps, client state and group hyper-parameters."""
+    source, before = all_tensors(original)
+    resaved, after = all_tensors(resaved_dir)
+    assert resaved.world_size == world and resaved.details["zero_stage"] == source.details["zero_stage"]
     assert before.keys() == after.keys()
     for name in before:
         assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name

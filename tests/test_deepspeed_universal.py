@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_fails, ckpt_quiet, torchrun
-from test_deepspeed import all_tensors, zero_to_fp32
+from test_deepspeed import assert_resaved_state, zero_to_fp32
 
 from ckpt_cli.core import zipio
 
@@ -93,16 +93,7 @@ def test_reshard_to_native_loads_in_deepspeed(ds_saves, universal_resumed, confi
     """DeepSpeed at the new world size loads ckpt's native checkpoint (no load_universal flag); its re-save holds the
     fp32 master weights, exp_avg, exp_avg_sq and step of the original run bit for bit, its LR scheduler, global steps
     and client state."""
-    source, before = all_tensors(ds_saves[2] / config)
-    resaved, after = all_tensors(universal_resumed / f"{config}-{world}" / "resaved")
-    assert resaved.world_size == world and resaved.details["zero_stage"] == source.details["zero_stage"]
-    assert before.keys() == after.keys()
-    for name in before:
-        assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
-    for key in ("lr_scheduler.last_batch_iteration", "global_steps", "dataloader.offset"):
-        assert resaved.objects[key].value == source.objects[key].value, key
-    groups = source.objects["optimizer.param_groups"].value
-    assert [g["weight_decay"] for g in resaved.objects["optimizer.param_groups"].value] == [g["weight_decay"] for g in groups]
+    assert_resaved_state(ds_saves[2] / config, universal_resumed / f"{config}-{world}" / "resaved", world)
 
 
 def test_native_save_folder_with_a_universal_tag(ckpt, ds_saves, tmp_path):

@@ -251,18 +251,27 @@ def _release_config(ckpt: Checkpoint, tensors: list[TensorEntry], notes: list[st
     floating-point weights (from_pretrained loads in it by default), and `tie_word_embeddings` true where no
     lm_head.weight is written (else from_pretrained leaves the head randomly initialised) and false where an
     lm_head.weight is written that differs from the embeddings (else from_pretrained replaces it by them)."""
-    source = ckpt.companions.get("config.json")
-    if source is None:
-        return ckpt
-    data = source if isinstance(source, bytes) else read_regular_bytes(source, max_bytes=COMPANION_MAX_BYTES)
-    config = structured.load_json(data.decode("utf-8", "replace"), str(source) if isinstance(source, str) else "config.json", DataError)
-    if not isinstance(config, dict):
+    config = companion_config(ckpt)
+    if config is None:
         return ckpt
     changed = _set_dtype(config, tensors) | _set_tie(config, {t.name: t for t in tensors}, notes)
     if not changed:
         return ckpt
     edited = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     return dataclasses.replace(ckpt, companions={**ckpt.companions, "config.json": edited})
+
+
+def companion_config(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The checkpoint's config.json (a companion: the source's own, or --hf-config's) as a dict; None without one."""
+    source = ckpt.companions.get("config.json")
+    if source is None:
+        return None
+    where = source if isinstance(source, str) else "config.json"
+    data = source if isinstance(source, bytes) else read_regular_bytes(source, max_bytes=COMPANION_MAX_BYTES)
+    config = structured.load_json(data.decode("utf-8", "replace"), where, DataError)
+    if not isinstance(config, dict):
+        raise DataError(f"{where}: not a JSON object")
+    return config
 
 
 def _set_dtype(config: dict[str, Any], tensors: list[TensorEntry]) -> bool:

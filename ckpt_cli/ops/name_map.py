@@ -14,11 +14,10 @@ import dataclasses
 import re
 from typing import Any
 
-from ckpt_cli.core import rope, structured
+from ckpt_cli.core import rope
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
-from ckpt_cli.core.paths import read_regular_bytes
 from ckpt_cli.core.training import NameMap
-from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.errors import UsageError
 
 
 def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
@@ -104,14 +103,10 @@ def _require_zero(entry: TensorEntry) -> None:
 
 
 def model_config(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """The source's config.json (its companion, or --hf-config's) as a dict; None without one."""
-    from ckpt_cli.formats.hf import COMPANION_MAX_BYTES  # (inspect of a safetensors file imports no folder format)
+    """The model's config.json as a dict (a multimodal one's text_config, which holds the head counts); None without one."""
+    from ckpt_cli.formats.hf import companion_config  # (inspect of a safetensors file imports no folder format)
 
-    source = ckpt.companions.get("config.json")
-    if source is None:
-        return None
-    data = source if isinstance(source, bytes) else read_regular_bytes(source, max_bytes=COMPANION_MAX_BYTES)
-    config = structured.load_json(data.decode("utf-8", "replace"), str(source) if isinstance(source, str) else "config.json", DataError)
-    if not isinstance(config, dict):
-        raise DataError(f"{source if isinstance(source, str) else 'config.json'}: not a JSON object")
-    return config.get("text_config") if isinstance(config.get("text_config"), dict) and "num_attention_heads" not in config else config
+    config = companion_config(ckpt)
+    if config is not None and isinstance(config.get("text_config"), dict) and "num_attention_heads" not in config:
+        return config["text_config"]
+    return config
