@@ -12,15 +12,15 @@ dim 32, top-2, no expert groups, and 1 shared expert of hidden dim 32) is built 
 `_build_dsv3_layers` as `deepseekv3_configs["debugmodel"]` is made, at a tiny size, except for the router: the debug
 model's softmax scores are ones Hugging Face's DeepseekV3 cannot reproduce (its router is sigmoid only), so this one
 scores as the 671B flavour does: sigmoid, the top-2 renormalized (`route_norm`) and scaled by route_scale 2.5. It is
-parallelized by `parallelize_deepseekv3` (FSDP2 `fully_shard` over both ranks, float32 parameters, no expert
-parallelism: the experts' [E, ...] parameters are sharded on E), initialized with a seed per rank (see main), and
-trained 2 steps on random tokens with torchtitan's AdamW container, LR scheduler, cross-entropy loss, gradient
-clipping and the MoE load-balancing hook the deepseek_v3 ModelSpec registers after the optimizer
+parallelized by `parallelize_deepseekv3`, initialized with a seed per rank and trained 2 steps by torchtitan_run.py
+(FSDP2 `fully_shard` over both ranks, float32 parameters, no expert parallelism: the experts' [E, ...] parameters are
+sharded on E; torchtitan's AdamW container, LR scheduler, cross-entropy loss, gradient clipping) with the MoE
+load-balancing hook the deepseek_v3 ModelSpec registers after the optimizer
 (`register_moe_load_balancing_hook`: aux-loss-free, it moves each MoE layer's `expert_bias_E` by load_balance_coeff
 per step, here 1e-2, ten times torchtitan's default, so that 2 steps grow a bias that reroutes some eval tokens (2
 of 16 in layer 1; dropping it moves the logits by ~8e-3); the bias only picks experts, the gate values stay the
 sigmoid's; pass --no-load-balance as a second argument for load_balance_coeff=None: no bias buffer, no hook).
-Written:
+Written (the layout: torchtitan_run.py):
 
     OUT/step-2              the DCP checkpoint an interval save writes (CheckpointManager.save(2)): the model's
                             keys at the top level (`layers.N.attention.wq|wkv_a|wkv_b|wo.weight`,
@@ -29,10 +29,8 @@ Written:
                             `layers.N.moe.routed_experts.inner_experts.w1_EFD|w3_EFD` [E, F, D] and `w2_EDF` [E, D, F],
                             router `layers.N.moe.router.gate.weight` [E, D], the shared expert
                             `layers.N.moe.shared_experts.w1|w2|w3.weight`, the persistent buffer
-                            `layers.N.moe.expert_bias_E` [E] unless --no-load-balance),
-                            `optimizer.state.<fqn>.exp_avg|exp_avg_sq|step` and `optimizer.param_groups.<fqn>.<key>`,
-                            `lr_scheduler`, the dataloader's per-rank pickled state (`dataloader.dp_rank_N`) and
-                            `train_state`
+                            `layers.N.moe.expert_bias_E` [E] unless --no-load-balance), the optimizer's state,
+                            `lr_scheduler`, the dataloader's per-rank state and `train_state`
     OUT/hf_export           the last-step export with `last_save_in_hf` (CheckpointManager.save(2, last_step=True)):
                             DeepSeekV3StateDictAdapter.to_hf names (`model.layers.N.self_attn.q_proj|kv_a_proj_with_mqa|
                             kv_b_proj|o_proj.weight`, `self_attn.kv_a_layernorm.weight`, dense
@@ -41,8 +39,7 @@ Written:
                             `model.layers.N.mlp.gate.weight`, `model.layers.N.mlp.shared_experts.*`, and
                             `expert_bias_E` kept as Hugging Face's `model.layers.N.mlp.gate.e_score_correction_bias`
                             (absent with --no-load-balance, as the buffer is; transformers then fills zeros, the
-                            same routing), written by DCP's HuggingFaceStorageWriter (one consolidated safetensors
-                            file, its index, and the per-rank files under sharded/); no config.json
+                            same routing); no config.json
     OUT/reference.pt        (rank 0) every model tensor of the state dict in torchtitan names, full and float32
     OUT/logits.pt           (rank 0) {"ids", "logits"}: the trained model's eval logits for ids 1..16, as torchtitan
                             computes them: its GroupedExperts cast inputs and weights to bfloat16 whatever the
@@ -59,32 +56,24 @@ groups), norm_topk_prob True, routed_scaling_factor 2.5, num_mtp_layers 0, but o
 (1e-6, fixed in its code, not read from the config) is set to torchtitan's 1e-5 (`kv_norm_eps`); left as loaded,
 the logits differ by ~3e-5.
 
-CPU shims: those of torchtitan_llama.py (imported from it: device mesh on "cpu", the triton stub, SDPA attention
-instead of FlexAttention, the "partial_dtensor" spmd backend, SUM reduction for gloo). MLA needs nothing more: its
-q/k head dim (24) differs from v's (16), which SDPA's math backend takes, with torchtitan's softmax_scale passed as
-`scale`. The experts need none: with EP=1 the token dispatcher only reorders locally, and GroupedExperts'
-`torch._grouped_mm` (bfloat16) has a CPU kernel in torch 2.13 (forward and backward; it wants 16-byte aligned
-strides, which D=64 and F=32 give). The load-balancing hook all-reduces the token counts over the loss mesh with gloo.
+CPU shims: those of torchtitan_run.py (device mesh on "cpu", SDPA attention instead of FlexAttention, the triton
+stub, SUM reduction for gloo, the "partial_dtensor" spmd backend). MLA needs nothing more: its q/k head dim (24)
+differs from v's (16), which SDPA's math backend takes, with torchtitan's softmax_scale passed as `scale`. The experts
+need none: with EP=1 the token dispatcher only reorders locally, and GroupedExperts' `torch._grouped_mm` (bfloat16)
+has a CPU kernel in torch 2.13 (forward and backward; it wants 16-byte aligned strides, which D=64 and F=32 give). The
+load-balancing hook all-reduces the token counts over the loss mesh with gloo.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-from unittest import mock
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torchtitan_llama import IDS, SEQ, VOCAB, RandomTokens, TrainState, cpu_shims, full
-from torchtitan_qwen3_moe import grouped_experts_float32
+from torchtitan_qwen3_moe import moe_pieces
+from torchtitan_run import VOCAB, run, start
 
 if TYPE_CHECKING:
-    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 
 DIM, N_LAYERS, N_DENSE_LAYERS, N_HEADS, MAX_SEQ_LEN = 64, 3, 1, 4, 32
@@ -93,7 +82,6 @@ DENSE_HIDDEN_DIM, MOE_HIDDEN_DIM, NUM_EXPERTS, NUM_SHARED_EXPERTS, TOP_K = 128, 
 ROUTE_SCALE = 2.5
 # 10x torchtitan's 1e-3: after 2 steps a 1e-3 bias (<= 2e-3) is below every eval token's score margin and reroutes none.
 LOAD_BALANCE_COEFF = 1e-2
-BATCH, STEPS = 2, 2
 
 
 def model_config(load_balance: bool = True) -> DeepSeekV3Model.Config:
@@ -196,115 +184,24 @@ def model_args(config: DeepSeekV3Model.Config) -> dict:
         "route_scale": router.route_scale,
         "load_balance_coeff": moe.load_balance_coeff,
         "num_mtp_layers": len(config.mtp_layers),
-        "world_size": dist.get_world_size(),
-        "steps": STEPS,
     }
 
 
 def main(out: Path, load_balance: bool = True) -> None:
-    dist.init_process_group("gloo")
-    cpu_shims()
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw, register_moe_load_balancing_hook
-    from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.common.moe import GroupedExperts
+    start()
     from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
     from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
     from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 
-    rank = dist.get_rank()
-    training = TrainingConfig(seq_len=SEQ, local_batch_size=BATCH, steps=STEPS, mixed_precision_param="float32")
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
-    parallel_dims.build_mesh()
-    dist_utils.set_determinism(parallel_dims, torch.device("cpu"), DebugConfig(seed=0), distinct_seed_mesh_dims=["pp"])
-
-    config = model_config(load_balance)
-    # What DeepSeekV3Model.Config.update_from_config does (EP off).
-    set_deepseek_v3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel, enable_ep=parallel_dims.ep_enabled)
-    with torch.device("meta"):
-        model = config.build()
-    model = parallelize_deepseekv3(
-        model,
-        parallel_dims=parallel_dims,
-        training=training,
-        parallelism=parallelism,
-        compile_config=CompileConfig(),
-        ac_config=None,
-        dump_folder=str(out),
+    run(
+        out,
+        model_config(load_balance),
+        set_sharding=set_deepseek_v3_sharding_config,
+        parallelize=parallelize_deepseekv3,
+        sd_adapter=DeepSeekV3StateDictAdapter,
+        model_args=model_args,
+        **moe_pieces(),
     )
-    for module in model.modules():  # gloo has no PREMUL_SUM: sum, then divide by torchtitan's factor (1.0)
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    # DTensor has no offset-based RNG on the CPU: each rank draws its shard from its own generator, so under the one
-    # seed set_determinism gives every rank, both halves of each dim-0 sharded tensor would be equal (experts 2, 3
-    # copies of experts 0, 1, and the router's rows likewise: every token would pick a pair of twins with equal gates).
-    torch.manual_seed(rank)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-
-    optimizers = default_adamw(lr=1e-2, implementation="foreach").build(model_parts=[model])
-    register_moe_load_balancing_hook(optimizers, [model], parallel_dims)  # the deepseek_v3 ModelSpec's post_optimizer_build_fn
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=STEPS)
-    loss_fn = CrossEntropyLoss.Config().build()
-    batch_mesh = parallel_dims.get_mesh("batch")
-    dp_rank = batch_mesh.get_local_rank()
-    dataloader = ParallelAwareDataloader(RandomTokens(dp_rank), dp_rank, batch_mesh.size(), batch_size=BATCH)
-    train_state = TrainState()
-    data = iter(dataloader)
-    for _ in range(STEPS):  # Trainer.train_step, without gradient accumulation or pipelining
-        train_state.step += 1
-        optimizers.zero_grad()
-        input_dict, labels = next(data)
-        global_valid_tokens = dist_utils.dist_sum_tensor((labels != IGNORE_INDEX).sum(), batch_mesh)
-        train_state.ntokens_seen += labels.numel()
-        positions = input_dict["positions"]
-        pred = model(input_dict["input"], positions=positions)
-        loss, _ = loss_fn(pred, labels, global_valid_tokens)
-        loss.backward()
-        dist_utils.clip_grad_norm_(list(model.parameters()), training.max_norm, foreach=True)
-        optimizers.step()
-        lr_schedulers.step()
-
-    def manager(**kwargs: Any) -> CheckpointManager:
-        return CheckpointManager.Config(enable=True, interval=STEPS, keep_latest_k=0, **kwargs).build(
-            dataloader=dataloader,
-            model_parts=[model],
-            optimizers=optimizers,
-            lr_schedulers=lr_schedulers,
-            states={"train_state": train_state},
-            sd_adapter=DeepSeekV3StateDictAdapter(config, None),
-        )
-
-    manager(folder=str(out)).save(STEPS)
-    manager(folder=str(out / "hf"), last_save_model_only=True, last_save_in_hf=True, export_dtype="float32").save(STEPS, last_step=True)
-
-    reference = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
-    model.eval()
-    positions = torch.arange(SEQ).reshape(1, SEQ)
-    with torch.no_grad():
-        logits = model(IDS, positions=positions)
-        with mock.patch.object(GroupedExperts, "forward", grouped_experts_float32):
-            logits_fp32 = model(IDS, positions=positions)
-    dist.barrier()
-    if rank == 0:
-        shutil.move(out / "hf" / f"step-{STEPS}", out / "hf_export")
-        (out / "hf").rmdir()
-        torch.save(reference, out / "reference.pt")
-        torch.save({"ids": IDS, "logits": full(logits).float()}, out / "logits.pt")
-        torch.save({"ids": IDS, "logits": full(logits_fp32).float()}, out / "logits_fp32.pt")
-        (out / "model_args.json").write_text(json.dumps(model_args(config), indent=2) + "\n")
-    dist.barrier()
-    # Leave without tearing down gloo (see fsdp2.py).
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

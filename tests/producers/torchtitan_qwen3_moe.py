@@ -6,29 +6,26 @@ A tiny Qwen3 MoE (dim 64, 2 layers, both MoE as torchtitan's `_build_qwen3_moe_l
 over 2 kv heads, head_dim 16, q/k RMSNorm, vocab 128, theta 1000000, untied output; 4 routed experts of hidden dim
 32, top-2, softmax scores renormalized over the top 2 (`route_norm`), route_scale 1, no shared experts) is built from
 torchtitan's own config helpers exactly as `qwen3_configs["debugmodel_moe"]` is made, parallelized by
-`parallelize_qwen3` (FSDP2 `fully_shard` over both ranks, float32 parameters, no expert parallelism: the experts'
-[E, ...] parameters are sharded on E), and trained 2 steps on random tokens with torchtitan's AdamW container, LR
-scheduler, cross-entropy loss, gradient clipping and the MoE load-balancing hook the qwen3 ModelSpec registers after
+`parallelize_qwen3` and trained 2 steps by torchtitan_run.py (FSDP2 `fully_shard` over both ranks, float32
+parameters, no expert parallelism: the experts' [E, ...] parameters are sharded on E; torchtitan's AdamW container, LR
+scheduler, cross-entropy loss, gradient clipping) with the MoE load-balancing hook the qwen3 ModelSpec registers after
 the optimizer (`register_moe_load_balancing_hook`: aux-loss-free, it moves each layer's `expert_bias_E` by
 load_balance_coeff 1e-3 per step; the bias only picks experts, the gate values stay the softmax's; pass
---no-load-balance as a second argument for load_balance_coeff=None: no bias buffer, no hook). Written:
+--no-load-balance as a second argument for load_balance_coeff=None: no bias buffer, no hook). Written (the layout:
+torchtitan_run.py):
 
     OUT/step-2              the DCP checkpoint an interval save writes (CheckpointManager.save(2)): the model's
                             keys at the top level (fused wqkv split into qkv_linear.wq/wk/wv by torchtitan's hook;
                             experts as `layers.N.moe.routed_experts.inner_experts.w1_EFD|w3_EFD` [E, F, D] and
                             `w2_EDF` [E, D, F], router `layers.N.moe.router.gate.weight` [E, D], the persistent
-                            buffer `layers.N.moe.expert_bias_E` [E] unless --no-load-balance),
-                            `optimizer.state.<fqn>.exp_avg|exp_avg_sq|step` and `optimizer.param_groups.<fqn>.<key>`,
-                            `lr_scheduler`, the dataloader's per-rank pickled state (`dataloader.dp_rank_N`) and
-                            `train_state`
+                            buffer `layers.N.moe.expert_bias_E` [E] unless --no-load-balance), the optimizer's
+                            state, `lr_scheduler`, the dataloader's per-rank state and `train_state`
     OUT/hf_export           the last-step export with `last_save_in_hf` (CheckpointManager.save(2, last_step=True)):
                             Qwen3StateDictAdapter.to_hf names, every expert split out
                             (`model.layers.N.mlp.experts.E.gate_proj|up_proj|down_proj.weight`, router
                             `model.layers.N.mlp.gate.weight`; `expert_bias_E` is dropped, as Hugging Face's
                             Qwen3-MoE router has no bias: where it is non-zero, the release routes some tokens to
-                            other experts than torchtitan does), written by DCP's HuggingFaceStorageWriter (one
-                            consolidated safetensors file, its index, and the per-rank files under sharded/); no
-                            config.json
+                            other experts than torchtitan does); no config.json
     OUT/reference.pt        (rank 0) every model tensor of the state dict in torchtitan names, full and float32
     OUT/logits.pt           (rank 0) {"ids", "logits"}: the trained model's eval logits for ids 1..16, as torchtitan
                             computes them: its GroupedExperts cast inputs and weights to bfloat16 whatever the
@@ -38,39 +35,32 @@ load_balance_coeff 1e-3 per step; the bias only picks experts, the gate values s
                             to ~1e-6
     OUT/model_args.json     the sizes and routing settings a Hugging Face Qwen3MoeConfig needs
 
-CPU shims: those of torchtitan_llama.py (imported from it: device mesh on "cpu", the triton stub, SDPA attention
-instead of FlexAttention, the "partial_dtensor" spmd backend, SUM reduction for gloo). The experts need none:
-with EP=1 the token dispatcher only reorders locally, and GroupedExperts' `torch._grouped_mm` (bfloat16) has a CPU
-kernel in torch 2.13 (forward and backward; it wants 16-byte aligned strides, which D=64 and F=32 give). The
-load-balancing hook all-reduces the token counts over the loss mesh with gloo.
+CPU shims: those of torchtitan_run.py (device mesh on "cpu", SDPA attention instead of FlexAttention, the triton
+stub, SUM reduction for gloo, the "partial_dtensor" spmd backend). The experts need none: with EP=1 the token
+dispatcher only reorders locally, and GroupedExperts' `torch._grouped_mm` (bfloat16) has a CPU kernel in torch 2.13
+(forward and backward; it wants 16-byte aligned strides, which D=64 and F=32 give). The load-balancing hook
+all-reduces the token counts over the loss mesh with gloo.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torchtitan_llama import IDS, SEQ, VOCAB, RandomTokens, TrainState, cpu_shims, full
+from torchtitan_run import VOCAB, run, start
 
 if TYPE_CHECKING:
-    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.models.qwen3.model import Qwen3Model
 
 DIM, N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM, MAX_SEQ_LEN = 64, 2, 4, 2, 16, 32
 NUM_EXPERTS, TOP_K, MOE_HIDDEN_DIM = 4, 2, 32
 ROPE_THETA = 1000000.0
-BATCH, STEPS = 2, 2
 
 
 def model_config(load_balance: bool = True) -> Qwen3Model.Config:
@@ -141,114 +131,35 @@ def model_args(config: Qwen3Model.Config) -> dict:
         "route_scale": router.route_scale,
         "num_shared_experts": 0 if moe.shared_experts is None else 1,
         "load_balance_coeff": moe.load_balance_coeff,
-        "world_size": dist.get_world_size(),
-        "steps": STEPS,
+    }
+
+
+def moe_pieces() -> dict[str, Any]:
+    """What both MoE producers add to run's arguments: the load-balancing hook their ModelSpecs register as
+    post_optimizer_build_fn, and logits_fp32.pt, the eval run again with GroupedExperts.forward in float32."""
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    from torchtitan.models.common.moe import GroupedExperts
+
+    return {
+        "post_optimizer_build": register_moe_load_balancing_hook,
+        "extra_logits": {"logits_fp32.pt": mock.patch.object(GroupedExperts, "forward", grouped_experts_float32)},
     }
 
 
 def main(out: Path, load_balance: bool = True) -> None:
-    dist.init_process_group("gloo")
-    cpu_shims()
-    from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-    from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw, register_moe_load_balancing_hook
-    from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.common.moe import GroupedExperts
+    start()
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter, parallelize_qwen3
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
-    rank = dist.get_rank()
-    training = TrainingConfig(seq_len=SEQ, local_batch_size=BATCH, steps=STEPS, mixed_precision_param="float32")
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
-    dist_utils.set_spmd_backend(parallelism.spmd_backend)
-    parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
-    parallel_dims.build_mesh()
-    dist_utils.set_determinism(parallel_dims, torch.device("cpu"), DebugConfig(seed=0), distinct_seed_mesh_dims=["pp"])
-
-    config = model_config(load_balance)
-    # What Qwen3Model.Config.update_from_config does (EP off).
-    set_qwen3_sharding_config(config, enable_sp=parallelism.enable_sequence_parallel, enable_ep=parallel_dims.ep_enabled)
-    with torch.device("meta"):
-        model = config.build()
-    model = parallelize_qwen3(
-        model,
-        parallel_dims=parallel_dims,
-        training=training,
-        parallelism=parallelism,
-        compile_config=CompileConfig(),
-        ac_config=None,
-        dump_folder=str(out),
+    run(
+        out,
+        model_config(load_balance),
+        set_sharding=set_qwen3_sharding_config,
+        parallelize=parallelize_qwen3,
+        sd_adapter=Qwen3StateDictAdapter,
+        model_args=model_args,
+        **moe_pieces(),
     )
-    for module in model.modules():  # gloo has no PREMUL_SUM: sum, then divide by torchtitan's factor (1.0)
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    # DTensor has no offset-based RNG on the CPU: each rank draws its shard from its own generator, so under the one
-    # seed set_determinism gives every rank, both halves of each dim-0 sharded tensor would be equal (twin heads,
-    # twin experts): a seed per rank makes every row its own.
-    torch.manual_seed(rank)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-
-    optimizers = default_adamw(lr=1e-2, implementation="foreach").build(model_parts=[model])
-    register_moe_load_balancing_hook(optimizers, [model], parallel_dims)  # the qwen3 ModelSpec's post_optimizer_build_fn
-    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=STEPS)
-    loss_fn = CrossEntropyLoss.Config().build()
-    batch_mesh = parallel_dims.get_mesh("batch")
-    dp_rank = batch_mesh.get_local_rank()
-    dataloader = ParallelAwareDataloader(RandomTokens(dp_rank), dp_rank, batch_mesh.size(), batch_size=BATCH)
-    train_state = TrainState()
-    data = iter(dataloader)
-    for _ in range(STEPS):  # Trainer.train_step, without gradient accumulation or pipelining
-        train_state.step += 1
-        optimizers.zero_grad()
-        input_dict, labels = next(data)
-        global_valid_tokens = dist_utils.dist_sum_tensor((labels != IGNORE_INDEX).sum(), batch_mesh)
-        train_state.ntokens_seen += labels.numel()
-        positions = input_dict["positions"]
-        pred = model(input_dict["input"], positions=positions)
-        loss, _ = loss_fn(pred, labels, global_valid_tokens)
-        loss.backward()
-        dist_utils.clip_grad_norm_(list(model.parameters()), training.max_norm, foreach=True)
-        optimizers.step()
-        lr_schedulers.step()
-
-    def manager(**kwargs: Any) -> CheckpointManager:
-        return CheckpointManager.Config(enable=True, interval=STEPS, keep_latest_k=0, **kwargs).build(
-            dataloader=dataloader,
-            model_parts=[model],
-            optimizers=optimizers,
-            lr_schedulers=lr_schedulers,
-            states={"train_state": train_state},
-            sd_adapter=Qwen3StateDictAdapter(config, None),
-        )
-
-    manager(folder=str(out)).save(STEPS)
-    manager(folder=str(out / "hf"), last_save_model_only=True, last_save_in_hf=True, export_dtype="float32").save(STEPS, last_step=True)
-
-    reference = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
-    model.eval()
-    positions = torch.arange(SEQ).reshape(1, SEQ)
-    with torch.no_grad():
-        logits = model(IDS, positions=positions)
-        with mock.patch.object(GroupedExperts, "forward", grouped_experts_float32):
-            logits_fp32 = model(IDS, positions=positions)
-    dist.barrier()
-    if rank == 0:
-        shutil.move(out / "hf" / f"step-{STEPS}", out / "hf_export")
-        (out / "hf").rmdir()
-        torch.save(reference, out / "reference.pt")
-        torch.save({"ids": IDS, "logits": full(logits).float()}, out / "logits.pt")
-        torch.save({"ids": IDS, "logits": full(logits_fp32).float()}, out / "logits_fp32.pt")
-        (out / "model_args.json").write_text(json.dumps(model_args(config), indent=2) + "\n")
-    dist.barrier()
-    # Leave without tearing down gloo (see fsdp2.py).
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
