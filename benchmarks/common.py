@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -119,3 +120,25 @@ def du(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     return path.stat().st_size if path.exists() else 0
+
+
+_COMPARE = """\
+import sys, torch
+from pathlib import Path
+from safetensors.torch import load_file
+def tensors(folder):
+    out = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(shard)))
+    return out
+a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
+same = a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+print("bit-equal" if same else "DIFFERENT")
+"""
+
+
+def same_tensors(a: Path, b: Path) -> str:
+    """'bit-equal' when two folders of safetensors files hold the same tensors (names, dtypes, bytes), else
+    'DIFFERENT' (in a fresh process: the benchmark's own memory is not what is measured)."""
+    done = subprocess.run([sys.executable, "-c", _COMPARE, str(a), str(b)], capture_output=True, text=True, check=True)
+    return done.stdout.strip()

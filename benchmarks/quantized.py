@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import du, measure, remove
+from common import du, measure, remove, same_tensors
 
 PY = sys.executable
 CKPT = [PY, "-m", "ckpt_cli"]
@@ -114,20 +114,6 @@ config = {"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16",
 (root / "config.json").write_text(json.dumps(config, indent=2))
 """
 
-COMPARE = """\
-import json, sys, torch
-from pathlib import Path
-from safetensors.torch import load_file
-def tensors(folder):
-    out = {}
-    for shard in sorted(Path(folder).glob("*.safetensors")):
-        out.update(load_file(str(shard)))
-    return out
-a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
-same = a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
-print("bit-equal" if same else "DIFFERENT")
-"""
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,7 +142,7 @@ def main() -> None:
     base = results[rows[0][0]]
     for label, m in list(results.items())[1:]:
         print(f"  ckpt / {label}: time {base.wall / m.wall:.2f}x, peak RSS {base.peak_rss / m.peak_rss:.2f}x")
-    print("  outputs:", subprocess.run([PY, "-c", COMPARE, ours, theirs], capture_output=True, text=True, check=True).stdout.strip())
+    print("  outputs:", same_tensors(ours, theirs))
     config = json.loads((ours / "config.json").read_text())
     print("  written config.json has quantization_config:", "quantization_config" in config)
 

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import du, measure, remove
+from common import du, measure, remove, same_tensors
 
 PY = sys.executable
 CKPT = [PY, "-m", "ckpt_cli"]
@@ -86,19 +86,6 @@ out.mkdir()
 save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
 """
 
-COMPARE = """\
-import sys, torch
-from pathlib import Path
-from safetensors.torch import load_file
-def tensors(folder):
-    out = {}
-    for shard in sorted(Path(folder).glob("*.safetensors")):
-        out.update(load_file(str(shard)))
-    return out
-a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
-print("bit-equal" if a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) else "DIFFERENT")
-"""
-
 
 def renames() -> list[str]:
     """The preset's renames alone, as --rename options (the export without the permutation)."""
@@ -139,7 +126,7 @@ def main() -> None:
         print(f"  preset / {label}: time {base.wall / m.wall:.2f}x, peak RSS {base.peak_rss / m.peak_rss:.2f}x")
     print(
         "  preset vs torchtitan's way:",
-        subprocess.run([PY, "-c", COMPARE, preset, theirs], capture_output=True, text=True, check=True).stdout.strip(),
+        same_tensors(preset, theirs),
     )
     print("  config.json written:", json.loads((preset / "config.json").read_text())["num_attention_heads"] == HEADS)
 

@@ -173,9 +173,8 @@ def read_elements(entry: TensorEntry, start: int, count: int, sources: SourceFil
     """Elements [start, start+count) of a logical tensor, gathered from its pieces, as its dtype."""
     import torch
 
-    if entry.derived is not None:  # cast when a view asked for another dtype than the computation gives (--dtype)
-        computed = entry.derived.read(start, count, sources)
-        return computed if computed.dtype == entry.dtype.torch() else computed.to(entry.dtype.torch())
+    if entry.derived is not None:
+        return entry.derived.read(start, count, sources)
     out = torch.empty(count, dtype=entry.dtype.torch())
     filled = 0
     for gstart, length, piece, lstart in entry.runs_in(start, count):

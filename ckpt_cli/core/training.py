@@ -77,12 +77,12 @@ class Permute:
     def head_count(self, config: dict[str, Any] | None, tensor: str) -> int:
         if isinstance(self.heads, int):
             return self.heads
-        value = (config or {}).get(self.heads)
         if config is None:
             raise UsageError(
                 f"permuting '{tensor}' per head needs the head count ({self.heads}) from the model's config.json: "
                 "pass --hf-config DIR (the folder of the Hugging Face config), or the source has none"
             )
+        value = config.get(self.heads)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"permuting '{tensor}' per head: config.json has no positive integer '{self.heads}' ({value!r})")
         return value

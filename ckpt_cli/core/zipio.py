@@ -285,6 +285,11 @@ def _local_data_offset(window: _Window | io.BytesIO, info: zipfile.ZipInfo, wher
     return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
 
 
+def archive_problems(f: BinaryIO, where: str) -> list[str]:
+    """Every record of the torch.save archive open as `f` that does not match its CRC32 (verify --deep of a whole file)."""
+    return [p for rec in read_records(f, where).values() if (p := crc_problem(f, rec, where))]
+
+
 def crc_problem(f: BinaryIO, record: Record, where: str, block: int = 1 << 24) -> str | None:
     """Why `record`'s bytes do not match its CRC32 (None when they do, or the CRC is a 0 skeleton)."""
     crc, done = 0, 0

@@ -456,8 +456,7 @@ class DeepSpeedReader:
         if deep:
             for info in ckpt.files:
                 with open_regular(info.path) as f:
-                    records = zipio.read_records(f, info.path)
-                    problems += [p for rec in records.values() if (p := zipio.crc_problem(f, rec, info.path))]
+                    problems += zipio.archive_problems(f, info.path)
         return problems
 
 

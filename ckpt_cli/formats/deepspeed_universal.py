@@ -97,11 +97,11 @@ class UniversalReader:
         rank0 = [p for p in model_paths if (m := MODEL_STATES.match(p.name)) and m.group(1) in (None, "0")]
         if not rank0:
             raise DataError(f"{folder}: no rank-0 model-states file (mp_rank_00_model_states.pt)")
-        first = _load(rank0[0], options, parsed)
+        first = deepspeed._load(rank0[0], options, parsed)
         model = first.tree
         refuse_variants(folder, model, MODEL_STATES)
         optim_path = folder / ZERO / OPTIMIZER_STATE
-        optim = _load(optim_path, options, parsed) if present(optim_path) else None
+        optim = deepspeed._load(optim_path, options, parsed) if present(optim_path) else None
         shapes: list[Mapping[str, Any]] = model.get("param_shapes") or []
         expected = {n: tuple(s) for group in shapes for n, s in group.items()}
         expected.update({n: tuple(s) for n, s in (model.get("frozen_param_shapes") or {}).items()})
@@ -111,7 +111,7 @@ class UniversalReader:
         files = [first.path] + [p for p in model_paths if p != first.path] + ([optim_path] if optim else [])
         # Buffers and frozen parameters as the native reader gives them, from the model states (their zero/ copies
         # are float casts of the module's, and stage 3 has none of the frozen ones: docs/formats.md §2.13)
-        ranks = _stage3_ranks(folder, model_paths, first, options, parsed)
+        ranks = _model_ranks(folder, model_paths, first, options, parsed)
         from_model_states = NATIVE._frozen_and_buffers(first, ranks, max(len(ranks), 1), stage)
         skip = set(from_model_states)
         tensors, read_files = self._param_tensors(folder / ZERO, expected, skip, shared, module, options, parsed)
@@ -193,36 +193,27 @@ class UniversalReader:
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
         problems: list[str] = []
         weights = {n for n, t in ckpt.tensors.items() if t.role == "model"}
+        trained = any(t.role == "optimizer" for t in ckpt.tensors.values())  # a checkpoint saved with optimizer state
         for group in (ckpt.objects.get("optimizer.param_groups") or ObjectEntry("", [], "optimizer")).value:
             for name in group.get("params", []):
                 if name not in weights:
                     problems.append(f"{ckpt.path}: the param groups name '{name}', which has no folder under zero/")
-                elif f"optimizer.state.{name}.exp_avg" not in ckpt.tensors and any(t.role == "optimizer" for t in ckpt.tensors.values()):
+                elif trained and f"optimizer.state.{name}.exp_avg" not in ckpt.tensors:
                     problems.append(f"{ckpt.path}: '{name}' is trained (in a param group) but zero/{name}/ holds no exp_avg.pt")
         if deep:
             for info in ckpt.files:
                 with open_regular(info.path) as f:
-                    records = zipio.read_records(f, info.path)
-                    problems += [p for rec in records.values() if (p := zipio.crc_problem(f, rec, info.path))]
+                    problems += zipio.archive_problems(f, info.path)
         return problems
 
 
-def _stage3_ranks(folder: Path, paths: list[Path], first: RankFile, options: ReadOptions, parsed: Shared) -> deepspeed.LazyRanks:
-    """Every rank's model states by rank, each parsed when asked for (stage 3 frozen parameters: a fragment each)."""
+def _model_ranks(folder: Path, paths: list[Path], first: RankFile, options: ReadOptions, parsed: Shared) -> deepspeed.LazyRanks:
+    """Every rank's model states by rank (stage 3's zero_pp_rank_R files; none at stages 1/2), each parsed when asked for:
+    at stage 3 each holds a fragment of every frozen parameter."""
     ranks = {int(m.group(1)): p for p in paths if (m := MODEL_STATES.match(p.name)) and m.group(1) is not None}
     if ranks and sorted(ranks) != list(range(len(ranks))):
         raise DataError(f"{folder}: model-states files of ranks {sorted(ranks)}; stage 3 needs ranks 0..{len(ranks) - 1}")
-    return deepspeed.LazyRanks(ranks, lambda p: _load(p, options, parsed), {0: first} if 0 in ranks else {})
-
-
-def _load(path: Path, options: ReadOptions, parsed: Shared) -> RankFile:
-    try:
-        f = open_regular(path)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
-    with f:
-        tree, records = load_archive(f, str(path), options, extra_globals=deepspeed.DS_GLOBALS, parsed=parsed)
-    return RankFile(path, tree, records)
+    return deepspeed.LazyRanks(ranks, lambda p: deepspeed._load(p, options, parsed), {0: first} if 0 in ranks else {})
 
 
 def _state_tensor(file: Path, name: str, state: str, shape: tuple[int, ...] | None, options: ReadOptions, parsed: Shared) -> TensorEntry:

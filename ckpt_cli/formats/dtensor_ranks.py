@@ -320,8 +320,7 @@ class DTensorRanksReader:
                 for p in paths:
                     try:
                         with open_regular(p) as f:
-                            records = zipio.read_records(f, str(p))
-                            problems += [q for rec in records.values() if (q := zipio.crc_problem(f, rec, str(p)))]
+                            problems += zipio.archive_problems(f, str(p))
                     except (OSError, DataError) as exc:
                         problems.append(str(exc) if isinstance(exc, DataError) else f"{p}: cannot read ({exc.strerror})")
         return problems

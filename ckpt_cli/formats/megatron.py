@@ -212,7 +212,7 @@ class MegatronReader(dcp.DCPReader):
             path = str(source.folder / COMMON)
             try:
                 with open_regular(path) as f:
-                    problems += [p for rec in zipio.read_records(f, path).values() if (p := zipio.crc_problem(f, rec, path))]
+                    problems += zipio.archive_problems(f, path)
             except (OSError, DataError) as exc:
                 problems.append(str(exc) if isinstance(exc, DataError) else f"{path}: cannot read ({exc.strerror})")
         return problems

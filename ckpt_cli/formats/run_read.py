@@ -265,7 +265,6 @@ def _is_main_guard(node: ast.stmt) -> bool:
 def _crc_problems(where: str) -> list[str]:
     try:
         with open_regular(where) as f:
-            records = zipio.read_records(f, where)
-            return [p for rec in records.values() if (p := zipio.crc_problem(f, rec, where))]
+            return zipio.archive_problems(f, where)
     except DataError as exc:
         return [str(exc)]

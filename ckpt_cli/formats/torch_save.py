@@ -163,8 +163,7 @@ class TorchReader:
         if not deep:
             return []
         with open_regular(ckpt.path) as f:
-            records = zipio.read_records(f, ckpt.path)
-            return [p for rec in records.values() if (p := zipio.crc_problem(f, rec, ckpt.path))]
+            return zipio.archive_problems(f, ckpt.path)
 
 
 class _Storage:
