@@ -187,6 +187,21 @@ def read_elements(entry: TensorEntry, start: int, count: int, sources: SourceFil
     return out
 
 
+def equal_values(a: TensorEntry, b: TensorEntry, sources: SourceFiles) -> bool:
+    """Same shape, dtype and bytes. The first elements are compared first, so unrelated tensors of one shape cost a
+    few KB; the rest window by window."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+
+    def same(start: int, count: int) -> bool:
+        left, right = read_elements(a, start, count, sources), read_elements(b, start, count, sources)
+        return torch.equal(left.view(torch.uint8), right.view(torch.uint8))
+
+    return same(0, min(a.numel, 1024)) and all(same(start, n) for start, n in element_windows(a))
+
+
 def element_windows(entry: TensorEntry, itemsize: int | None = None) -> Iterator[tuple[int, int]]:
     """(start, count) windows of at most BLOCK_BYTES that walk a tensor in order (a computed tensor's own)."""
     if entry.derived is not None:

@@ -51,9 +51,9 @@ class Stack:
             match = re.fullmatch(self.pattern, base_of(entry.name))
             if match is None:
                 continue
-            slot = self.parts.index(match["part"]) if self.parts and match["part"] in self.parts else 0
             if self.parts and match["part"] not in self.parts:
                 continue
+            slot = self.parts.index(match["part"]) if self.parts else 0
             found.setdefault(match.expand(self.to), {})[(int(match["index"]), slot)] = entry
         outputs = {name: self._stacked(name, members) for name, members in found.items()}
         return outputs, {e.name for members in found.values() for e in members.values()}

@@ -91,23 +91,12 @@ def find_ties(state: TrainingState) -> dict[str, str]:
     """Weights outside every param group whose bytes equal a trainable parameter's: tied aliases, which DCP does
     not record (an FSDP2 save holds the tied tensor under both names). Candidates of the same shape and dtype are
     compared on their first elements, and in full only when those agree, so unrelated weights cost a few KB."""
-    import torch
-
-    from ckpt_cli.core.reading import SourceFiles, element_windows, read_elements
+    from ckpt_cli.core.reading import SourceFiles, equal_values
 
     held = {p for g in state.groups for p in g["params"]}
     owners: dict[tuple[Any, ...], list[str]] = {}
     for p in state.trainable():
         owners.setdefault((state.weights[p].shape, state.weights[p].dtype), []).append(p)
-
-    def same(a: TensorEntry, b: TensorEntry, sources: SourceFiles) -> bool:
-        head = min(a.numel, 1024)
-        if not torch.equal(read_elements(a, 0, head, sources).view(torch.uint8), read_elements(b, 0, head, sources).view(torch.uint8)):
-            return False
-        return all(
-            torch.equal(read_elements(a, start, n, sources).view(torch.uint8), read_elements(b, start, n, sources).view(torch.uint8))
-            for start, n in element_windows(a)
-        )
 
     ties: dict[str, str] = {}
     sources = SourceFiles()
@@ -115,7 +104,7 @@ def find_ties(state: TrainingState) -> dict[str, str]:
         for name, entry in state.weights.items():
             if name in held or name in state.tied or name in state.buffers or not entry.numel:
                 continue
-            owner = next((o for o in owners.get((entry.shape, entry.dtype), []) if same(entry, state.weights[o], sources)), None)
+            owner = next((o for o in owners.get((entry.shape, entry.dtype), []) if equal_values(entry, state.weights[o], sources)), None)
             if owner is not None:
                 ties[name] = owner
     finally:

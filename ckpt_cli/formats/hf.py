@@ -304,23 +304,13 @@ def _set_tie(config: dict[str, Any], written: dict[str, TensorEntry], notes: lis
 
 
 def _same_values(a: TensorEntry, b: TensorEntry) -> bool:
-    """Equal shape, dtype and bytes, compared window by window."""
-    from ckpt_cli.core.reading import SourceFiles
+    from ckpt_cli.core.reading import SourceFiles, equal_values
 
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
     sources = SourceFiles()
     try:
-        return all(bytes(x) == bytes(y) for x, y in zip(_blocks(a, sources), _blocks(b, sources)))
+        return equal_values(a, b, sources)
     finally:
         sources.close()
-
-
-def _blocks(entry: TensorEntry, sources: Any) -> Any:
-    from ckpt_cli.core.reading import as_bytes, element_windows, read_elements
-
-    for start, count in element_windows(entry):
-        yield as_bytes(read_elements(entry, start, count, sources))
 
 
 READER = HFReader()

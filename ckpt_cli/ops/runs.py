@@ -211,17 +211,15 @@ def listing(root: Path, trust_pickle: bool = False, format_name: str | None = No
             try:
                 ckpt = open_exact(found.path, None, inner, trust_pickle)
             except UsageError:
-                if inner is None and found.format != "-":
-                    raise
-                if inner is not None:
-                    continue  # the tag names none of the folder's own tags
-                raise
+                if inner is None:
+                    raise  # a layout ckpt refuses by name: listed below as unsupported
+                continue  # the tag names none of the folder's own tags
             if inner is not None:
                 row["path"] = f"{row['path']}/{ckpt.tag}"
             problems = structure_problems(ckpt)
             step = ckpt.step if ckpt.step is not None or found.framework not in (None, runs.TORCHTITAN) else found.name_step
             row |= {"step": step, "world_size": ckpt.world_size, "bytes": sum(max(f.bytes, 0) for f in ckpt.files)}
-        except (DataError, UsageError) as exc:  # a UsageError here: a layout ckpt refuses by name (runs.FSDP_RANK_FILES)
+        except (DataError, UsageError) as exc:  # a UsageError: a layout ckpt refuses by name (runs.FSDP_RANK_FILES, ...)
             problems = [str(exc)]
             row |= {"step": None, "world_size": None, "bytes": _du(found.path), "unsupported": isinstance(exc, UsageError)}
         row.setdefault("unsupported", False)
