@@ -22,7 +22,7 @@ output is removed. The CLI is a thin layer over these functions; this module nev
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -373,6 +373,7 @@ def reshard(
     *,
     world_size: int | None = None,
     tp: int | None = None,
+    ep_size: int | str | Sequence[str] | Mapping[str, int] | None = None,
     num_shards: int | None = None,
     max_shard_size: Size | None = None,
     dtype: str = "keep",
@@ -393,9 +394,11 @@ def reshard(
     progress: Progress | None = None,
 ) -> WriteReport:
     """`ckpt reshard`: the same format in a new layout, `world_size` (dcp, deepspeed; dcp with `tp`: FSDP2 + tensor
-    parallel on a (world_size / tp) x tp mesh) or `num_shards` / `max_shard_size` (hf: bytes, or '5GB')."""
+    parallel on a (world_size / tp) x tp mesh) or `num_shards` / `max_shard_size` (hf: bytes, or '5GB').
+    DeepSpeed MoE: `ep_size`, new expert-parallel sizes, 4 or {"": 2, "moe": 4} (module "": every other MoE layer);
+    by default each is kept where it divides `world_size`, else the largest size that does."""
     request = reshard_request(
-        src, dest, world_size=world_size, tp=tp, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
+        src, dest, world_size=world_size, tp=tp, ep_size=ep_size, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
         weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
         trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
     )  # fmt: skip

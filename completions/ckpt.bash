@@ -29,7 +29,7 @@ _ckpt() {
         ls) opts="--json --format --tag --trust-pickle --quiet -q --help -h" ;;
         merge) opts="--dtype --all --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         parity) opts="--against --logits --tokens --atol --json --quiet -q --help -h" ;;
-        reshard) opts="--world-size --tp --num-shards --max-shard-size --dtype --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --layout --rename --name-map --per-rank-state --help -h" ;;
+        reshard) opts="--world-size --tp --ep-size --num-shards --max-shard-size --dtype --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --layout --rename --name-map --per-rank-state --help -h" ;;
         split) opts="--max-shard-size --num-shards --dtype --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         verify) opts="--deep --finite --write-manifest --manifest --against --atol --rtol --policy --json --format --tag --trust-pickle --overwrite --quiet -q --help -h" ;;
     esac

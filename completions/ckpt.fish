@@ -108,6 +108,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from parity' -l help -s h -d 'Show t
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -F
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l world-size -r -d 'dcp, deepspeed: number of ranks to write for.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l tp -r -d 'dcp: tensor-parallel size T: lay out FSDP2 + tensor parallel on a (N/T) x T (dp x tp) mesh of the --world-size N ranks, each tensor split along the dim its source chunks show.'
+complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l ep-size -r -d 'deepspeed MoE: the new expert-parallel size of every MoE layer (E) or of one (MODULE=E; repeatable). Default: each kept where it divides --world-size, else the largest that divides it and the layers experts.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l num-shards -r -d 'hf: exact number of shards.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l max-shard-size -r -d 'hf: largest shard, e.g. 5GB, 500MB, 2GiB.'
 complete -c ckpt -n '__fish_seen_subcommand_from reshard' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision); a quantized source (FP8 block-scaled, MXFP4) is dequantized.'

@@ -324,3 +324,9 @@ def test_a_wide_write_makes_each_built_file_once(ds_saves, tmp_path, to):
         f.build = counted
     prepared.write()
     assert calls == {f.relpath: 1 for f in built}, calls
+
+
+def test_ep_size_of_a_dense_checkpoint_is_refused(ckpt, ds_saves, tmp_path):
+    res = ckpt("reshard", ds_saves[2] / "stage2-fp32", tmp_path / "out", "--world-size", 4, "--ep-size", 2)
+    assert res.code == 2 and "--ep-size applies to DeepSpeed MoE checkpoints" in res.err and "Traceback" not in res.err
+    assert not (tmp_path / "out").exists()

@@ -14,14 +14,14 @@ import shutil
 
 import pytest
 import torch
-from conftest import DS_MOE_W2, DS_MOE_W4, assert_fails
+from conftest import DS_MOE_EP_CHANGES, DS_MOE_RESHARDS, DS_MOE_W2, DS_MOE_W4, assert_fails, ds_moe_ep_change_name
 from safetensors.torch import load_file
 
 from ckpt_cli.core.reading import SourceFiles, read_elements
 from ckpt_cli.ops.source import open_checkpoint
 
 SAVES = [(2, c) for c in DS_MOE_W2] + [(4, c) for c in DS_MOE_W4]
-RESHARDS = [(c, 2, 4) for c in DS_MOE_W2] + [(c, 4, 2) for c in DS_MOE_W4]
+RESHARDS = DS_MOE_RESHARDS
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts"
 EXPERT_SHAPES = {"0.weight": [7, 12], "0.bias": [7], "2.weight": [12, 7], "2.bias": [12]}  # each expert: Linear(12, 7), ReLU, Linear(7, 12)
 
@@ -231,6 +231,41 @@ def test_reshard_reads_back_as_the_source(ds_moe, config, src, dst):
         assert torch.equal(logical(resharded, name), logical(source, name)), name
 
 
+# ---- a new expert-parallel size: experts regrouped, loaded by DeepSpeed built with the new ep_size -----------
+
+
+@pytest.mark.parametrize("src,config,dst,load,options", DS_MOE_EP_CHANGES)
+def test_ep_change_loads_in_deepspeed_with_the_same_state(ds_moe, src, config, dst, load, options):
+    """DeepSpeed with MoE layers at the new ep_size (2 -> 1 on one process; 2 -> 1 at 2 ranks; 2 -> 4; 4 -> 2) loads the
+    reshard with a plain load_checkpoint and holds every expert's fp32 master weight, exp_avg, exp_avg_sq and step as the
+    run held them at the old size, bit for bit (each expert by its global id), then trains a step."""
+    reference = held(ds_moe / f"w{src}" / config)
+    loaded = torch.load(ds_moe / "loaded" / ds_moe_ep_change_name(src, config, dst, load) / "loaded.pt", weights_only=False)
+    assert loaded["world"] == dst and loaded["client"] == {"offset": 3 * 2 * src}
+    assert sorted(loaded["params"]) == sorted(reference)
+    for name, state in reference.items():
+        for key, value in state.items():
+            assert torch.equal(loaded["params"][name][key], value), (name, key)
+
+
+@pytest.mark.parametrize("src,config,dst,load,options", DS_MOE_EP_CHANGES)
+def test_ep_change_reads_back_as_the_source(ds_moe, src, config, dst, load, options):
+    source = open_checkpoint(ds_moe / f"w{src}" / config)
+    resharded = open_checkpoint(ds_moe / "reshard" / ds_moe_ep_change_name(src, config, dst, load))
+    ep = int(load.split("-")[2][2:])
+    assert resharded.world_size == dst and sorted(resharded.tensors) == sorted(source.tensors)
+    assert resharded.details["expert_parallel_size"] == (ep if ep <= 2 else f"moe:{ep} moe2:2")
+    for name in source.tensors:
+        assert torch.equal(logical(resharded, name), logical(source, name)), name
+
+
+def test_ep_change_is_said(ckpt, ds_moe, tmp_path):
+    res = ckpt("reshard", ds_moe / "w2" / "stage2-fp32-ep2-mixed", tmp_path / "out", "--world-size", 3)
+    assert res.code == 0, res.err
+    assert "changed the expert-parallel size (moe 2 -> 1; the saved size does not divide --world-size 3)" in res.err
+    assert open_checkpoint(tmp_path / "out").details["expert_parallel_size"] == 1
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 
@@ -241,9 +276,12 @@ def one_line_usage_error(res, *needles):
         assert needle in text, (needle, text)
 
 
-def test_reshard_keeps_the_expert_parallel_size(ckpt, ds_moe, tmp_path):
-    res = ckpt("reshard", ds_moe / "w2" / "stage1-fp32-ep2", tmp_path / "out", "--world-size", 3)
-    one_line_usage_error(res, "--world-size 3", "expert-parallel size 2", "changing ep_size is not supported")
+def test_an_expert_parallel_size_deepspeed_cannot_build_is_refused(ckpt, ds_moe, tmp_path):
+    src = ds_moe / "w2" / "stage1-fp32-ep2"
+    res = ckpt("reshard", src, tmp_path / "out", "--world-size", 4, "--ep-size", 4)
+    one_line_usage_error(res, "--ep-size 4 for moe2", "layer's experts (2)")
+    one_line_usage_error(ckpt("reshard", src, tmp_path / "out", "--world-size", 4, "--ep-size", "gate=2"), "no MoE layer", "moe, moe2")
+    one_line_usage_error(ckpt("reshard", src, tmp_path / "out", "--ep-size", 2), "--ep-size E needs --world-size N")
     assert not (tmp_path / "out").exists()
 
 

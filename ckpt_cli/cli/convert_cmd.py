@@ -16,6 +16,7 @@ from ckpt_cli.cli.options import (
     DryRun,
     DSConfig,
     DType,
+    ExpertParallel,
     Format,
     HFConfig,
     Json,
@@ -180,6 +181,7 @@ def reshard(
     dest: Dest,
     world_size: WorldSize = None,
     tp: TensorParallel = None,
+    ep_size: ExpertParallel = None,
     num_shards: NumShards = None,
     max_shard_size: MaxShardSize = None,
     dtype: DType = "keep",
@@ -203,10 +205,11 @@ def reshard(
     per_rank_state: PerRankState = "wrap",
 ) -> None:
     """Same format, new layout: --world-size N (dcp, deepspeed; dcp on an N/T x T mesh with --tp T) or --num-shards/--max-shard-size (hf).
-    With --tp, FSDP2 + tensor parallel: each tensor split along the dims its source chunks show."""
+    With --tp, FSDP2 + tensor parallel: each tensor split along the dims its source chunks show. DeepSpeed MoE: each
+    expert-parallel size kept where it divides N, else the largest that does, or --ep-size E; experts regrouped."""
     globs = _globs(filter_, select, quiet)
     request = _api().reshard_request(
-        src, dest, world_size=world_size, tp=tp, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
+        src, dest, world_size=world_size, tp=tp, ep_size=ep_size, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
         weights_only=weights_only, select=globs, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format_, tag=tag,
         trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
     )  # fmt: skip

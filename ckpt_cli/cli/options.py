@@ -77,6 +77,15 @@ TensorParallel = Annotated[
         min=1,
     ),
 ]
+ExpertParallel = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--ep-size",
+        metavar="E",
+        help="deepspeed MoE: the new expert-parallel size of every MoE layer (E) or of one (MODULE=E; repeatable). Default: "
+        "each kept where it divides --world-size, else the largest that divides it and the layer's experts.",
+    ),
+]
 WeightsOnly = Annotated[bool, typer.Option("--weights-only", help="Model weights only (no optimizer or training state).")]
 Select = Annotated[
     Optional[list[str]], typer.Option("--filter", metavar="GLOB", help="Keep tensors whose names match this glob (repeatable).")

@@ -30,6 +30,8 @@ class WriteOptions:
     world_size: int | None = None  # dcp, deepspeed: number of ranks to write for
     tp: int | None = None  # dcp: tensor-parallel size of a (world_size / tp) x tp mesh (formats/dcp_mesh.py)
     per_rank_rule: str = "wrap"  # per-rank values under a new world size (core/training.py)
+    # deepspeed MoE: new expert-parallel sizes, (module, size) pairs, module "" for every other MoE layer (deepspeed_regroup.py)
+    ep_size: tuple[tuple[str, int], ...] | None = None
 
 
 class Reader(Protocol):

@@ -182,7 +182,8 @@ def read_experts(
                 )
             num_local[module] = num_experts[layer] // ep
     config = tree.get("ds_config") or {}
-    layout = zl.ExpertLayout(tuple(ep_sizes), num_local, bool(config.get("use_data_before_expert_parallelism")))
+    layers = tuple(modules[layer] for layer in sorted(modules))
+    layout = zl.ExpertLayout(tuple(ep_sizes), num_local, bool(config.get("use_data_before_expert_parallelism")), layers)
     expp = sorted(p for p in folder.iterdir() if EXPP_OPTIM.match(p.name))
     paths = [p for _, p in sorted(files.items())]
     return MoEFiles(

@@ -28,8 +28,9 @@ from ckpt_cli.core.training import apply_per_rank_rule
 from ckpt_cli.core.tree import flatten, path_name, unflatten
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
+from ckpt_cli.formats import deepspeed_regroup
 from ckpt_cli.formats.deepspeed import ENGINE_KEYS, LATEST, LAYOUT_KEYS, Source, ZeroSource, fragment_address
-from ckpt_cli.formats.deepspeed_layout import Slot
+from ckpt_cli.formats.deepspeed_layout import Slot, ZeroLayout
 from ckpt_cli.formats.deepspeed_partitions import ZeroFile
 from ckpt_cli.formats.deepspeed_template import BuiltSource
 from ckpt_cli.formats.torch_save import torch_file_segments
@@ -112,15 +113,18 @@ class DeepSpeedWriter:
             )
         zero_config = (src.model.tree.get("ds_config") or {}).get("zero_optimization") or {}
         reshard: Stage12Reshard | Stage3Reshard
+        experts_note = None
         if src.stage == 3:
+            if options.ep_size is not None:
+                raise UsageError("--ep-size applies to DeepSpeed MoE checkpoints (ZeRO-1/2); this one is ZeRO-3")
             reshard = Stage3Reshard(ckpt, src, world, zero_config.get("sub_group_size", 10**9), options.per_rank_rule)
         else:
             round_robin = bool(zero_config.get("round_robin_gradients")) and src.stage in (1, 2)
             if round_robin and src.layout.alignment_padding:
                 raise UsageError("reshard of checkpoints saved with both round_robin_gradients and parameter_alignment is not supported")
-            reshard = Stage12Reshard(ckpt, src, world, round_robin, options.per_rank_rule)
+            target, experts_note = _expert_layout(src, world, options.ep_size, round_robin)
+            reshard = Stage12Reshard(ckpt, src, world, round_robin, options.per_rank_rule, target)
         tag = plain_component(ckpt.tag or src.folder.name, f"{ckpt.path or 'the source'}: DeepSpeed tag")  # a folder name in DST
-        experts_note = _expert_parallel_note(src, world)
         files = reshard.files(tag)
         for name, rank_file in src.copies.items():  # MoE expert files: the same at every data-parallel size
             where = f"{tag}/{plain_component(name, f'{src.folder}: file name')}"
@@ -128,13 +132,13 @@ class DeepSpeedWriter:
         files.append(OutputFile(LATEST, [Literal(tag.encode())], commit_marker=True))
         notes = (
             [
-                f"wrote ZeRO-{src.stage} for {world} data-parallel ranks; load it with a plain "
-                f"engine.load_checkpoint() on {world} ranks with the DeepSpeed config given"
+                f"wrote ZeRO-{src.stage} for {_ranks(world, 'data-parallel ')}; load it with a plain "
+                f"engine.load_checkpoint() on {_ranks(world)} with the DeepSpeed config given"
             ]
             if isinstance(src, BuiltSource)
             else [
-                f"resharded ZeRO-{src.stage or 1} from {src.world} to {world} data-parallel ranks; load it with a plain "
-                f"engine.load_checkpoint() on {world} ranks with the same DeepSpeed config"
+                f"resharded ZeRO-{src.stage or 1} from {src.world} to {_ranks(world, 'data-parallel ')}; load it with a plain "
+                f"engine.load_checkpoint() on {_ranks(world)} with the same DeepSpeed config"
             ]
         )
         if reshard.per_rank_note:
@@ -144,27 +148,44 @@ class DeepSpeedWriter:
         return WritePlan(self.name, dest, True, files, notes)
 
 
-def _expert_parallel_note(src: ZeroSource, world: int) -> str | None:
-    """MoE: refuse a world size the expert-parallel sizes do not divide (ckpt keeps them); name what the load needs."""
+def _ranks(n: int, kind: str = "") -> str:
+    return f"{n} {kind}rank{'s' if n != 1 else ''}"
+
+
+def _expert_layout(src: ZeroSource, world: int, asked: int | None, round_robin: bool) -> tuple[ZeroLayout, str | None]:
+    """MoE: the layout to write (the saved one, or its MoE groups rebuilt at new expert-parallel sizes: each kept where it
+    divides the new world size, else changed, or all set by --ep-size) and a note saying what the load needs."""
     experts = src.layout.experts
     if experts is None:
-        return None
-    groups = src.layout.groups
-    sizes = {str(g.get("name")): ep for g, ep in zip(groups, experts.ep_sizes) if g.get("moe")}
-    odd = sorted({ep for ep in sizes.values() if world % ep})
-    if odd:
-        raise UsageError(
-            f"--world-size {world} is not a multiple of the expert-parallel size {odd[0]}: a reshard keeps each MoE layer's "
-            "expert-parallel size (DeepSpeed needs the world size to divide by it; changing ep_size is not supported)"
-        )
-    kept = ", ".join(sorted(sizes))
+        if asked is not None:
+            raise UsageError("--ep-size applies to DeepSpeed MoE checkpoints (expert parallel); this one has no MoE layers")
+        return src.layout, None
+    current = deepspeed_regroup.module_ep_sizes(src.layout)
+    num_experts = {m: experts.num_local[m] * ep for m, ep in current.items()}
+    new = deepspeed_regroup.choose_ep_sizes(current, num_experts, world, asked)
+    target: ZeroLayout = src.layout
+    if new != current:
+        if round_robin or src.layout.alignment_padding:
+            raise UsageError(
+                "changing ep_size of a checkpoint saved with round_robin_gradients or parameter_alignment is not supported; "
+                f"give a --world-size that the expert-parallel sizes ({', '.join(map(str, sorted(set(current.values()))))}) divide"
+            )
+        target = deepspeed_regroup.regroup(src.layout, new)
+    modules = experts.layers or tuple(current)
+    sizes = sorted({new[m] for m in modules})
+    if new == current:
+        said = f"kept the expert-parallel size{'s' if len(sizes) > 1 else ''} ({', '.join(f'ep_size_{e}' for e in sizes)})"
+    else:
+        why = "--ep-size" if asked is not None else f"the saved size does not divide --world-size {world}"
+        changes = ", ".join(f"{m} {current[m]} -> {new[m]}" for m in modules if new[m] != current[m])
+        said = f"changed the expert-parallel size ({changes}; {why}): experts regrouped to the new expert-parallel ranks"
     if len(sizes) > 1:
-        order = ", ".join(dict.fromkeys(str(g.get("name")) for g in groups if g.get("moe")))
-        return (
-            f"kept the expert-parallel sizes ({kept}); every rank's optimizer file lists the MoE param groups in rank 0's order "
-            f"({order}), which DeepSpeed builds from a set of group names: load with a PYTHONHASHSEED that gives every process that order"
+        order = ", ".join(dict.fromkeys(str(g.get("name")) for g in target.groups if g.get("moe")))
+        return target, (
+            f"{said}; every rank's optimizer file lists the MoE param groups in one order ({order}), which DeepSpeed builds "
+            "from a set of group names: load with a PYTHONHASHSEED that gives every process that order"
         )
-    return f"kept the expert-parallel size ({kept}); load with the same MoE layers (ep_size, num_experts)"
+    return target, f"{said}; load with MoE layers built with ep_size={sizes[0]} and the same num_experts"
 
 
 def _state_entry(ckpt: Checkpoint, param: str, key: str) -> TensorEntry:
@@ -182,6 +203,7 @@ class Stage12Reshard:
     world: int
     round_robin: bool
     per_rank_rule: str
+    target: ZeroLayout  # the groups written: the source's, or its MoE groups at new expert-parallel sizes (deepspeed_regroup)
     per_rank_note: str | None = None
 
     def files(self, tag: str) -> list[OutputFile]:
@@ -195,7 +217,7 @@ class Stage12Reshard:
     def partitioning(self, g: int, rank: int) -> tuple[int, int, Callable[[str], str]]:
         """Group g on a new rank: its partition count, the rank's partition, the logical name of a param in it
         (MoE: the expert-data-parallel group of the rank's expert-parallel rank, docs/formats.md §2.12)."""
-        experts = self.src.layout.experts
+        experts = self.target.experts
         if experts is None:
             return self.world, rank, str
         ep_rank, index = experts.position(g, self.world, rank)
@@ -203,11 +225,11 @@ class Stage12Reshard:
 
     def slots(self, g: int) -> list[Slot]:
         """Group g's params in the new flat order."""
-        slots = self.src.layout.offsets(g)
+        slots = self.target.offsets(g)
         if not self.round_robin:
             return slots  # the order, and with it the alignment pads, do not depend on W
         params = [(slot.name, slot.shape) for slot in slots]
-        experts = self.src.layout.experts
+        experts = self.target.experts
         old, new = (
             (experts.partition_count(g, self.src.world), experts.partition_count(g, self.world))
             if experts
@@ -219,17 +241,19 @@ class Stage12Reshard:
         tree = tensorize(self.src.model)
         tree["dp_world_size"] = self.world  # the one value load_checkpoint compares with the live world size
         self.per_rank_note = rekey_client_state(tree, self.world, self.per_rank_rule)
-        if self.round_robin:  # param_shapes records the flat order, which round robin makes depend on W
-            groups = range(len(self.src.layout.shapes))
+        if self.round_robin or self.target is not self.src.layout:  # the flat order: round robin makes it depend on W
+            groups = range(len(self.target.shapes))
             tree["param_shapes"] = [OrderedDict((slot.name, TorchSize(slot.shape)) for slot in self.slots(g)) for g in groups]
         return file_segments(tree, where)
 
     def _optimizer_file(self, rank: int, where: str) -> list[Any]:
         tree = tensorize(self.src.optims[0])
         osd = tree["optimizer_state_dict"]
+        if isinstance(self.target, deepspeed_regroup.Regrouped):
+            self._regrouped(osd, self.target)
         bf16_optimizer = self.src.stage is None
         fp32, paddings, mappings, counts = [], [], [], []
-        for g in range(len(self.src.layout.shapes)):
+        for g in range(len(self.target.shapes)):
             count, index, name_of = self.partitioning(g, rank)
             slots = self.slots(g)
             data = zl.flat_numel(slots)
@@ -251,6 +275,17 @@ class Stage12Reshard:
         if "param_slice_mappings" in osd:
             osd["param_slice_mappings"] = mappings
         return file_segments(tree, where)
+
+    @staticmethod
+    def _regrouped(osd: dict[str, Any], target: deepspeed_regroup.Regrouped) -> None:
+        """The optimizer file's per-group entries for the rebuilt groups: each takes its template group's state (the step;
+        the moments are cut afterwards) and hyper-parameters, under its new name."""
+        base = osd["base_optimizer_state"]
+        saved = base["state"]
+        base["state"] = {g: {k: copy.copy(v) for k, v in saved[t].items()} for g, t in enumerate(target.templates) if t in saved}
+        base["param_groups"] = [{**copy.deepcopy(dict(group)), "params": [g]} for g, group in enumerate(target.groups)]
+        if "param_alignment_paddings" in osd:  # compared with the live layout at load: one zero per param (no alignment)
+            osd["param_alignment_paddings"] = [[0] * len(shapes) for shapes in target.shapes]
 
     def _flat(self, slots: list[Slot], key: str, start: int, length: int, name: str, name_of: Callable[[str], str] = str) -> TensorEntry:
         """Elements [start, start+length) of a group's flat buffer: the params' master weights (key "") or moments

@@ -55,6 +55,8 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
         raise UsageError(f"--world-size applies to {_targets_by('world_size')} targets, not {target.name}")
     if write.tp is not None and not target.takes_tp:
         raise UsageError(f"--tp applies to {' and '.join(n for n, f in registry.FORMATS.items() if f.takes_tp)} targets, not {target.name}")
+    if write.ep_size is not None and target.name != "deepspeed":
+        raise UsageError(f"--ep-size applies to deepspeed targets (MoE, expert parallel), not {target.name}")
     if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards":
         raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
     if carries_training_state(ckpt, target, t, cross):

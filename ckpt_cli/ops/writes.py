@@ -8,10 +8,10 @@ and run them, so that both check, plan and word things the same way.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from ckpt_cli import presets
 from ckpt_cli.core import dtypes
@@ -53,7 +53,37 @@ def _have_torch() -> bool:
     return True
 
 
-def write_options(world_size: int | None, max_shard_size: Size | None, num_shards: int | None, tp: int | None = None) -> WriteOptions:
+EpSize = Union[int, str, Sequence[str], Mapping[str, int], None]  # 4, "moe=4", ["2", "layers.3.moe=4"], {"": 2, "moe": 4}
+
+
+def ep_sizes(value: EpSize) -> tuple[tuple[str, int], ...] | None:
+    """--ep-size as (module, size) pairs: `E` sets every MoE layer not named otherwise (module ""), `MODULE=E` one layer."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        items = [f"{module}={size}" if module else str(size) for module, size in value.items()]
+    else:
+        items = [str(value)] if isinstance(value, (int, str)) else [str(v) for v in value]
+    out: dict[str, int] = {}
+    for item in items:
+        module, _, size = item.rpartition("=")
+        try:
+            number = int(size)
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise UsageError(f"--ep-size {item!r}: give E or MODULE=E with E a positive whole number")
+        out[str(module)] = number
+    return tuple(out.items())
+
+
+def write_options(
+    world_size: int | None,
+    max_shard_size: Size | None,
+    num_shards: int | None,
+    tp: int | None = None,
+    ep_size: EpSize = None,
+) -> WriteOptions:
     if max_shard_size and num_shards:
         raise UsageError("give --max-shard-size or --num-shards, not both")
     if world_size is not None and world_size < 1 or num_shards is not None and num_shards < 1 or tp is not None and tp < 1:
@@ -62,10 +92,12 @@ def write_options(world_size: int | None, max_shard_size: Size | None, num_shard
         raise UsageError("--tp T needs --world-size N: the mesh is (N / T) x T (dp x tp)")
     if tp is not None and world_size is not None and world_size % tp:
         raise UsageError(f"--tp {tp} does not divide --world-size {world_size}: the mesh is (N / T) x T (dp x tp)")
+    if ep_size is not None and world_size is None:
+        raise UsageError("--ep-size E needs --world-size N (DeepSpeed MoE: E must divide N and the layer's expert count)")
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     if size is not None and size <= 0:
         raise UsageError(f"size must be positive, got '{max_shard_size}'")
-    return WriteOptions(size or None, num_shards, world_size, tp)
+    return WriteOptions(size or None, num_shards, world_size, tp, ep_size=ep_sizes(ep_size))
 
 
 def cross_options(
@@ -260,6 +292,7 @@ def reshard_request(
     *,
     world_size: int | None = None,
     tp: int | None = None,
+    ep_size: EpSize = None,
     num_shards: int | None = None,
     max_shard_size: Size | None = None,
     dtype: str = "keep",
@@ -275,14 +308,15 @@ def reshard_request(
     name_map: str | Path | None = None,
     per_rank_state: str = "wrap",
 ) -> Request:
-    """`reshard`: the source's own format in a new layout (world size, a dp x tp mesh for dcp with `tp`, or shards)."""
+    """`reshard`: the source's own format in a new layout (world size, a dp x tp mesh for dcp with `tp`, or shards;
+    `ep_size`: DeepSpeed MoE at a new expert-parallel size)."""
     return Request(
         location(src),
         location(dest),
         None,  # the source's own format
         SourceOptions(format, tag, trust_pickle),
         transform(dtype, weights_only, select, strip_prefix, add_prefix),
-        write_options(world_size, max_shard_size, num_shards, tp),
+        write_options(world_size, max_shard_size, num_shards, tp, ep_size),
         cross_options(layout, None, None, rename, name_map, per_rank_state),
     )
 

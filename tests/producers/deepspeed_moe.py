@@ -5,9 +5,9 @@
     torchrun --nproc-per-node W deepspeed_moe.py save OUT CONFIG... + load SRC:CONFIG:OUT...   (both, one launch)
 
 CONFIG: the ZeRO stage (0: no ZeRO, DeepSpeed then writes expp_rank_* optimizer files), the precision (bf16acc32:
-BF16_Optimizer), the expert-parallel size E of both MoE layers (`moe`: 4 experts, `moe2`: 2), -dbe for DeepSpeed's
-use_data_before_expert_parallelism topology, -mixed for `moe2` at expert-parallel size 1 (two expert group sizes, whose
-param groups each process orders by its own string hashing; see as_hashed).
+BF16_Optimizer), the expert-parallel size E of the MoE layers (`moe`: 4 experts at E, `moe2`: 2 experts at min(E, 2)),
+-dbe for DeepSpeed's use_data_before_expert_parallelism topology, -mixed for `moe2` at expert-parallel size 1. With two
+expert group sizes each process orders the param groups by its own string hashing; see as_hashed.
 
 save: train 3 steps with AdamW (two named param groups, split by split_params_into_different_moe_groups_for_optimizer),
 save with engine.save_checkpoint and write OUT/CONFIG/reference.pt: what the run held, gathered from DeepSpeed's live
@@ -84,12 +84,13 @@ def engine_for(name: str, hashed: bool = True):
         cache.clear()  # DeepSpeed keeps expert groups by name for the process; each config builds its own, as a fresh run
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS.clear()
     torch.manual_seed(0)
-    model = MoENet(ep, 1 if mixed else ep)
+    ep2 = 1 if mixed else min(ep, 2)
+    model = MoENet(ep, ep2)
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     param_groups = [{"name": "decay", "params": decay, "weight_decay": 0.1}, {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
     split = split_params_into_different_moe_groups_for_optimizer(param_groups)
-    if mixed:
+    if ep2 != ep:
         split = as_hashed(split, descending=hashed and dist.get_rank() % 2 == 1)
     opt = torch.optim.AdamW(split, lr=1e-2)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config(stage, precision, dbe))
