@@ -10,6 +10,9 @@ For each size (GB on disk) it builds once, and reuses from WORKDIR afterwards (b
   dcp          a DCP checkpoint saved by real FSDP2 + AdamW on 2 ranks (fsdp2_build.py)
   deepspeed2   a ZeRO-2 fp32 checkpoint saved by real DeepSpeed + AdamW on 2 ranks (deepspeed_build.py)
   deepspeed3   the same at ZeRO-3
+  deepspeed_moe  ZeRO-2 with deepspeed.moe.layer.MoE layers (8 experts, ep_size 2) on 2 ranks (deepspeed_build.py moe):
+               reshards keeping ep_size and changing it (2 -> 1) beside each other; DeepSpeed's own tools
+               cannot read native MoE, so the floor is cp
 
 and times, on each source, `ckpt inspect`, `ckpt verify --deep` (and with `--finite`: held to 1.5x of
 `--deep`), the conversions that start from it
@@ -47,8 +50,8 @@ from common import Measure, du, measure, remove
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 CKPT = [PY, "-m", "ckpt_cli"]
-GROUPS = ("safetensors", "hf", "dcp", "deepspeed2", "deepspeed3")
-BUILDS = {"safetensors": "hf", "hf": "hf", "dcp": "dcp", "deepspeed2": "zero2", "deepspeed3": "zero3"}
+GROUPS = ("safetensors", "hf", "dcp", "deepspeed2", "deepspeed3", "deepspeed_moe")
+BUILDS = {"safetensors": "hf", "hf": "hf", "dcp": "dcp", "deepspeed2": "zero2", "deepspeed3": "zero3", "deepspeed_moe": "zero2moe"}
 SHARD = "250MB"  # hf shards: of the built folder, and of `ckpt split`
 EXPORT_SHARD = "200MB"  # `ckpt convert` DCP -> hf: several shards, so that --workers has files to share
 RSS_FLAT, RSS_MAX, CP_MAX = 1.15, 500e6, 1.3  # the targets
@@ -138,6 +141,7 @@ def source(work: Path, group: str, size: float) -> Path:
         "dcp": work / f"dcp-{tag}",
         "deepspeed2": work / f"zero2-{tag}",
         "deepspeed3": work / f"zero3-{tag}",
+        "deepspeed_moe": work / f"zero2moe-{tag}",
     }[group]
 
 
@@ -252,6 +256,39 @@ def tasks(group: str, src: Path, out: Path) -> list[Task]:
                 multi_file=True,
             ),
         ]
+    elif group == "deepspeed_moe":
+        rows += [
+            Task(
+                "merge",
+                "ckpt merge (fp32 weights -> safetensors)",
+                "ckpt",
+                [*CKPT, "merge", str(src), str(o / "w.safetensors"), "-q"],
+                o / "w.safetensors",
+            ),
+            Task(
+                "reshard4",
+                "ckpt reshard --world-size 4 (ep_size 2 kept)",
+                "ckpt",
+                [*CKPT, "reshard", str(src), str(o / "r4"), "--world-size", "4", "-q"],
+                o / "r4",
+                multi_file=True,
+            ),
+            Task(
+                "reshard1_ep1",
+                "ckpt reshard --world-size 1 (ep_size 2 -> 1)",
+                "ckpt",
+                [*CKPT, "reshard", str(src), str(o / "r1"), "--world-size", "1", "-q"],
+                o / "r1",
+            ),
+            Task(
+                "reshard4_ep4",
+                "ckpt reshard --world-size 4 --ep-size 4 (ep_size 2 -> 4)",
+                "ckpt",
+                [*CKPT, "reshard", str(src), str(o / "r4e4"), "--world-size", "4", "--ep-size", "4", "-q"],
+                o / "r4e4",
+                multi_file=True,
+            ),
+        ]
     else:  # deepspeed2, deepspeed3
         tag = (src / "latest").read_text().strip()
         universal = o / "universal"
@@ -329,7 +366,7 @@ def build(work: Path, name: str, size: float) -> None:
         cmd = [*torchrun, str(HERE / "fsdp2_build.py"), str(outputs[0]), str(size)]
     else:
         outputs = [work / f"{name}-{tag}"]
-        cmd = [*torchrun, str(HERE / "deepspeed_build.py"), str(outputs[0]), str(size), name[-1]]
+        cmd = [*torchrun, str(HERE / "deepspeed_build.py"), str(outputs[0]), str(size), {"zero2moe": "moe"}.get(name, name[-1])]
     for path in outputs:
         remove(path)
     scratch = work / "tmp"  # torchrun's and DeepSpeed's temporary files, removed with the workdir
