@@ -161,3 +161,54 @@ def test_flat_pieces_of_sorted_partitions_look_only_where_the_param_lies():
         parts = [(d * size, size if d < world - 1 else rng.randrange(size + 1), f"rank{d}", rng.randrange(3)) for d in range(world)]
         start, numel = rng.randrange(size * world + 3), rng.randrange(size * world)
         assert flat_pieces(start, numel, parts, [p[0] for p in parts]) == flat_pieces(start, numel, parts)
+
+
+# ---- a new expert-parallel size (formats/deepspeed_regroup.py) -------------------------------------------------------
+
+EXPERTS_OF = "m.deepspeed_moe.experts.deepspeed_experts"
+
+
+def _moe_layout(expert_order: list[int]):
+    """A saved ZeRO-1/2 MoE layout: a dense group, then module m's local experts (4 experts at ep_size 2) in one MoE group."""
+    from collections import OrderedDict
+
+    from ckpt_cli.formats.deepspeed_layout import ExpertLayout
+    from ckpt_cli.formats.deepspeed_regroup import Regrouped
+
+    moe = OrderedDict((f"{EXPERTS_OF}.{e}.0.{p}", s) for e in expert_order for p, s in (("weight", (4, 4)), ("bias", (4,))))
+    groups = [{"name": "decay", "lr": 0.1, "params": [0]}, {"name": "ep_size_2", "lr": 0.1, "moe": True, "params": [1]}]
+    return Regrouped([OrderedDict(w=(3, 3)), moe], groups, ExpertLayout((1, 2), {"m": 2}, False, ("m",)), [0, 1])
+
+
+def test_regroup_builds_the_groups_deepspeed_splits_and_cuts():
+    """ep_size 2 -> 1: all four experts on every rank under local ids 0..3, cut past max_group_size as
+    split_params_into_different_moe_groups_for_optimizer cuts (a group closes before the param that would pass it)."""
+    from ckpt_cli.formats.deepspeed_regroup import regroup
+
+    out = regroup(_moe_layout([0, 1]), {"m": 1}, max_group_size=40)  # an expert is 20 elements
+    assert [list(s) for s in out.shapes[1:]] == [
+        [f"{EXPERTS_OF}.{e}.0.{p}" for e in (0, 1) for p in ("weight", "bias")],
+        [f"{EXPERTS_OF}.{e}.0.{p}" for e in (2, 3) for p in ("weight", "bias")],
+    ]
+    assert [g["name"] for g in out.groups] == ["decay", "ep_size_1", "ep_size_1"] and out.templates == [0, 1, 1]
+    assert out.experts.ep_sizes == (1, 1, 1) and out.experts.num_local == {"m": 4}
+    assert [slot.offset for slot in out.offsets(1)] == [0, 16, 20, 36]
+
+
+def test_regroup_refuses_groups_the_rule_does_not_give():
+    """Expert params listed out of module order: DeepSpeed's split of the new model would differ, so nothing is guessed."""
+    from ckpt_cli.errors import UsageError
+    from ckpt_cli.formats.deepspeed_regroup import regroup
+
+    with pytest.raises(UsageError, match="changing ep_size is not supported for this checkpoint"):
+        regroup(_moe_layout([1, 0]), {"m": 1})
+
+
+@pytest.mark.parametrize(
+    "ep,experts,world,asked,want",
+    [(2, 4, 4, None, 2), (2, 4, 3, None, 1), (2, 4, 1, None, 1), (4, 8, 6, None, 2), (2, 4, 4, (("", 4),), 4), (2, 4, 8, (("m", 1),), 1)],
+)
+def test_choose_ep_sizes(ep, experts, world, asked, want):
+    from ckpt_cli.formats.deepspeed_regroup import choose_ep_sizes
+
+    assert choose_ep_sizes({"m": ep}, {"m": experts}, world, asked) == {"m": want}
