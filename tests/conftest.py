@@ -305,7 +305,7 @@ def run_folders_consolidated(run_folders, tmp_path_factory) -> dict[str, dict[st
 
 # ---- DeepSpeed MoE (expert parallel), tests/producers/deepspeed_moe.py -------------------------------------
 
-DS_MOE_W2 = ["stage1-fp32-ep2", "stage2-bf16-ep2", "stage1-bf16acc32-ep2", "stage2-fp32-ep2-mixed"]
+DS_MOE_W2 = ["stage1-fp32-ep2", "stage2-bf16-ep2", "stage1-bf16acc32-ep2", "stage2-fp32-ep2-mixed", "stage0-fp32-ep2"]
 DS_MOE_W4 = ["stage2-fp32-ep2", "stage1-bf16-ep2-dbe", "stage2-fp32-ep2-mixed", "stage1-fp32-ep4"]
 # Reshards that keep the expert-parallel size: (config, saved at, to world size)
 DS_MOE_RESHARDS = [(c, 2, 4) for c in DS_MOE_W2] + [(c, 4, 2) for c in DS_MOE_W4 if not c.endswith("-ep4")]
@@ -316,6 +316,7 @@ DS_MOE_EP_CHANGES = [
     (2, "stage1-bf16acc32-ep2", 1, "stage1-bf16acc32-ep1", ()),
     (2, "stage2-fp32-ep2-mixed", 1, "stage2-fp32-ep1", ()),
     (2, "stage1-fp32-ep2", 2, "stage1-fp32-ep1", ("--ep-size", "1")),
+    (2, "stage0-fp32-ep2", 1, "stage0-fp32-ep1", ()),
     (2, "stage2-bf16-ep2", 4, "stage2-bf16-ep4", ("--ep-size", "moe=4")),
     (4, "stage1-fp32-ep4", 2, "stage1-fp32-ep2", ()),
 ]
@@ -327,15 +328,15 @@ def ds_moe_ep_change_name(src: int, config: str, dst: int, load: str) -> str:
 
 @pytest.fixture(scope="session")
 def ds_moe(tmp_path_factory) -> Path:
-    """Real DeepSpeed MoE runs (deepspeed.moe.layer.MoE, ZeRO-1/2) saved at world sizes 2 and 4, each resharded by ckpt to
+    """Real DeepSpeed MoE runs (deepspeed.moe.layer.MoE, ZeRO-0/1/2) saved at world sizes 2 and 4, each resharded by ckpt to
     the other size (and, for DS_MOE_EP_CHANGES, to a new expert-parallel size) and loaded there by DeepSpeed with a plain
-    load_checkpoint. Four torchrun launches: save at 2 (plus a stage-0 run); save at 4 and load the reshards to 4; load
+    load_checkpoint. Four torchrun launches: save at 2; save at 4 and load the reshards to 4; load
     the reshards to 2; load the reshards to 1.
     ROOT/w{2,4}/CONFIG: the saves, each with reference.pt (what the run held); ROOT/reshard/NAME: ckpt's reshards
     (CONFIG-{2to4,4to2} or ds_moe_ep_change_name); ROOT/loaded/NAME/loaded.pt: what DeepSpeed loaded from them, in
     reference.pt's layout."""
     root = tmp_path_factory.mktemp("ds_moe")
-    torchrun(2, "deepspeed_moe.py", "save", root / "w2", *DS_MOE_W2, "stage0-fp32-ep2")
+    torchrun(2, "deepspeed_moe.py", "save", root / "w2", *DS_MOE_W2)
     tasks: dict[int, list[str]] = {1: [], 2: [], 4: []}
     reshards: dict[int, list[tuple[Path, Path, tuple[str, ...]]]] = {2: [], 4: []}
     for config, src, dst in DS_MOE_RESHARDS:

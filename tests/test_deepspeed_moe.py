@@ -1,7 +1,8 @@
-"""DeepSpeed MoE (expert parallel): checkpoints saved by real DeepSpeed with deepspeed.moe.layer.MoE under ZeRO-1/2 and
-the BF16_Optimizer (CPU, gloo, torchrun; tests/producers/deepspeed_moe.py, fixture ds_moe): inspect names every expert,
-verify catches damage to any file, the weights export holds every expert, and a reshard of the data-parallel size is
-loaded by DeepSpeed at the new size with the same fp32 master weights and Adam state. The reference is what the run held
+"""DeepSpeed MoE (expert parallel): checkpoints saved by real DeepSpeed with deepspeed.moe.layer.MoE under ZeRO-1/2, the
+BF16_Optimizer and without ZeRO (stage 0) (CPU, gloo, torchrun; tests/producers/deepspeed_moe.py, fixture ds_moe): inspect
+names every expert, verify catches damage to any file, the weights export holds every expert, and a reshard of the
+data-parallel size, or of the expert-parallel size, is loaded by DeepSpeed at the new size with the same fp32 master
+weights and Adam state. The reference is what the run held
 (DeepSpeed's own zero_to_fp32 and ds_to_universal cannot read native MoE checkpoints: docs/formats.md §2.12)."""
 
 from __future__ import annotations
@@ -189,6 +190,24 @@ def test_verify_deep_flipped_byte(ckpt, moe_copy, victim):
     assert_fails(ckpt("verify", moe_copy, "--deep"), victim, "CRC32")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "missing", "groups"])
+def test_verify_stage0_damage(ckpt, ds_moe, tmp_path, damage):
+    """Stage 0: a truncated or missing expert-parallel optimizer file, or one whose param groups disagree with rank 0's
+    (torch's load_state_dict would refuse it), fails verify naming the file."""
+    run = tmp_path / "run"
+    shutil.copytree(ds_moe / "w2" / "stage0-fp32-ep2", run)
+    path = run / "global_step3" / "expp_rank_1_mp_rank_00_optim_states.pt"
+    if damage == "truncated":
+        os.truncate(path, path.stat().st_size - 100)
+    elif damage == "missing":
+        path.unlink()
+    else:
+        state = torch.load(path, weights_only=False)
+        state["optimizer"]["param_groups"][2]["params"].pop()
+        torch.save(state, path)
+    assert_fails(ckpt("verify", run), path.name)
+
+
 def test_verify_missing_expert_file(ckpt, moe_copy):
     (moe_copy / "global_step3" / "layer_0_expert_2_mp_rank_00_model_states.pt").unlink()
     assert_fails(ckpt("verify", moe_copy), "layer_0_expert_2_mp_rank_00_model_states.pt", "missing")
@@ -266,6 +285,27 @@ def test_ep_change_is_said(ckpt, ds_moe, tmp_path):
     assert open_checkpoint(tmp_path / "out").details["expert_parallel_size"] == 1
 
 
+def test_deal_in_order_names_the_optimizers_entries_only_when_unique():
+    """Stage 0 keeps the torch optimizer's state by index: the module's params are dealt, in order, into the param groups
+    by the shapes of their saved moments; a second way to deal them (or none) leaves the state unnamed."""
+    from ckpt_cli.formats.deepspeed_stage0 import deal_in_order
+
+    params = [("w1", (4, 2)), ("b1", (4,)), ("w2", (2, 4)), ("b2", (2,))]
+    assert deal_in_order(params, [[(4, 2), (2, 4)], [(4,), (2,)]]) == [["w1", "w2"], ["b1", "b2"]]
+    assert deal_in_order(params, [[(4, 2), None], [(4,), (2,)]]) == [["w1", "w2"], ["b1", "b2"]]  # w2 has no state yet
+    assert deal_in_order(params, [[(4, 2), (4,)], [(2, 4), (2,)]]) == [["w1", "b1"], ["w2", "b2"]]
+    assert deal_in_order(params, [[(2, 4), (4, 2)], [(4,), (2,)]]) is None  # w2 before w1 in a group: no way
+    assert deal_in_order([("a", (3,)), ("b", (3,))], [[(3,)], [(3,)]]) is None  # two ways
+    assert deal_in_order(params, [[(4, 2), (2, 4)], [(2,)]]) == [["w1", "w2"], ["b2"]]  # b1 frozen: in no group
+    assert deal_in_order([(f"p{i}", (1,)) for i in range(3000)], [[(1,)] * 3000]) is not None  # long, forced
+
+
+def test_stage0_names_every_optimizer_entry(ds_moe):
+    ckpt = open_checkpoint(ds_moe / "w2" / "stage0-fp32-ep2")
+    assert ckpt.details["zero_stage"] == 0 and not any("not read" in n for n in ckpt.notes)
+    assert {f"optimizer.state.{n}.exp_avg" for n in expert_names()} <= set(ckpt.tensors)
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 
@@ -283,10 +323,6 @@ def test_an_expert_parallel_size_deepspeed_cannot_build_is_refused(ckpt, ds_moe,
     one_line_usage_error(ckpt("reshard", src, tmp_path / "out", "--world-size", 4, "--ep-size", "gate=2"), "no MoE layer", "moe, moe2")
     one_line_usage_error(ckpt("reshard", src, tmp_path / "out", "--ep-size", 2), "--ep-size E needs --world-size N")
     assert not (tmp_path / "out").exists()
-
-
-def test_moe_without_zero_is_refused(ckpt, ds_moe):
-    one_line_usage_error(ckpt("inspect", ds_moe / "w2" / "stage0-fp32-ep2"), "expp_rank_0_mp_rank_00_optim_states.pt", "without ZeRO")
 
 
 def test_a_new_zero_stage_for_moe_is_refused(ckpt, ds_moe, tmp_path):

@@ -30,10 +30,10 @@ from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
-from ckpt_cli.formats import deepspeed_moe
+from ckpt_cli.formats import deepspeed_moe, deepspeed_stage0
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
 from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, WholePiece, ZeroFile, stage3_frozen_pieces
-from ckpt_cli.formats.deepspeed_variants import refuse_universal, refuse_variants
+from ckpt_cli.formats.deepspeed_variants import refuse_universal, refuse_variants, world_problems
 from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
 from ckpt_cli.store import location
 
@@ -274,10 +274,12 @@ class DeepSpeedReader:
         first_model = load(shared_model[0] if shared_model else model_paths[min(model_paths)])
         moe_here = deepspeed_moe.is_moe(folder, first_model.tree)  # expert parallel: docs/formats.md §2.12
         if moe_here:
-            deepspeed_moe.refuse_unsupported(folder, first_model.tree, bool(optim_paths))
+            deepspeed_moe.refuse_unsupported(folder, first_model.tree)
         refuse_variants(folder, first_model.tree, MODEL_STATES)
         if not optim_paths:
             refuse_universal(folder)  # ds_to_universal's output beside a native run's `latest`, picked by --tag
+            if moe_here:  # MoE without ZeRO: the torch optimizer's state per expert-parallel rank
+                return self._stage0(path, tag, notes, deepspeed_stage0.read_files(folder, first_model, load), options)
             raise UsageError(
                 f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"
             )
@@ -354,6 +356,29 @@ class DeepSpeedReader:
         prefix = "bf16_" if any(OPTIM_STATES.match(p.name).group(1) for p in optim_paths.values()) else ""
         dtypes_read = {n: t.dtype for n, t in tensors.items()}
         ckpt.source = Source(folder, stage, world, first_model, models, optims, layout, prefix, dtypes_read, moe.copies if moe else {})
+        return ckpt
+
+    def _stage0(self, path: Path, tag: str, notes: list[str], files: deepspeed_stage0.Stage0Files, options: ReadOptions) -> Checkpoint:
+        """DeepSpeed MoE at stage 0 (formats/deepspeed_stage0.py): weights, and the optimizer state when its names are told."""
+        model, folder = files.model.tree, files.paths[0].parent
+        tensors = deepspeed_stage0.tensors(files)
+        client_tensors, objects = self._client_state(files.model, deepspeed_stage0.param_groups(files))
+        tensors.update(client_tensors)
+        if files.shapes is None:
+            notes.append(
+                f"{folder}: the optimizer state (by index) is not read: the model's parameters deal into its groups in more than one way"
+            )
+        world = model.get("dp_world_size")
+        paths = [files.model.path, *files.paths]
+        step = step_number(model.get("global_steps"), f"{paths[0]}: global_steps")
+        ckpt = Checkpoint(self.name, str(path), tensors, objects, [FileInfo(str(p), p.stat().st_size) for p in paths], tag, step, world)
+        ckpt.notes, wrapper = notes, "torch optimizer (no ZeRO)"
+        ckpt.details = {"zero_stage": 0, "optimizer_wrapper": wrapper, "precision": "fp32", "param_groups": len(files.groups)}
+        ckpt.details |= {"ds_version": model.get("ds_version"), "tags": ", ".join(list_tags(path)) if folder != path else tag}
+        ckpt.details["tag_from"] = "latest" if options.tag is None and (path / LATEST).is_file() else "request"
+        ckpt.details |= deepspeed_moe.expert_details(files.layout, model["num_experts"], world)
+        ckpt.training_state = self._training_state(ckpt, wrapper)
+        ckpt.source = deepspeed_stage0.Stage0Source(folder, world, files, {n: t.dtype for n, t in tensors.items()})
         return ckpt
 
     def _frozen_and_buffers(self, first: RankFile, models: Mapping[int, RankFile], world: int, stage: int | None) -> dict[str, TensorEntry]:
@@ -447,8 +472,11 @@ class DeepSpeedReader:
             problems.append(
                 f"{ckpt.path}: rank files disagree: zero_stage {sorted(map(str, stages))}, partition_count {sorted(map(str, counts))}"
             )
+        if isinstance(ckpt.source, deepspeed_stage0.Stage0Source):
+            problems += deepspeed_stage0.problems(ckpt.source.files)
         if isinstance(ckpt.source, Source):
-            problems += _world_problems(ckpt.source)
+            src = ckpt.source
+            problems += world_problems(src.folder, src.world, {m.path: m for m in (src.model, *src.models.values())}.values(), OPTIM_STATES)
             if isinstance(ckpt.source.layout, Stage3Partitions):
                 problems += ckpt.source.layout.flat_problems()
             if ckpt.source.layout.experts is not None:
@@ -458,34 +486,6 @@ class DeepSpeedReader:
                 with open_regular(info.path) as f:
                     problems += zipio.archive_problems(f, info.path)
         return problems
-
-
-def _world_problems(source: Source) -> list[str]:
-    """Where the files disagree on the world size, as DeepSpeed's loaders see it (docs/formats.md §2.10, §3):
-    load_checkpoint opens the optimizer files of ranks 0..dp_world_size-1 (model states) and partitions by the
-    live size; zero_to_fp32 globs every '*_optim_states.pt' and refuses a count other than partition_count."""
-    world, problems = source.world, []
-    for model in {m.path: m for m in (source.model, *source.models.values())}.values():
-        dp = model.tree.get("dp_world_size")
-        if dp != world:
-            problems.append(
-                f"{model.path}: dp_world_size is {dp!r} but the optimizer files are partitioned for {world} ranks (partition_count); "
-                "DeepSpeed would load it at the wrong world size"
-            )
-    ranks: dict[int, list[str]] = {}
-    for p in sorted(source.folder.iterdir()):
-        m = OPTIM_STATES.match(p.name)
-        if m:
-            ranks.setdefault(int(m.group(2)), []).append(p.name)
-    for rank, names in sorted(ranks.items()):
-        if rank >= world:
-            problems.append(
-                f"{source.folder / names[0]}: optimizer file of rank {rank} in a checkpoint of {world} ranks (partition_count): "
-                "a leftover of a larger run? zero_to_fp32 refuses the folder"
-            )
-        elif len(names) > 1:
-            problems.append(f"{source.folder}: {len(names)} optimizer files for rank {rank} ({', '.join(names)}); DeepSpeed reads one")
-    return problems
 
 
 def _tag_step(tag: str) -> int:

@@ -1,4 +1,5 @@
-"""DeepSpeed MoE (expert parallel, `deepspeed.moe.layer.MoE`) under ZeRO-1/2: what its tag folder adds to a dense one.
+"""DeepSpeed MoE (expert parallel, `deepspeed.moe.layer.MoE`) under ZeRO-1/2: what its tag folder adds to a dense one
+(without ZeRO: deepspeed_stage0.py).
 
 engine.py `_save_moe_checkpoint` writes one `layer_L_expert_E_mp_rank_00_model_states.pt` per MoE layer L (in
 named_modules order) and global expert E, holding that expert's module weights (training dtype) under global names;
@@ -65,23 +66,27 @@ class MoEFiles:
         return out
 
     def details(self, world: int) -> dict[str, Any]:
-        """Per MoE layer (`module:value`, one value when all agree): experts, expert-parallel and expert-data-parallel size."""
-        modules = [self.modules.get(layer, f"layer_{layer}") for layer in range(len(self.num_experts))]
-        ep = [n // self.layout.num_local[m] if m in self.layout.num_local else 1 for m, n in zip(modules, self.num_experts)]
-
-        def per_layer(values: list[int]) -> int | str:
-            return values[0] if len(set(values)) == 1 else " ".join(f"{m}:{v}" for m, v in zip(modules, values))
-
-        return {
-            "moe_layers": len(self.num_experts),
-            "num_experts": " ".join(f"{m}:{n}" for m, n in zip(modules, self.num_experts)),
-            "expert_parallel_size": per_layer(ep),
-            "expert_data_parallel_size": per_layer([world // e for e in ep]),
-            "expert_topology": "D+E (use_data_before_expert_parallelism)" if self.layout.data_before_expert else "E+D",
-        }
+        return expert_details(self.layout, self.num_experts, world)
 
 
-def refuse_unsupported(folder: Path, model: Mapping[str, Any], has_zero_files: bool) -> None:
+def expert_details(layout: zl.ExpertLayout, num_experts: list[int], world: int) -> dict[str, Any]:
+    """Per MoE layer (`module:value`, one value when all agree): experts, expert-parallel and expert-data-parallel size."""
+    modules = [layout.layers[layer] if layer < len(layout.layers) else f"layer_{layer}" for layer in range(len(num_experts))]
+    ep = [n // layout.num_local[m] if m in layout.num_local else 1 for m, n in zip(modules, num_experts)]
+
+    def per_layer(values: list[int]) -> int | str:
+        return values[0] if len(set(values)) == 1 else " ".join(f"{m}:{v}" for m, v in zip(modules, values))
+
+    return {
+        "moe_layers": len(num_experts),
+        "num_experts": " ".join(f"{m}:{n}" for m, n in zip(modules, num_experts)),
+        "expert_parallel_size": per_layer(ep),
+        "expert_data_parallel_size": per_layer([world // e for e in ep]),
+        "expert_topology": "D+E (use_data_before_expert_parallelism)" if layout.data_before_expert else "E+D",
+    }
+
+
+def refuse_unsupported(folder: Path, model: Mapping[str, Any]) -> None:
     names = sorted(p.name for p in folder.iterdir())
     if model.get("ds_autoep_layers"):
         raise UsageError(
@@ -91,12 +96,6 @@ def refuse_unsupported(folder: Path, model: Mapping[str, Any], has_zero_files: b
     if old or not isinstance(model.get("num_experts"), list):
         where = folder / (old or "mp_rank_00_model_states.pt")
         raise UsageError(f"{where}: DeepSpeed MoE checkpoint of the old layout (no layer ids) is not supported by ckpt")
-    expp = next((n for n in names if EXPP_OPTIM.match(n)), None)
-    if expp and not has_zero_files:
-        raise UsageError(
-            f"{folder / expp}: DeepSpeed MoE without ZeRO (per expert-parallel rank torch optimizer state, by index) is not supported "
-            "by ckpt; ZeRO stage 1 or 2 checkpoints are"
-        )
     mp = {m.group(3) for n in names if (m := EXPERT_FILE.match(n))}
     if len(mp) > 1:
         raise UsageError(f"{folder}: expert files of several tensor-parallel ranks; ckpt handles data and expert parallelism only")

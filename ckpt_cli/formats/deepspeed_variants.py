@@ -4,6 +4,7 @@ hpZ/MiCS partitioning. Each refusal says why, and what would make the checkpoint
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +57,32 @@ def refuse_universal(folder: Path) -> None:
             f"{folder}: a DeepSpeed universal checkpoint (zero/ + model states, no ZeRO optimizer files); "
             "read it with --format deepspeed-universal"
         )
+
+
+def world_problems(folder: Path, world: int, models: Iterable[Any], optim_states: re.Pattern[str]) -> list[str]:
+    """Where the files disagree on the world size, as DeepSpeed's loaders see it (docs/formats.md §2.10, §3):
+    load_checkpoint opens the optimizer files of ranks 0..dp_world_size-1 (each model-states file in `models` says it)
+    and partitions by the live size; zero_to_fp32 globs every '*_optim_states.pt' (`optim_states`, rank in group 2)
+    and refuses a count other than partition_count."""
+    problems = []
+    for model in models:
+        dp = model.tree.get("dp_world_size")
+        if dp != world:
+            problems.append(
+                f"{model.path}: dp_world_size is {dp!r} but the optimizer files are partitioned for {world} ranks (partition_count); "
+                "DeepSpeed would load it at the wrong world size"
+            )
+    ranks: dict[int, list[str]] = {}
+    for p in sorted(folder.iterdir()):
+        m = optim_states.match(p.name)
+        if m:
+            ranks.setdefault(int(m.group(2)), []).append(p.name)
+    for rank, names in sorted(ranks.items()):
+        if rank >= world:
+            problems.append(
+                f"{folder / names[0]}: optimizer file of rank {rank} in a checkpoint of {world} ranks (partition_count): "
+                "a leftover of a larger run? zero_to_fp32 refuses the folder"
+            )
+        elif len(names) > 1:
+            problems.append(f"{folder}: {len(names)} optimizer files for rank {rank} ({', '.join(names)}); DeepSpeed reads one")
+    return problems

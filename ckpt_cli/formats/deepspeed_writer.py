@@ -28,7 +28,7 @@ from ckpt_cli.core.training import apply_per_rank_rule
 from ckpt_cli.core.tree import flatten, path_name, unflatten
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
-from ckpt_cli.formats import deepspeed_regroup
+from ckpt_cli.formats import deepspeed_regroup, deepspeed_stage0
 from ckpt_cli.formats.deepspeed import ENGINE_KEYS, LATEST, LAYOUT_KEYS, Source, ZeroSource, fragment_address
 from ckpt_cli.formats.deepspeed_layout import Slot, ZeroLayout
 from ckpt_cli.formats.deepspeed_partitions import ZeroFile
@@ -101,6 +101,8 @@ class DeepSpeedWriter:
 
     def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
         src = ckpt.source
+        if ckpt.format == "deepspeed" and isinstance(src, deepspeed_stage0.Stage0Source) and options.world_size:
+            return Stage0Reshard(ckpt, src, options).plan(dest)
         if ckpt.format != "deepspeed" or not isinstance(src, (Source, BuiltSource)):
             raise UsageError("writing deepspeed needs a DeepSpeed source, or a training run's state (convert from dcp)")
         world = options.world_size
@@ -376,6 +378,76 @@ class Stage3Reshard:
         inner["param_groups"] = [{**group, "params": self.group_subs[i]} for i, group in enumerate(inner["param_groups"])]
         osd["fp32_flat_groups"] = [self.flat(sub, "", rank, f"fp32.{s}") for s, sub in enumerate(self.subs)]
         return tree
+
+
+class Stage0Reshard:
+    """DeepSpeed MoE without ZeRO at a new world size: the files do not depend on the data-parallel size, so they are
+    written again as they are (dp_world_size recorded anew), unless the expert-parallel size changes: then each
+    expert-parallel rank's optimizer file is rebuilt, its param groups as DeepSpeed builds them for the new ep_size
+    (deepspeed_regroup.py) and each param's state taken by name (docs/formats.md §2.12)."""
+
+    def __init__(self, ckpt: Checkpoint, src: deepspeed_stage0.Stage0Source, options: WriteOptions) -> None:
+        self.ckpt, self.src, self.world, self.rule = ckpt, src, options.world_size or 1, options.per_rank_rule
+        files = src.files
+        current = {m: files.ep for m in files.layout.layers}
+        num_experts = {m: files.layout.num_local[m] * files.ep for m in current}
+        new = deepspeed_regroup.choose_ep_sizes(current, num_experts, self.world, options.ep_size)
+        if len(set(new.values())) > 1:
+            raise UsageError("DeepSpeed MoE without ZeRO keeps one expert-parallel size for every MoE layer; give one --ep-size")
+        self.ep = next(iter(new.values()))
+        self.target: deepspeed_regroup.Regrouped | None = None
+        if self.ep != files.ep:
+            if files.shapes is None:
+                raise UsageError(
+                    f"{src.folder}: changing ep_size needs each optimizer entry's parameter, which ckpt could not tell (see inspect); "
+                    f"give a --world-size that {files.ep} divides"
+                )
+            saved = deepspeed_regroup.Regrouped(files.shapes, files.groups, files.layout, list(range(len(files.groups))))
+            self.target = deepspeed_regroup.regroup(saved, new)
+        self.state: dict[str, list[tuple[str, TensorEntry]]] = {}
+        for entry in ckpt.tensors.values():
+            if entry.path and entry.path[:2] == ("optimizer", "state"):
+                self.state.setdefault(str(entry.path[2]), []).append((str(entry.path[3]), entry))
+
+    def plan(self, dest: Path) -> WritePlan:
+        files, tag = self.src.files, plain_component(self.ckpt.tag or self.src.folder.name, f"{self.ckpt.path}: DeepSpeed tag")
+        optimizers = [self._optimizer(e) for e in range(self.ep)] if self.target else None
+        model = tensorize(files.model)
+        model["dp_world_size"] = self.world
+        per_rank_note = rekey_client_state(model, self.world, self.rule)
+        if optimizers:
+            model["optimizer"] = optimizers[0]  # rank 0's optimizer state, as DeepSpeed saves it there (an MoE load reads expp files)
+        out = [OutputFile(f"{tag}/mp_rank_00_model_states.pt", file_segments(model, f"{tag}/mp_rank_00_model_states.pt"))]
+        for f in [*files.experts.values(), *([] if optimizers else files.expp.values())]:  # written again as they are
+            name = f"{tag}/{plain_component(f.path.name, f'{self.src.folder}: file name')}"
+            out.append(OutputFile(name, file_segments(tensorize(f), name)))
+        for e, optimizer in enumerate(optimizers or []):
+            name = f"{tag}/expp_rank_{e}_mp_rank_00_optim_states.pt"
+            out.append(OutputFile(name, file_segments({"optimizer": optimizer}, name)))
+        out.append(OutputFile(LATEST, [Literal(tag.encode())], commit_marker=True))
+        said = f"expert-parallel size {files.ep} -> {self.ep}, experts regrouped" if self.target else f"expert-parallel size {self.ep} kept"
+        notes = [
+            f"DeepSpeed MoE without ZeRO for {_ranks(self.world)} ({said}); load it with a plain engine.load_checkpoint() on "
+            f"{_ranks(self.world)} with MoE layers built with ep_size={self.ep}"
+        ]
+        return WritePlan(DeepSpeedWriter.name, dest, True, out, notes + ([per_rank_note] if per_rank_note else []))
+
+    def _optimizer(self, ep_rank: int) -> dict[str, Any]:
+        """Expert-parallel rank `ep_rank`'s torch optimizer state_dict at the new ep_size: its params numbered in group order."""
+        assert self.target is not None
+        state: dict[int, dict[str, TensorEntry]] = {}
+        groups = []
+        index = 0
+        for g, shapes in enumerate(self.target.shapes):
+            params = []
+            for local in shapes:
+                name = self.target.experts.name(local, ep_rank)
+                if name in self.state:
+                    state[index] = {key: copy.copy(entry) for key, entry in self.state[name]}
+                params.append(index)
+                index += 1
+            groups.append({**{k: copy.deepcopy(v) for k, v in self.target.groups[g].items() if k != "params"}, "params": params})
+        return {"state": state, "param_groups": groups}
 
 
 WRITER = DeepSpeedWriter()

@@ -12,7 +12,8 @@ expert group sizes each process orders the param groups by its own string hashin
 save: train 3 steps with AdamW (two named param groups, split by split_params_into_different_moe_groups_for_optimizer),
 save with engine.save_checkpoint and write OUT/CONFIG/reference.pt: what the run held, gathered from DeepSpeed's live
 optimizer (fp32 master weight, exp_avg, exp_avg_sq and step of every trainable parameter, every expert under its
-global name, as _save_moe_checkpoint names expert files).
+global name, as _save_moe_checkpoint names expert files; at stage 0 the parameter itself and the torch optimizer's
+per-parameter state).
 load: a fresh engine at this world size loads SRC with a plain engine.load_checkpoint, writes OUT/loaded.pt in the
 same layout (plus the client state it got), then trains one step (the loaded run works).
 """
@@ -162,14 +163,35 @@ def held(engine) -> dict:
     return out
 
 
+def held_without_zero(engine) -> dict:
+    """Stage 0 (no ZeRO, fp32): each parameter as the run held it and the torch optimizer's state of it (exp_avg,
+    exp_avg_sq and step per parameter), every expert under its global name."""
+    opt = engine.optimizer
+    mine = {}
+    for name, param in engine.module.named_parameters():
+        state = {"fp32": param.detach().clone().float(), **{k: v.detach().clone() for k, v in opt.state[param].items()}}
+        mine[global_name(engine, name)] = state
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for rank_view in everyone:
+        for name, state in rank_view.items():
+            if name in out:  # held by several ranks: all must agree
+                assert all(torch.equal(out[name][k], v) for k, v in state.items()), name
+            out[name] = state
+    return out
+
+
+def held_now(engine) -> dict:
+    return held(engine) if engine.zero_optimization() else held_without_zero(engine)
+
+
 def save(out: str, *names: str) -> None:
     for name in names:
         engine = engine_for(name)
         train(engine, range(STEPS))
         engine.save_checkpoint(os.path.join(out, name), client_state={"dataloader": {"offset": STEPS * 2 * dist.get_world_size()}})
-        if not engine.zero_optimization():
-            continue  # stage 0 (expp_rank_* optimizer files): saved for ckpt's refusal, no partitions to gather
-        reference = held(engine)
+        reference = held_now(engine)
         if dist.get_rank() == 0:
             torch.save({"world": dist.get_world_size(), "params": reference}, os.path.join(out, name, "reference.pt"))
         dist.barrier()
@@ -180,7 +202,7 @@ def load(*tasks: str) -> None:
         src, name, out = task.split(":")
         engine = engine_for(name, hashed=False)  # every process orders its MoE groups as rank 0 of the save did
         _, client = engine.load_checkpoint(src)
-        loaded = held(engine)
+        loaded = held_now(engine)
         if dist.get_rank() == 0:
             os.makedirs(out, exist_ok=True)
             torch.save(
