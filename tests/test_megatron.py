@@ -332,3 +332,38 @@ def test_megatron_gpt_preset_export_equals_the_hand_split_and_gives_megatrons_lo
     assert res.code == 0 and json.loads(res.out)["ok"], res.out + res.err
     hint = ckpt("convert", mcore / name, tmp_path / "plain", "--to", "hf")
     assert hint.code == 0 and "--preset megatron-gpt" in hint.err
+
+
+def test_megatron_moe_preset_gives_every_expert_and_megatrons_logits(ckpt, mcore, reference, tmp_path):
+    """A Mixtral-style Megatron MoE (4 SequentialMLP experts per layer, top-2, TP=2): the expert keys are read as
+    Megatron's load_plain_tensors has them ([layer, expert, ...]), --preset megatron-gpt writes every expert under
+    MixtralForCausalLM's per-expert names (linear_fc1 split into w1 gate and w3 up, linear_fc2 as w2, the router as
+    block_sparse_moe.gate) bit for bit, and transformers computes Megatron's logits from the release."""
+    from transformers import MixtralConfig
+
+    MixtralConfig(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=GROUPS, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "config")  # fmt: skip
+    ref = plain(reference, "moe")
+    source = open_checkpoint(mcore / "moe")
+    for key in ("decoder.layers.mlp.experts.experts.linear_fc1.weight", "decoder.layers.mlp.router.weight"):
+        t = source.tensors[key]
+        assert list(t.shape) == list(ref[key].shape)
+    out = tmp_path / "release"
+    res = ckpt("convert", mcore / "moe", out, "--to", "hf", "--preset", "megatron-gpt", "--hf-config", tmp_path / "config")
+    assert res.code == 0, res.err
+    got = load_file(out / "model-00001-of-00001.safetensors")
+    fc1, fc2 = ref["decoder.layers.mlp.experts.experts.linear_fc1.weight"], ref["decoder.layers.mlp.experts.experts.linear_fc2.weight"]
+    for layer in range(LAYERS):
+        moe = f"model.layers.{layer}.block_sparse_moe."
+        assert same(got[moe + "gate.weight"], ref["decoder.layers.mlp.router.weight"][layer].contiguous())
+        for e in range(4):
+            gate, up = torch.chunk(fc1[layer, e], 2, dim=0)
+            assert same(got[f"{moe}experts.{e}.w1.weight"], gate.contiguous()) and same(got[f"{moe}experts.{e}.w3.weight"], up.contiguous())
+            assert same(got[f"{moe}experts.{e}.w2.weight"], fc2[layer, e].contiguous())
+    assert len([k for k in got if ".experts." in k]) == LAYERS * 4 * 3
+    torch.save({"logits": reference["moe"]["logits"], "tokens": reference["moe"]["ids"]}, tmp_path / "logits.pt")
+    res = ckpt("parity", out, "--logits", tmp_path / "logits.pt", "--atol", "1e-5", "--json")
+    assert res.code == 0 and json.loads(res.out)["ok"], res.out + res.err

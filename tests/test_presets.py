@@ -46,6 +46,28 @@ def test_permute_equals_the_reference_formula_and_round_trips(tmp_path, heads, h
     assert torch.equal(read_all(rope.permuted(saved, "q", heads, "interleaved")), w)  # the inverse: from_hf
 
 
+def test_split_of_layers_of_stacked_experts(tmp_path):
+    """`layers: 2`: a [layers, experts, 2F, H] tensor (Megatron's stacked SequentialMLP linear_fc1) to one gate and one up
+    tensor per layer and expert, each a byte range of the source; names need {layer} and {expert}."""
+    from ckpt_cli.core.row_split import RowSplit
+    from ckpt_cli.errors import UsageError
+
+    w = torch.randn(3, 4, 10, 6)
+    split = RowSplit.parse({"from": "fc1", "layers": 2, "to": ["l{layer}.e{expert}.gate", "l{layer}.e{expert}.up"]}, "map")
+    out = {t.name: t for t in split.apply(entry_of(tmp_path, "fc1", w), "fc1")}
+    assert len(out) == 3 * 4 * 2 and split.describe().endswith(
+        "per layer and expert: rows -> l{layer}.e{expert}.gate, l{layer}.e{expert}.up"
+    )
+    for layer in range(3):
+        for e in range(4):
+            gate, up = torch.chunk(w[layer, e], 2)
+            assert torch.equal(read_all(out[f"l{layer}.e{e}.gate"]), gate) and torch.equal(read_all(out[f"l{layer}.e{e}.up"]), up)
+    with pytest.raises(UsageError, match=r"needs \{layer\} and \{expert\}"):
+        RowSplit.parse({"from": "fc1", "layers": 2, "to": "l{layer}.gate"}, "map")
+    with pytest.raises(UsageError, match="layers true, false or 2"):
+        RowSplit.parse({"from": "fc1", "layers": 3, "to": "l{layer}"}, "map")
+
+
 def test_permute_is_row_ranges_of_the_source_read_anywhere(tmp_path):
     """Each output row is one stored source row (the export copies bytes, no torch); any element range reads right."""
     w = torch.randn(32 * 4, 6, dtype=torch.bfloat16)

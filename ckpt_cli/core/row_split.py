@@ -3,8 +3,10 @@
 Frameworks fuse parameters that other frameworks keep apart: Megatron's `linear_qkv` holds, for each query
 group, the group's query heads then its key head then its value head; its SwiGLU `linear_fc1` holds the gate
 rows then the up rows; its torch_dist checkpoints stack the layers of a block along a leading dimension. A
-`RowSplit` says how: dim 0 is first a stack of layers (`layers`), each layer's rows are `groups` equal blocks,
-and each block is cut in proportion to `shares`, part j of every block going (in block order) to output j.
+`RowSplit` says how: the leading dims are first stacks (`layers`: true or 1 for a stack of layers, 2 for layers of
+stacked experts, as Megatron's MoE `experts.experts.linear_fc1.weight` [layers, experts, rows, cols]), each
+stacked matrix's rows are `groups` equal blocks, and each block is cut in proportion to `shares`, part j of every
+block going (in block order) to output j.
 Every output is a list of element ranges of the source, so its pieces point into the source's stored bytes
 (core/model.py): the export streams them as byte ranges and never loads the fused tensor.
 """
@@ -21,6 +23,8 @@ from ckpt_cli.core.model import FlatRange, Piece, TensorEntry
 from ckpt_cli.errors import UsageError
 
 LAYER = "{layer}"
+EXPERT = "{expert}"
+STACKS = (LAYER, EXPERT)  # the placeholders of the stacked dims, outermost first
 
 
 @dataclass(frozen=True)
@@ -29,13 +33,13 @@ class RowSplit:
     names: tuple[str, ...]  # output names: regex group references (\1) and {layer} are filled in
     shares: tuple[int | str, ...]  # each output's share of a block's rows (a config key, "KEY/KEY": see resolved)
     groups: int | str = 1
-    layers: bool = False
+    layers: bool | int = False  # how many leading dims are stacks: true = 1 ({layer}), 2 ({layer}, {expert})
 
     @classmethod
     def parse(cls, item: Any, where: str) -> RowSplit:
-        """One `split` entry: {from: REGEX, to: NAME | [NAME, ...] | {NAME: SHARE, ...}, groups: N, layers: BOOL}."""
+        """One `split` entry: {from: REGEX, to: NAME | [NAME, ...] | {NAME: SHARE, ...}, groups: N, layers: BOOL | 2}."""
         if not isinstance(item, dict) or not {"from", "to"} <= set(item) or set(item) - {"from", "to", "groups", "layers"}:
-            raise UsageError(f"{where}: each split is {{from: REGEX, to: NAMES, groups: N, layers: true|false}}")
+            raise UsageError(f"{where}: each split is {{from: REGEX, to: NAMES, groups: N, layers: true|false|2}}")
         to = item["to"]
         pairs = [(to, 1)] if isinstance(to, str) else [(n, 1) for n in to] if isinstance(to, list) else list((to or {}).items())
         groups, layers = item.get("groups", 1), item.get("layers", False)
@@ -44,10 +48,11 @@ class RowSplit:
                 f"{where}: split '{item['from']}': 'to' names the outputs (a name, a list, or name: share with shares >= 1 "
                 "or config.json keys)"
             )
-        if not _count_or_key(groups) or not isinstance(layers, bool):
-            raise UsageError(f"{where}: split '{item['from']}': groups is an integer >= 1 (or a config.json key) and layers true or false")
-        if layers and not all(LAYER in n for n, _ in pairs):
-            raise UsageError(f"{where}: split '{item['from']}' has layers: true, so every output name needs {LAYER}")
+        if not _count_or_key(groups) or layers not in (True, False, 2) or type(layers) not in (bool, int):
+            raise UsageError(f"{where}: split '{item['from']}': groups is an integer >= 1 (or a config.json key), layers true, false or 2")
+        needed = STACKS[: int(layers)]
+        if not all(p in n for n, _ in pairs for p in needed):
+            raise UsageError(f"{where}: split '{item['from']}' has layers: {layers}, so every output name needs {' and '.join(needed)}")
         if len({n for n, _ in pairs}) != len(pairs):
             raise UsageError(f"{where}: split '{item['from']}' names an output twice")
         try:
@@ -75,7 +80,8 @@ class RowSplit:
     def describe(self) -> str:
         parts = ", ".join(f"{n} ({s})" if len(set(self.shares)) > 1 else n for n, s in zip(self.names, self.shares))
         how = f"{self.groups} groups of rows" if self.groups != 1 else "rows"
-        return f"split /{self.pattern}/{' per layer' if self.layers else ''}: {how} -> {parts}"
+        per = {0: "", 1: " per layer", 2: " per layer and expert"}[int(self.layers)]
+        return f"split /{self.pattern}/{per}: {how} -> {parts}"
 
     def apply(self, entry: TensorEntry, name: str) -> list[TensorEntry] | None:
         """The outputs for `entry` (known as `name`), or None when the pattern does not match the name."""
@@ -84,10 +90,11 @@ class RowSplit:
             return None
         shape = entry.shape
         where = f"split of '{entry.name}' {list(shape)}"
-        layers = shape[0] if self.layers and shape else 1
-        inner = shape[1:] if self.layers else shape
+        depth = int(self.layers)
+        stacks, inner = shape[:depth], shape[depth:]
+        layers = math.prod(stacks)
         if not inner:
-            raise UsageError(f"{where}: {'a stack of layers needs' if self.layers else 'splitting rows needs'} one more dimension")
+            raise UsageError(f"{where}: {f'{depth} stacked dims need' if depth else 'splitting rows needs'} one more dimension")
         rows, row = inner[0], math.prod(inner[1:])
         if layers * self.groups > max(entry.numel, 1):  # each output range holds >= 1 element: the loop is bounded by the data
             raise UsageError(f"{where}: {layers} layers x {self.groups} groups from {entry.numel} elements; nothing to split")
@@ -102,10 +109,13 @@ class RowSplit:
         out = []
         for layer in range(layers):
             first = layer * rows
+            index = [layer // math.prod(stacks[d + 1 :]) % stacks[d] for d in range(depth)]  # the stacked dims' indices
             for j, (template, share) in enumerate(zip(self.names, self.shares)):
                 offset = sum(self.shares[:j]) * unit
                 ranges = [((first + g * block + offset) * row, share * unit * row) for g in range(self.groups)]
-                new = match.expand(template).replace(LAYER, str(layer))
+                new = match.expand(template)
+                for placeholder, i in zip(STACKS, index):
+                    new = new.replace(placeholder, str(i))
                 out.append(_gather(entry, new, runs, starts, ranges, (self.groups * share * unit, *inner[1:])))
         return out
 

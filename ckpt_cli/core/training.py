@@ -40,7 +40,7 @@ NAME_MAP_SCHEMA = {
     "strip_segments": Optional([str]),
     "rename": Optional([{"from": str, "to": str}]),
     "tied": Optional({str: str}),
-    "split": Optional([{"from": str, "to": (str, list, dict), "groups": Optional((int, str)), "layers": Optional(bool)}]),
+    "split": Optional([{"from": str, "to": (str, list, dict), "groups": Optional((int, str)), "layers": Optional((bool, int))}]),
     "permute": Optional([{"from": str, "rope": str, "heads": (int, str)}]),
     "stack": Optional([{"from": str, "to": str, "parts": Optional([str])}]),
     "transpose": Optional([str]),

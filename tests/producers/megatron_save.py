@@ -10,6 +10,9 @@ no biases, untied output layer) is built with tensor parallel size 2, and its `s
                     `rng_state` ShardedObject per tensor-parallel rank, and in common.pt the iteration, the
                     checkpoint version and the run's args (argparse.Namespace), as Megatron-LM saves them
     OUT/per_layer   bfloat16; one key per layer (`decoder.layers.0.*`: metadata non_homogeneous_layers)
+    OUT/moe         float32, Mixtral-style: every MLP an MoE layer of 4 SequentialMLP experts (SwiGLU, 48 wide),
+                    top-2 softmax router, the allgather token dispatcher; experts stacked under
+                    `decoder.layers.mlp.experts.experts.*` [layer, expert, ...]
 
 OUT/reference.pt (rank 0): for each, what Megatron's own `load_plain_tensors` returns (every tensor at its full
 global shape) and the model's logits for fixed token ids (vocab-parallel logits gathered), to check an exported
@@ -18,8 +21,11 @@ Hugging Face model against.
 Megatron's torch_dist save path calls two CUDA functions that have no CPU meaning: `torch.cuda.synchronize()`
 after staging tensors to host memory and `torch.cuda.current_device()` as the device of a one-element failure
 flag it broadcasts. On a CPU-only torch both raise, so they are replaced here by a no-op and "cpu"; everything
-written is Megatron's. The forward pass forks Megatron's CUDA RNG tracker around attention dropout (identity in
-eval mode); the fork is a no-op here.
+written is Megatron's. Megatron's MoE layers also make a `torch.cuda.Stream` (for overlapped shared experts, unused
+here: a None stands in), and its router's gating GEMM tests a Transformer Engine function that is left undefined
+when Transformer Engine is not installed: it is set to None, so the router takes its own torch.mm path. The
+forward pass forks Megatron's CUDA RNG tracker around attention dropout (identity in eval mode); the fork is a
+no-op here.
 """
 
 from __future__ import annotations
@@ -43,14 +49,22 @@ IDS = (torch.arange(SEQ) * 7 % 128).reshape(1, SEQ)
 def cpu_shims() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = lambda *a, **k: None
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    moe_utils.te_general_gemm = None  # unset without Transformer Engine (the module's own fallback tests for None)
 
 
-def build(dtype: torch.dtype):
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_token_dispatcher_type": "allgather"}
+
+
+def build(dtype: torch.dtype, moe: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
+        **(MOE if moe else {}),
         num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
@@ -68,7 +82,7 @@ def build(dtype: torch.dtype):
     )
     model = GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
+        get_gpt_layer_local_spec(normalization="RMSNorm", **({"num_experts": 4, "moe_grouped_gemm": False} if moe else {})),
         vocab_size=128,
         max_sequence_length=32,
         position_embedding_type="rope",
@@ -156,14 +170,16 @@ def main(out: Path) -> None:
     random.seed(0)
     np.random.seed(0)
     reference = {}
-    for name, dtype in (("stacked", torch.float32), ("per_layer", torch.bfloat16)):
-        model = build(dtype)
+    for name, dtype in (("stacked", torch.float32), ("per_layer", torch.bfloat16), ("moe", torch.float32)):
+        model = build(dtype, moe=name == "moe")
         if name == "stacked":
             optimizer = adam_state(model)
             state = {"model": model.sharded_state_dict(), "optimizer": optimizer, "iteration": 7, "checkpoint_version": 3.0}
             state |= {"args": run_args(), "rng_state": rng_state(rank)}
-        else:
+        elif name == "per_layer":
             state = {"model": model.sharded_state_dict(metadata={"non_homogeneous_layers": True})}
+        else:
+            state = {"model": model.sharded_state_dict()}
         folder = out / name
         if rank == 0:
             folder.mkdir(parents=True)
