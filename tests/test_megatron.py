@@ -344,7 +344,7 @@ def test_megatron_moe_preset_gives_every_expert_and_megatrons_logits(ckpt, mcore
     MixtralConfig(
         vocab_size=128, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         num_key_value_heads=GROUPS, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,  # Megatron's rotary_base (Mixtral's default: 1e6)
     ).save_pretrained(tmp_path / "config")  # fmt: skip
     ref = plain(reference, "moe")
     source = open_checkpoint(mcore / "moe")
