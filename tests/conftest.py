@@ -416,6 +416,18 @@ def mcore(tmp_path_factory) -> Path:
 # ---- object storage: a moto server in server mode (tests/s3_store.py) ---------------------------------------------
 
 
+def v4_logits(release: Path, ids: list[int]) -> dict:
+    """The release's logits for `ids` as transformers v4 computes them, in the venv $CKPT_TRANSFORMERS_V4 names (.ci/run
+    makes it); skipped without one. {"logits", "version", "missing", "unexpected"} (tests/producers/transformers_v4_logits.py)."""
+    python = os.environ.get("CKPT_TRANSFORMERS_V4")
+    if not python or not Path(python).exists():
+        pytest.skip("no transformers v4 venv ($CKPT_TRANSFORMERS_V4; .ci/run makes one)")
+    out = release.parent / f"{release.name}.v4_logits.pt"
+    script = Path(__file__).parent / "producers" / "transformers_v4_logits.py"
+    subprocess.run([python, str(script), str(release), str(out), *map(str, ids)], check=True, capture_output=True, timeout=600)
+    return torch.load(out, weights_only=False)
+
+
 def azurite_command() -> str | None:
     """Azurite's blob server: $CKPT_AZURITE (.ci/run installs it from npm), or azurite-blob on PATH."""
     import shutil

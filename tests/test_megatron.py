@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_fails
+from conftest import assert_fails, v4_logits
 from safetensors.torch import load_file
 
 from ckpt_cli.core import zipio
@@ -367,3 +367,14 @@ def test_megatron_moe_preset_gives_every_expert_and_megatrons_logits(ckpt, mcore
     torch.save({"logits": reference["moe"]["logits"], "tokens": reference["moe"]["ids"]}, tmp_path / "logits.pt")
     res = ckpt("parity", out, "--logits", tmp_path / "logits.pt", "--atol", "1e-5", "--json")
     assert res.code == 0 and json.loads(res.out)["ok"], res.out + res.err
+    config = json.loads((out / "config.json").read_text())  # v5 wrote rope_parameters only; v4 reads rope_theta
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
+
+
+def test_megatron_moe_release_loads_in_transformers_v4(ckpt, mcore, reference, tmp_path):
+    """transformers v4 (one tensor per expert, rope_theta at the top level) loads the Mixtral release with no missing or
+    unexpected key and computes Megatron's logits."""
+    test_megatron_moe_preset_gives_every_expert_and_megatrons_logits(ckpt, mcore, reference, tmp_path)
+    got = v4_logits(tmp_path / "release", reference["moe"]["ids"][0].tolist())
+    assert got["version"].startswith("4.") and not got["missing"] and not got["unexpected"], got
+    assert torch.allclose(got["logits"], reference["moe"]["logits"], atol=1e-5, rtol=0)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import v4_logits
 from safetensors.torch import load_file, save_file
 
 from ckpt_cli import presets
@@ -230,6 +231,19 @@ def test_experts_pack_equals_transformers_v5_packed_tensors_and_unpacks_bit_equa
     res = ckpt("convert", tmp_path / "packed", tmp_path / "unpacked", "--to", "hf", "--preset", "hf-experts-unpack")
     assert res.code == 0, res.err
     assert ckpt("diff", folder, tmp_path / "unpacked").code == 0  # bit-exact, every tensor by name
+
+
+def test_unpacked_experts_load_in_transformers_v4(ckpt, qwen3_moe, tmp_path):
+    """packed (v5) -> per-expert: transformers v4, which reads only per-expert keys, loads the release with no missing or
+    unexpected key and computes the v5 model's logits."""
+    folder, model = qwen3_moe
+    assert ckpt("convert", folder, tmp_path / "packed", "--to", "hf", "--preset", "hf-experts-pack").code == 0
+    assert ckpt("convert", tmp_path / "packed", tmp_path / "unpacked", "--to", "hf", "--preset", "hf-experts-unpack").code == 0
+    ids = list(range(1, 17))
+    got = v4_logits(tmp_path / "unpacked", ids)
+    assert got["version"].startswith("4.") and not got["missing"] and not got["unexpected"], got
+    with torch.no_grad():
+        assert torch.allclose(got["logits"], model(torch.tensor([ids])).logits, atol=1e-5, rtol=0)
 
 
 def test_experts_pack_refuses_a_missing_expert(ckpt, qwen3_moe, tmp_path):

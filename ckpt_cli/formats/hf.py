@@ -250,11 +250,12 @@ def _release_config(ckpt: Checkpoint, tensors: list[TensorEntry], notes: list[st
     """The checkpoint with its config.json agreeing with the weights written: `torch_dtype`/`dtype` the dtype of the
     floating-point weights (from_pretrained loads in it by default), and `tie_word_embeddings` true where no
     lm_head.weight is written (else from_pretrained leaves the head randomly initialised) and false where an
-    lm_head.weight is written that differs from the embeddings (else from_pretrained replaces it by them)."""
+    lm_head.weight is written that differs from the embeddings (else from_pretrained replaces it by them); the rotary
+    settings also at the top level where transformers v5 keeps them only under `rope_parameters`."""
     config = companion_config(ckpt)
     if config is None:
         return ckpt
-    changed = _set_dtype(config, tensors) | _set_tie(config, {t.name: t for t in tensors}, notes)
+    changed = _set_dtype(config, tensors) | _set_tie(config, {t.name: t for t in tensors}, notes) | _set_v4_keys(config, notes)
     if not changed:
         return ckpt
     edited = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
@@ -285,6 +286,35 @@ def _set_dtype(config: dict[str, Any], tensors: list[TensorEntry]) -> bool:
     for key in keys:
         config[key] = want
     return True
+
+
+# Config keys transformers v5 renamed that v4 reads under their old name, by model_type: v4 takes its default without
+# them (Qwen3-MoE: 128 experts). Compared for 15 MoE model types, transformers 4.57 against 5.25; v5 reads both names.
+V4_NAMES = {"qwen3_moe": {"num_experts": "num_local_experts"}}
+
+
+def _set_v4_keys(config: dict[str, Any], notes: list[str]) -> bool:
+    """Keys a v5 config.json lacks for transformers v4 (and vLLM on it), added with the values v5 keeps elsewhere: the
+    v4 names of renamed keys, and `rope_theta` / `rope_scaling` at the top level where v5 writes the rotary settings only
+    under `rope_parameters` (v4 then takes the model's default theta: Mixtral's is 1e6). v5 reads `rope_parameters`
+    first; per-layer-type settings (a nested dict) are left alone."""
+    added = []
+    for old, new in V4_NAMES.get(str(config.get("model_type")), {}).items():
+        if old not in config and new in config:
+            config[old] = config[new]
+            added.append(old)
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        params = {}
+    if params and "rope_theta" not in config:
+        config["rope_theta"] = params["rope_theta"]
+        added.append("rope_theta")
+    if params and params.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        config["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+        added.append("rope_scaling")
+    if added:
+        notes.append(f"config.json: {', '.join(added)} added for transformers v4 and vLLM (v5 keeps the same values under other keys)")
+    return bool(added)
 
 
 def _set_tie(config: dict[str, Any], written: dict[str, TensorEntry], notes: list[str]) -> bool:
