@@ -371,6 +371,32 @@ def test_megatron_moe_preset_gives_every_expert_and_megatrons_logits(ckpt, mcore
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
 
 
+def test_megatron_qwen_preset_splits_the_qkv_bias_and_gives_megatrons_logits(ckpt, mcore, reference, tmp_path):
+    """Qwen2-style (add_qkv_bias): --preset megatron-gpt splits linear_qkv.bias per query group as the weight, and
+    Qwen2ForCausalLM.from_pretrained on the release computes Megatron's logits."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=GROUPS, max_position_embeddings=32, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+    ).save_pretrained(tmp_path / "config")  # fmt: skip
+    out = tmp_path / "release"
+    res = ckpt("convert", mcore / "qwen", out, "--to", "hf", "--preset", "megatron-gpt", "--hf-config", tmp_path / "config")
+    assert res.code == 0, res.err
+    got = load_file(out / "model-00001-of-00001.safetensors")
+    bias = plain(reference, "qwen")["decoder.layers.self_attention.linear_qkv.bias"]
+    per = HEADS // GROUPS
+    for layer in range(LAYERS):
+        heads = bias[layer].reshape(HEADS + 2 * GROUPS, HEAD_DIM)
+        q = torch.cat([heads[(per + 2) * g : (per + 2) * g + per] for g in range(GROUPS)]).flatten()
+        k, v = heads[per :: per + 2].flatten(), heads[per + 1 :: per + 2].flatten()
+        for proj, want in (("q", q), ("k", k), ("v", v)):
+            assert same(got[f"model.layers.{layer}.self_attn.{proj}_proj.bias"], want.contiguous())
+    torch.save({"logits": reference["qwen"]["logits"], "tokens": reference["qwen"]["ids"]}, tmp_path / "logits.pt")
+    res = ckpt("parity", out, "--logits", tmp_path / "logits.pt", "--atol", "1e-5", "--json")
+    assert res.code == 0 and json.loads(res.out)["ok"], res.out + res.err
+
+
 def test_megatron_moe_release_loads_in_transformers_v4(ckpt, mcore, reference, tmp_path):
     """transformers v4 (one tensor per expert, rope_theta at the top level) loads the Mixtral release with no missing or
     unexpected key and computes Megatron's logits."""

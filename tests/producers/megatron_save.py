@@ -10,6 +10,7 @@ no biases, untied output layer) is built with tensor parallel size 2, and its `s
                     `rng_state` ShardedObject per tensor-parallel rank, and in common.pt the iteration, the
                     checkpoint version and the run's args (argparse.Namespace), as Megatron-LM saves them
     OUT/per_layer   bfloat16; one key per layer (`decoder.layers.0.*`: metadata non_homogeneous_layers)
+    OUT/qwen        float32, Qwen2-style: the stacked model with biases on linear_qkv (add_qkv_bias)
     OUT/moe         float32, Mixtral-style: every MLP an MoE layer of 4 SequentialMLP experts (SwiGLU, 48 wide),
                     top-2 softmax router, the allgather token dispatcher; experts stacked under
                     `decoder.layers.mlp.experts.experts.*` [layer, expert, ...]
@@ -58,7 +59,7 @@ def cpu_shims() -> None:
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_token_dispatcher_type": "allgather"}
 
 
-def build(dtype: torch.dtype, moe: bool = False):
+def build(dtype: torch.dtype, moe: bool = False, qkv_bias: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -75,6 +76,7 @@ def build(dtype: torch.dtype, moe: bool = False):
         normalization="RMSNorm",
         layernorm_epsilon=1e-6,
         add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
         tensor_model_parallel_size=TP,
         use_cpu_initialization=True,
         params_dtype=dtype,
@@ -170,8 +172,8 @@ def main(out: Path) -> None:
     random.seed(0)
     np.random.seed(0)
     reference = {}
-    for name, dtype in (("stacked", torch.float32), ("per_layer", torch.bfloat16), ("moe", torch.float32)):
-        model = build(dtype, moe=name == "moe")
+    for name, dtype in (("stacked", torch.float32), ("per_layer", torch.bfloat16), ("qwen", torch.float32), ("moe", torch.float32)):
+        model = build(dtype, moe=name == "moe", qkv_bias=name == "qwen")
         if name == "stacked":
             optimizer = adam_state(model)
             state = {"model": model.sharded_state_dict(), "optimizer": optimizer, "iteration": 7, "checkpoint_version": 3.0}
