@@ -330,3 +330,18 @@ def test_ep_size_of_a_dense_checkpoint_is_refused(ckpt, ds_saves, tmp_path):
     res = ckpt("reshard", ds_saves[2] / "stage2-fp32", tmp_path / "out", "--world-size", 4, "--ep-size", 2)
     assert res.code == 2 and "--ep-size applies to DeepSpeed MoE checkpoints" in res.err and "Traceback" not in res.err
     assert not (tmp_path / "out").exists()
+
+
+def test_pipeline_parallel_checkpoint_is_refused_as_pipeline_not_tensor_parallel(ckpt, tmp_path):
+    """A PipelineModule save (per-stage mp_rank_0S files, layer_XX-model_states.pt): named as pipeline parallel with its
+    stage count, not as tensor parallel (both write several mp_rank files). Files as DeepSpeed 0.19 names them."""
+    tag = tmp_path / "run" / "global_step2"
+    tag.mkdir(parents=True)
+    (tmp_path / "run" / "latest").write_text("global_step2")
+    for stage in (0, 1):
+        state = {"module": None, "param_shapes": [{}], "dp_world_size": 1, "mp_world_size": 2}
+        state["checkpoint_parallel_dimensions"] = {"pp_degree": 2, "tp_degree": 1}
+        torch.save(state, tag / f"mp_rank_0{stage}_model_states.pt")
+        torch.save({"weight": torch.zeros(2)}, tag / f"layer_0{stage}-model_states.pt")
+    res = ckpt("inspect", tmp_path / "run")
+    assert res.code == 2 and "pipeline-parallel checkpoint (2 stages" in res.err and "tensor-parallel" not in res.err, res.err

@@ -10,23 +10,25 @@ from typing import Any
 
 from ckpt_cli.errors import UsageError
 
-VARIANTS = ((re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline-parallel layer files"),)
+PIPELINE_LAYER = re.compile(r"^layer_\d+(-model_\d+)?-model_states\.pt$")  # PipelineModule.ckpt_layer_path
 
 
 def refuse_variants(folder: Path, model: dict[str, Any], model_states: re.Pattern[str]) -> None:
     names = [p.name for p in folder.iterdir()]
-    for pattern, what in VARIANTS:
-        hit = next((n for n in names if pattern.match(n)), None)
-        if hit:
-            raise UsageError(f"{folder / hit}: {what} are not supported by ckpt (dense ZeRO data parallelism only)")
+    dims = model.get("checkpoint_parallel_dimensions") or {}
+    layer = next((n for n in names if PIPELINE_LAYER.match(n)), None)
+    if layer or dims.get("pp_degree", 1) > 1:
+        stages = dims.get("pp_degree", "several")
+        raise UsageError(
+            f"{folder / (layer or '')}: DeepSpeed pipeline-parallel checkpoint ({stages} stages: PipelineModule layer files and a "
+            "model-states and ZeRO file set per stage) is not supported by ckpt yet; load it with the same number of stages "
+            "(PipelineModule.load_state_dir)"
+        )
     if (folder / "offloaded_tensors").exists():
         raise UsageError(f"{folder}: NVMe-offloaded optimizer state (offloaded_tensors/) is not supported by ckpt")
     mp = {int(m.group(2)) for n in names if (m := model_states.match(n))}
     if len(mp) > 1 or model.get("mp_world_size", 1) > 1:
         raise UsageError(_tensor_parallel_refusal(folder, max(len(mp), model.get("mp_world_size", 1)), model))
-    dims = model.get("checkpoint_parallel_dimensions") or {}
-    if dims.get("pp_degree", 1) > 1:
-        raise UsageError(f"{folder}: pipeline-parallel checkpoint (pp_degree > 1) is not supported by ckpt")
     zero = (model.get("ds_config") or {}).get("zero_optimization") or {}
     if (zero.get("zero_hpz_partition_size") or 1) > 1 or (zero.get("mics_shard_size") or 0) > 0:
         raise UsageError(f"{folder}: hpZ/MiCS partitioning (partition group != data-parallel group) is not supported by ckpt")
