@@ -357,6 +357,29 @@ def ds_moe(tmp_path_factory) -> Path:
     return root
 
 
+DS_PIPE = ["stage1-fp32", "stage1-bf16"]
+
+
+@pytest.fixture(scope="session")
+def ds_pipe(tmp_path_factory) -> Path:
+    """Real DeepSpeed pipeline-parallel runs (PipelineModule, 2 stages, ZeRO-1) saved at world sizes 2 (1 data-parallel rank
+    per stage) and 4 (2), each resharded by ckpt to the other size and loaded there by DeepSpeed with a plain
+    load_checkpoint. Three torchrun launches. ROOT/w{2,4}/CONFIG (with reference.pt), ROOT/reshard/CONFIG-{2to4,4to2},
+    ROOT/loaded/CONFIG-{2to4,4to2}/loaded.pt (tests/producers/deepspeed_pipe.py)."""
+    root = tmp_path_factory.mktemp("ds_pipe")
+    torchrun(2, "deepspeed_pipe.py", "save", root / "w2", *DS_PIPE)
+    tasks: dict[int, list[str]] = {2: [], 4: []}
+    for src, dst in ((2, 4), (4, 2)):
+        tasks[dst] = [f"{root / 'reshard' / f'{c}-{src}to{dst}'}:{c}:{root / 'loaded' / f'{c}-{src}to{dst}'}" for c in DS_PIPE]
+    for config in DS_PIPE:
+        ckpt_quiet("reshard", root / "w2" / config, root / "reshard" / f"{config}-2to4", "--world-size", 4)
+    torchrun(4, "deepspeed_pipe.py", "save", root / "w4", *DS_PIPE, "+", "load", *tasks[4])
+    for config in DS_PIPE:
+        ckpt_quiet("reshard", root / "w4" / config, root / "reshard" / f"{config}-4to2", "--world-size", 2)
+    torchrun(2, "deepspeed_pipe.py", "load", *tasks[2])
+    return root
+
+
 # ---- per-rank DTensor torch.save files and DCP with safetensors serialization (tests/producers/dtensor_saves.py) ----
 
 DTENSOR_W2 = ["fsdp2", "skyrl", "fsdp1", "dcp-st", "dcp-hf", "dcp-hfc"]

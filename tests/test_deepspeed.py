@@ -332,16 +332,17 @@ def test_ep_size_of_a_dense_checkpoint_is_refused(ckpt, ds_saves, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_pipeline_parallel_checkpoint_is_refused_as_pipeline_not_tensor_parallel(ckpt, tmp_path):
-    """A PipelineModule save (per-stage mp_rank_0S files, layer_XX-model_states.pt): named as pipeline parallel with its
-    stage count, not as tensor parallel (both write several mp_rank files). Files as DeepSpeed 0.19 names them."""
+def test_pipeline_with_tensor_parallelism_is_refused_by_name(ckpt, tmp_path):
+    """Pipeline stages are read (tests/test_deepspeed_pipe.py); with tensor parallelism inside them
+    (checkpoint_parallel_dimensions tp_degree > 1) the slices cannot be joined: refused as such, not as a plain
+    tensor-parallel save. Hand-made model states as DeepSpeed 0.19 names them (only the refusal is tested here)."""
     tag = tmp_path / "run" / "global_step2"
     tag.mkdir(parents=True)
     (tmp_path / "run" / "latest").write_text("global_step2")
     for stage in (0, 1):
-        state = {"module": None, "param_shapes": [{}], "dp_world_size": 1, "mp_world_size": 2}
-        state["checkpoint_parallel_dimensions"] = {"pp_degree": 2, "tp_degree": 1}
+        state = {"module": None, "param_shapes": [{}], "dp_world_size": 1, "mp_world_size": 4}
+        state["checkpoint_parallel_dimensions"] = {"pp_degree": 2, "tp_degree": 2}
         torch.save(state, tag / f"mp_rank_0{stage}_model_states.pt")
-        torch.save({"weight": torch.zeros(2)}, tag / f"layer_0{stage}-model_states.pt")
+        torch.save({"weight": torch.zeros(2)}, tag / f"layer_0{stage}-model_00-model_states.pt")
     res = ckpt("inspect", tmp_path / "run")
-    assert res.code == 2 and "pipeline-parallel checkpoint (2 stages" in res.err and "tensor-parallel" not in res.err, res.err
+    assert res.code == 2 and "pipeline- and tensor-parallel checkpoint (tp_degree 2)" in res.err, res.err

@@ -11,17 +11,15 @@ once in deepspeed_layout.py; deepspeed_partitions.py turns the saved partitions 
 
 from __future__ import annotations
 
-import functools
-import math
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpt_cli.core import dtypes, pickler, roles, zipio
+from ckpt_cli.core import pickler, roles, zipio
 from ckpt_cli.core.interface import ReadOptions
-from ckpt_cli.core.model import Box, Checkpoint, FileInfo, LazyPieces, ObjectEntry, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.model import Checkpoint, FileInfo, LazyPieces, ObjectEntry, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
 from ckpt_cli.core.pickle_guard import charge
 from ckpt_cli.core.pickler import Global, Instance, Reduce
@@ -29,10 +27,10 @@ from ckpt_cli.core.safe_pickle import Sealed, TensorRef
 from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import flatten, path_name
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.formats import deepspeed_layout as zl
-from ckpt_cli.formats import deepspeed_moe, deepspeed_stage0
+from ckpt_cli.formats import deepspeed_moe, deepspeed_pipeline, deepspeed_stage0
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
-from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, WholePiece, ZeroFile, stage3_frozen_pieces
+from ckpt_cli.formats.deepspeed_model_states import frozen_and_buffers, training_dtype_weights
+from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, WholePiece, ZeroFile
 from ckpt_cli.formats.deepspeed_variants import refuse_universal, refuse_variants, world_problems
 from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
 from ckpt_cli.store import location
@@ -192,6 +190,7 @@ class Source:
     optim_prefix: str
     dtypes: dict[str, Any]
     copies: dict[str, ZeroFile] = field(default_factory=dict)
+    pipeline_stage: int | None = None  # the stage's mp_rank in a pipeline-parallel checkpoint (deepspeed_pipeline.py)
 
 
 @dataclass
@@ -244,11 +243,12 @@ def _load(path: Path, options: ReadOptions, parsed: Shared | None = None) -> Ran
     return RankFile(path, tree, records)
 
 
-def _ranked(folder: Path, pattern: re.Pattern[str], rank_group: int) -> dict[int, Path]:
+def _ranked(folder: Path, pattern: re.Pattern[str], rank_group: int, stage: int | None = None) -> dict[int, Path]:
+    """Files by data-parallel rank; `stage`: a pipeline stage's only (its mp_rank, the group after the rank's)."""
     out: dict[int, Path] = {}
     for p in folder.iterdir():
         m = pattern.match(p.name)
-        if m and m.group(rank_group) is not None:
+        if m and m.group(rank_group) is not None and (stage is None or int(m.group(rank_group + 1)) == stage):
             out[int(m.group(rank_group))] = p
     return out
 
@@ -261,9 +261,17 @@ class DeepSpeedReader:
 
     def read(self, path: Path, options: ReadOptions) -> Checkpoint:
         folder, tag, notes = resolve_tag(path, options.tag)
-        model_paths = _ranked(folder, MODEL_STATES, 1)
-        shared_model = [p for p in folder.iterdir() if (m := MODEL_STATES.match(p.name)) and m.group(1) is None]
-        optim_paths = _ranked(folder, OPTIM_STATES, 2)
+        return self.read_tag(path, folder, tag, notes, options)
+
+    def read_tag(
+        self, path: Path, folder: Path, tag: str, notes: list[str], options: ReadOptions, stage_of: int | None = None
+    ) -> Checkpoint:
+        """One tag folder, or with `stage_of` the files of one pipeline stage (formats/deepspeed_pipeline.py)."""
+        model_paths = _ranked(folder, MODEL_STATES, 1, stage_of)
+        shared_model = [
+            p for p in folder.iterdir() if (m := MODEL_STATES.match(p.name)) and m.group(1) is None and stage_of in (None, int(m.group(2)))
+        ]
+        optim_paths = _ranked(folder, OPTIM_STATES, 2, stage_of)
         if not model_paths and not shared_model:
             raise DataError(f"{folder}: no model-states file")
         parsed = Shared()  # rank files repeat their pickles (stage 3: all of them) and whole files; each is parsed once
@@ -272,10 +280,12 @@ class DeepSpeedReader:
             return _load(p, options, parsed)
 
         first_model = load(shared_model[0] if shared_model else model_paths[min(model_paths)])
+        if stage_of is None and deepspeed_pipeline.is_pipeline(folder, first_model.tree):
+            return deepspeed_pipeline.read(self, path, folder, tag, notes, options, load)
         moe_here = deepspeed_moe.is_moe(folder, first_model.tree)  # expert parallel: docs/formats.md §2.12
         if moe_here:
             deepspeed_moe.refuse_unsupported(folder, first_model.tree)
-        refuse_variants(folder, first_model.tree, MODEL_STATES)
+        refuse_variants(folder, first_model.tree, MODEL_STATES, pipeline_stage=stage_of is not None)
         if not optim_paths:
             refuse_universal(folder)  # ds_to_universal's output beside a native run's `latest`, picked by --tag
             if moe_here:  # MoE without ZeRO: the torch optimizer's state per expert-parallel rank
@@ -315,12 +325,12 @@ class DeepSpeedReader:
         else:
             layout = Stage12Partitions(first_model, optims, world, stage, moe.layout if moe else None, moe.order if moe else None)
         tensors = layout.model_tensors()
-        tensors.update(self._frozen_and_buffers(first_model, models, world, stage))
+        tensors.update(frozen_and_buffers(first_model, models, world, stage))
         for alias, owner in (model.get("shared_params") or {}).items():
             if owner in tensors and alias not in tensors:
                 tensors[alias] = TensorEntry(alias, tensors[owner].dtype, tensors[owner].shape, "model", tensors[owner].pieces)
         tensors.update(layout.optimizer_tensors())
-        tensors.update(self._training_dtype_weights(first_model, stage))
+        tensors.update(training_dtype_weights(first_model, stage))
         tensors.update(moe.tensors(tensors) if moe else {})
         client_tensors, objects = self._client_state(first_model, layout.param_groups())
         tensors.update(client_tensors)
@@ -355,7 +365,9 @@ class DeepSpeedReader:
         ckpt.training_state = self._training_state(ckpt, wrapper)
         prefix = "bf16_" if any(OPTIM_STATES.match(p.name).group(1) for p in optim_paths.values()) else ""
         dtypes_read = {n: t.dtype for n, t in tensors.items()}
-        ckpt.source = Source(folder, stage, world, first_model, models, optims, layout, prefix, dtypes_read, moe.copies if moe else {})
+        ckpt.source = Source(
+            folder, stage, world, first_model, models, optims, layout, prefix, dtypes_read, moe.copies if moe else {}, stage_of
+        )
         return ckpt
 
     def _stage0(self, path: Path, tag: str, notes: list[str], files: deepspeed_stage0.Stage0Files, options: ReadOptions) -> Checkpoint:
@@ -380,49 +392,6 @@ class DeepSpeedReader:
         ckpt.training_state = self._training_state(ckpt, wrapper)
         ckpt.source = deepspeed_stage0.Stage0Source(folder, world, files, {n: t.dtype for n, t in tensors.items()})
         return ckpt
-
-    def _frozen_and_buffers(self, first: RankFile, models: Mapping[int, RankFile], world: int, stage: int | None) -> dict[str, TensorEntry]:
-        """Buffers (as zero_to_fp32: floating ones in fp32) and frozen params (training dtype)."""
-        model = first.tree
-        module = model.get("module") or {}
-        out: dict[str, TensorEntry] = {}
-        for name in model.get("buffer_names") or []:
-            ref = module.get(name)
-            if isinstance(ref, TensorRef):
-                logical = dtypes.FLOAT32 if ref.dtype.is_float else ref.dtype
-                out[name] = TensorEntry(name, logical, ref.shape, "model", first.whole(ref))
-        shapes = model.get("frozen_param_shapes") or {}
-        for name, shape in shapes.items():
-            shape = tuple(shape)
-            n = math.prod(shape)
-            if stage == 3:  # every rank's model states hold a fragment: read when a command reads the data
-                dtype = models[0].tree["frozen_param_fragments"][name].dtype
-                pieces = LazyPieces(functools.partial(stage3_frozen_pieces, models, name, n, world), zl.stage3_rank_count(n, world))
-                out[name] = TensorEntry(name, dtype, shape, "model", pieces)
-            else:
-                ref = model["frozen_param_fragments"][name]
-                out[name] = TensorEntry(name, ref.dtype, shape, "model", [Piece(Box((0,) * len(shape), shape), first.array(ref))])
-        if model.get("frozen_param_shapes") is None and stage != 3:
-            # Stage 1 saves no frozen_* keys (zero_to_fp32 then drops frozen params); `module` still has them whole.
-            owned = {n for group in model.get("param_shapes") or [] for n in group} | set(model.get("shared_params") or {})
-            for name, ref in module.items():
-                if isinstance(ref, TensorRef) and name not in owned and name not in out and math.prod(ref.shape):
-                    out[name] = TensorEntry(name, ref.dtype, ref.shape, "model", first.whole(ref))
-        return out
-
-    def _training_dtype_weights(self, first: RankFile, stage: int | None) -> dict[str, TensorEntry]:
-        """The module's own copies of the trainable params (training dtype: bf16/fp16 or fp32), as `module.<name>`.
-        Stage 3 saves only empty placeholders there, so it has none."""
-        model = first.tree
-        owned = [n for group in model.get("param_shapes") or [] for n in group]
-        module = model.get("module") or {}
-        out = {}
-        for name in owned if stage != 3 else []:
-            ref = module.get(name)
-            if isinstance(ref, TensorRef) and math.prod(ref.shape):
-                path, full = ("module", name), f"module.{name}"
-                out[full] = TensorEntry(full, ref.dtype, ref.shape, "other", first.whole(ref), path, copy_of=name)
-        return out
 
     def _client_state(self, first: RankFile, param_groups: list[dict[str, Any]]) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry]]:
         """Everything beside the layout keys (engine counters, LR scheduler, client state) as saved by rank 0: its
@@ -452,6 +421,9 @@ class DeepSpeedReader:
         return state
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
+        if isinstance(ckpt.source, deepspeed_pipeline.PipelineSource):  # each stage's files, then every file's CRCs
+            stages = [p for stage in ckpt.source.stages for p in self.check(stage, False)]
+            return list(dict.fromkeys(stages)) + (self.check(replace(ckpt, source=None), True) if deep else [])
         problems = []
         root = location(ckpt.path)
         if ckpt.details.get("tag_from") == "latest" and ckpt.tag:
@@ -476,7 +448,8 @@ class DeepSpeedReader:
             problems += deepspeed_stage0.problems(ckpt.source.files)
         if isinstance(ckpt.source, Source):
             src = ckpt.source
-            problems += world_problems(src.folder, src.world, {m.path: m for m in (src.model, *src.models.values())}.values(), OPTIM_STATES)
+            models = {m.path: m for m in (src.model, *src.models.values())}.values()
+            problems += world_problems(src.folder, src.world, models, OPTIM_STATES, src.pipeline_stage)
             if isinstance(ckpt.source.layout, Stage3Partitions):
                 problems += ckpt.source.layout.flat_problems()
             if ckpt.source.layout.experts is not None:

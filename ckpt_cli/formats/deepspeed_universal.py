@@ -32,6 +32,7 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed
 from ckpt_cli.formats.deepspeed import MODEL_STATES, RankFile
 from ckpt_cli.formats.deepspeed import READER as NATIVE
+from ckpt_cli.formats.deepspeed_model_states import frozen_and_buffers
 from ckpt_cli.formats.deepspeed_variants import refuse_variants
 from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
 
@@ -112,7 +113,7 @@ class UniversalReader:
         # Buffers and frozen parameters as the native reader gives them, from the model states (their zero/ copies
         # are float casts of the module's, and stage 3 has none of the frozen ones: docs/formats.md §2.13)
         ranks = _model_ranks(folder, model_paths, first, options, parsed)
-        from_model_states = NATIVE._frozen_and_buffers(first, ranks, max(len(ranks), 1), stage)
+        from_model_states = frozen_and_buffers(first, ranks, max(len(ranks), 1), stage)
         skip = set(from_model_states)
         tensors, read_files = self._param_tensors(folder / ZERO, expected, skip, shared, module, options, parsed)
         files += read_files

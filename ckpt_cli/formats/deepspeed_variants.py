@@ -13,11 +13,14 @@ from ckpt_cli.errors import UsageError
 PIPELINE_LAYER = re.compile(r"^layer_\d+(-model_\d+)?-model_states\.pt$")  # PipelineModule.ckpt_layer_path
 
 
-def refuse_variants(folder: Path, model: dict[str, Any], model_states: re.Pattern[str]) -> None:
+def refuse_variants(folder: Path, model: dict[str, Any], model_states: re.Pattern[str], pipeline_stage: bool = False) -> None:
+    """`pipeline_stage`: the files of one stage of a pipeline-parallel checkpoint are read (deepspeed_pipeline.py)."""
     names = [p.name for p in folder.iterdir()]
     dims = model.get("checkpoint_parallel_dimensions") or {}
     layer = next((n for n in names if PIPELINE_LAYER.match(n)), None)
-    if layer or dims.get("pp_degree", 1) > 1:
+    if pipeline_stage and dims.get("tp_degree", 1) > 1:
+        raise UsageError(f"{folder}: pipeline- and tensor-parallel checkpoint (tp_degree {dims['tp_degree']}) is not supported by ckpt")
+    if (layer or dims.get("pp_degree", 1) > 1) and not pipeline_stage:
         stages = dims.get("pp_degree", "several")
         raise UsageError(
             f"{folder / (layer or '')}: DeepSpeed pipeline-parallel checkpoint ({stages} stages: PipelineModule layer files and a "
@@ -27,7 +30,7 @@ def refuse_variants(folder: Path, model: dict[str, Any], model_states: re.Patter
     if (folder / "offloaded_tensors").exists():
         raise UsageError(f"{folder}: NVMe-offloaded optimizer state (offloaded_tensors/) is not supported by ckpt")
     mp = {int(m.group(2)) for n in names if (m := model_states.match(n))}
-    if len(mp) > 1 or model.get("mp_world_size", 1) > 1:
+    if (len(mp) > 1 or model.get("mp_world_size", 1) > 1) and not pipeline_stage:
         raise UsageError(_tensor_parallel_refusal(folder, max(len(mp), model.get("mp_world_size", 1)), model))
     zero = (model.get("ds_config") or {}).get("zero_optimization") or {}
     if (zero.get("zero_hpz_partition_size") or 1) > 1 or (zero.get("mics_shard_size") or 0) > 0:
@@ -61,11 +64,11 @@ def refuse_universal(folder: Path) -> None:
         )
 
 
-def world_problems(folder: Path, world: int, models: Iterable[Any], optim_states: re.Pattern[str]) -> list[str]:
+def world_problems(folder: Path, world: int, models: Iterable[Any], optim_states: re.Pattern[str], stage: int | None = None) -> list[str]:
     """Where the files disagree on the world size, as DeepSpeed's loaders see it (docs/formats.md §2.10, §3):
     load_checkpoint opens the optimizer files of ranks 0..dp_world_size-1 (each model-states file in `models` says it)
     and partitions by the live size; zero_to_fp32 globs every '*_optim_states.pt' (`optim_states`, rank in group 2)
-    and refuses a count other than partition_count."""
+    and refuses a count other than partition_count. `stage`: a pipeline stage's files only (mp_rank in group 3)."""
     problems = []
     for model in models:
         dp = model.tree.get("dp_world_size")
@@ -77,7 +80,7 @@ def world_problems(folder: Path, world: int, models: Iterable[Any], optim_states
     ranks: dict[int, list[str]] = {}
     for p in sorted(folder.iterdir()):
         m = optim_states.match(p.name)
-        if m:
+        if m and (stage is None or int(m.group(3)) == stage):
             ranks.setdefault(int(m.group(2)), []).append(p.name)
     for rank, names in sorted(ranks.items()):
         if rank >= world:

@@ -28,7 +28,7 @@ from ckpt_cli.core.training import apply_per_rank_rule
 from ckpt_cli.core.tree import flatten, path_name, unflatten
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
-from ckpt_cli.formats import deepspeed_regroup, deepspeed_stage0
+from ckpt_cli.formats import deepspeed_pipeline, deepspeed_regroup, deepspeed_stage0
 from ckpt_cli.formats.deepspeed import ENGINE_KEYS, LATEST, LAYOUT_KEYS, Source, ZeroSource, fragment_address
 from ckpt_cli.formats.deepspeed_layout import Slot, ZeroLayout
 from ckpt_cli.formats.deepspeed_partitions import ZeroFile
@@ -101,6 +101,8 @@ class DeepSpeedWriter:
 
     def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
         src = ckpt.source
+        if ckpt.format == "deepspeed" and isinstance(src, deepspeed_pipeline.PipelineSource) and options.world_size:
+            return self._pipeline(ckpt, src, dest, options)
         if ckpt.format == "deepspeed" and isinstance(src, deepspeed_stage0.Stage0Source) and options.world_size:
             return Stage0Reshard(ckpt, src, options).plan(dest)
         if ckpt.format != "deepspeed" or not isinstance(src, (Source, BuiltSource)):
@@ -148,6 +150,31 @@ class DeepSpeedWriter:
         if experts_note:
             notes.append(experts_note)
         return WritePlan(self.name, dest, True, files, notes)
+
+    def _pipeline(self, ckpt: Checkpoint, src: deepspeed_pipeline.PipelineSource, dest: Path, options: WriteOptions) -> WritePlan:
+        """Each pipeline stage resharded to the new data-parallel size (world size / stages), the layer files copied."""
+        world, stages = options.world_size or 1, len(src.stages)
+        if {n: t.dtype for n, t in ckpt.tensors.items()} != src.dtypes:
+            raise UsageError("reshard of a DeepSpeed checkpoint copies every tensor as it is: --filter, prefixes, --dtype do not apply")
+        if world % stages:
+            raise UsageError(
+                f"--world-size {world} is not a multiple of the {stages} pipeline stages (the ranks are stages x data parallel)"
+            )
+        files, notes = [], []
+        for stage in src.stages:
+            plan = self.plan(stage, dest, dataclasses.replace(options, world_size=world // stages))
+            files += [f for f in plan.files if f.relpath != LATEST]
+            notes += [n for n in plan.notes[1:] if n not in notes]  # the per-rank and expert notes; the first is said below
+        tag = plain_component(ckpt.tag or src.folder.name, f"{ckpt.path}: DeepSpeed tag")
+        for name, layer in src.layers.items():
+            where = f"{tag}/{plain_component(name, f'{src.folder}: file name')}"
+            files.append(OutputFile(where, file_segments(tensorize(layer), where)))
+        files.append(OutputFile(LATEST, [Literal(tag.encode())], commit_marker=True))
+        said = (
+            f"resharded {stages} pipeline stages from {src.data_parallel} to {_ranks(world // stages, 'data-parallel ')} each; load it "
+            f"with a plain engine.load_checkpoint() on {_ranks(world)} with the same PipelineModule ({stages} stages) and DeepSpeed config"
+        )
+        return WritePlan(self.name, dest, True, files, [said, *notes])
 
 
 def _ranks(n: int, kind: str = "") -> str:
@@ -209,10 +236,11 @@ class Stage12Reshard:
     per_rank_note: str | None = None
 
     def files(self, tag: str) -> list[OutputFile]:
-        name = f"{tag}/mp_rank_00_model_states.pt"
+        mp = getattr(self.src, "pipeline_stage", None) or 0  # a pipeline stage's files carry its mp_rank
+        name = f"{tag}/mp_rank_{mp:02d}_model_states.pt"
         out = [OutputFile(name, self._model_states(name))]
         for rank in range(self.world):
-            name = f"{tag}/{self.src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            name = f"{tag}/{self.src.optim_prefix}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
             out.append(built(name, functools.partial(self._optimizer_file, rank, name), self.ckpt))
         return out
 

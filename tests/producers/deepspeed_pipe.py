@@ -1,0 +1,132 @@
+"""Real DeepSpeed pipeline parallelism (deepspeed.pipe.PipelineModule, 2 stages) under ZeRO-1 on the CPU (gloo), under torchrun.
+
+    torchrun --nproc-per-node W deepspeed_pipe.py save OUT CONFIG...          CONFIG = stage1-{fp32,bf16}
+    torchrun --nproc-per-node W deepspeed_pipe.py load SRC:CONFIG:OUT...
+    torchrun --nproc-per-node W deepspeed_pipe.py save OUT CONFIG... + load SRC:CONFIG:OUT...   (both, one launch)
+
+The model: Linear(8, 16), four residual blocks (LayerNorm, Linear(16, 16), a persistent buffer), Linear(16, 4), cut into
+2 stages by parameter count (`partition_method="parameters"`); W ranks are 2 stages x W/2 data-parallel ranks.
+save: train 2 batches (2 micro-batches of 2) with AdamW, save with engine.save_checkpoint and write OUT/CONFIG/reference.pt:
+what the run held, every stage's parameters under the PipelineModule's names (fp32 master weight, exp_avg, exp_avg_sq,
+step, gathered from DeepSpeed's live ZeRO-1 optimizer over each stage's data-parallel group).
+load: a fresh engine at this world size loads SRC with a plain engine.load_checkpoint, writes OUT/loaded.pt in the same
+layout, then trains one more batch (the loaded run works).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import LayerSpec, PipelineModule
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, index: int) -> None:
+        super().__init__()
+        self.norm, self.lin = nn.LayerNorm(width), nn.Linear(width, width)
+        self.register_buffer("scale", torch.full((width,), 1.0 + index / 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(self.norm(x)) * self.scale.to(x.dtype)
+
+
+def engine_for(name: str):
+    precision = name.split("-")[1]
+    torch.manual_seed(0)
+    layers = [LayerSpec(nn.Linear, 8, 16), *(LayerSpec(Block, 16, i) for i in range(4)), LayerSpec(nn.Linear, 16, 4)]
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="parameters")
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1000,
+    }
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine, torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def train(engine, dtype: torch.dtype, batches: range) -> None:
+    for batch in batches:
+        g = torch.Generator().manual_seed(1000 + batch * 10 + engine.grid.data_parallel_id)
+        data = [(torch.randn(2, 8, generator=g).to(dtype), torch.randn(2, 4, generator=g).to(dtype)) for _ in range(2)]
+        engine.train_batch(data_iter=iter(data))
+
+
+def held(engine) -> dict:
+    """This stage's parameters as the run holds them: fp32 master weight, exp_avg, exp_avg_sq and step, each summed over
+    the stage's data-parallel group from DeepSpeed's fragment mappings (tensor_fragment.py), as safe_get_full_fp32_param
+    does; every rank's view gathered, by the PipelineModule's names."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    opt = engine.optimizer
+    bf16_optimizer = hasattr(opt, "fp32_groups_flat_partition")
+    flats = opt.fp32_groups_flat_partition if bf16_optimizer else opt.single_partition_of_fp32_groups
+    group_of = {id(p): i for i, group in enumerate(opt.bf16_groups if bf16_optimizer else opt.bit16_groups) for p in group}
+    mine = {}
+    for name, param in engine.module.named_parameters():
+        state = {"fp32": safe_get_full_fp32_param(param).detach().clone().float()}
+        flat = flats[group_of[id(param)]]
+        for key in ("exp_avg", "exp_avg_sq"):
+            buffer = torch.zeros(param.numel(), dtype=torch.float32)
+            if param._hp_mapping is not None:
+                lp, hp = param._hp_mapping.lp_fragment_address, param._hp_mapping.hp_fragment_address
+                buffer.narrow(0, lp.start, lp.numel).copy_(opt.optimizer.state[flat][key].narrow(0, hp.start, hp.numel))
+            dist.all_reduce(buffer, group=param._dp_group)
+            state[key] = buffer.reshape(param.shape)
+        state["step"] = opt.optimizer.state[flat]["step"].detach().clone()
+        mine[name] = state
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for view in everyone:
+        for name, state in view.items():
+            if name in out:  # a stage's data-parallel replicas: all must agree
+                assert all(torch.equal(out[name][k], v) for k, v in state.items()), name
+            out[name] = state
+    return out
+
+
+def save(out: str, *names: str) -> None:
+    for name in names:
+        engine, dtype = engine_for(name)
+        train(engine, dtype, range(2))
+        engine.save_checkpoint(os.path.join(out, name))
+        reference = held(engine)
+        if dist.get_rank() == 0:
+            torch.save({"world": dist.get_world_size(), "params": reference}, os.path.join(out, name, "reference.pt"))
+        dist.barrier()
+
+
+def load(*tasks: str) -> None:
+    for task in tasks:
+        src, name, out = task.split(":")
+        engine, dtype = engine_for(name)
+        engine.load_checkpoint(src)
+        loaded = held(engine)
+        if dist.get_rank() == 0:
+            os.makedirs(out, exist_ok=True)
+            torch.save({"world": dist.get_world_size(), "params": loaded, "steps": engine.global_steps}, os.path.join(out, "loaded.pt"))
+        train(engine, dtype, range(2, 3))  # the loaded run takes a step
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    deepspeed.init_distributed(dist_backend="gloo")
+    command: list[str] = []
+    for arg in [*sys.argv[1:], "+"]:  # commands separated by '+': save OUT CONFIG... + load TASK...
+        if arg != "+":
+            command.append(arg)
+            continue
+        {"save": save, "load": load}[command[0]](*command[1:])
+        command = []
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
