@@ -300,6 +300,13 @@ def test_deal_in_order_names_the_optimizers_entries_only_when_unique():
     assert deal_in_order([(f"p{i}", (1,)) for i in range(3000)], [[(1,)] * 3000]) is not None  # long, forced
 
 
+def test_stage0_training_state_moves_to_dcp(ckpt, ds_moe, tmp_path):
+    res = ckpt("convert", ds_moe / "w2" / "stage0-fp32-ep2", tmp_path / "dcp", "--to", "dcp", "--world-size", 2)
+    assert res.code == 0, res.err
+    res = ckpt("diff", ds_moe / "w2" / "stage0-fp32-ep2", tmp_path / "dcp")
+    assert res.code == 0 and "equal (bit-exact)" in res.out, res.out + res.err
+
+
 def test_stage0_names_every_optimizer_entry(ds_moe):
     ckpt = open_checkpoint(ds_moe / "w2" / "stage0-fp32-ep2")
     assert ckpt.details["zero_stage"] == 0 and not any("not read" in n for n in ckpt.notes)

@@ -88,3 +88,15 @@ def test_refusals(ckpt, ds_pipe, tmp_path):
     shutil.copytree(src, run)
     (run / "global_step2" / "mp_rank_01_model_states.pt").unlink()
     assert_fails(ckpt("inspect", run), "mp_rank_01_model_states.pt", "stage 1")
+
+
+def test_training_state_moves_to_dcp_and_plain_deepspeed(ckpt, ds_pipe, tmp_path):
+    """The joined stages are one training state: to DCP (FSDP2 layout) and to a plain ZeRO-2 save of the same names,
+    each equal to the source by parameter name (weights and Adam state, bit for bit)."""
+    src = ds_pipe / "w4" / "stage1-fp32"
+    for target, extra in (("dcp", ()), ("deepspeed", ("--zero-stage", "2"))):
+        out = tmp_path / target
+        res = ckpt("convert", src, out, "--to", target, "--world-size", 2, *extra)
+        assert res.code == 0, res.err
+        res = ckpt("diff", src, out)
+        assert res.code == 0 and "equal (bit-exact)" in res.out, res.out + res.err

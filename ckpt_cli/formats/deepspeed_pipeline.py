@@ -21,6 +21,7 @@ from typing import Any
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, TensorEntry
 from ckpt_cli.core.safe_pickle import TensorRef
+from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats.deepspeed_variants import PIPELINE_LAYER
 
@@ -45,6 +46,18 @@ class PipelineSource:
     @property
     def data_parallel(self) -> int:
         return self.stages[0].world_size or 1
+
+    @property
+    def model(self) -> Any:
+        """Stage 0's model states (engine keys, client state) with every stage's buffer names, as a ZeRO source's."""
+        trees = [stage.source.model.tree for stage in self.stages]
+        buffers = [n for tree in trees for n in (tree.get("buffer_names") or [])]
+        return _Tree({**trees[0], "buffer_names": buffers})
+
+
+@dataclass
+class _Tree:
+    tree: dict[str, Any]
 
 
 def read(
@@ -106,8 +119,9 @@ def _layer_tensors(layers: Mapping[str, Any], params: Mapping[str, TensorEntry],
             if name in buffers:
                 out[name] = TensorEntry(name, ref.dtype, ref.shape, "model", f.whole(ref))
             elif name in params:
-                out[f"module.{name}"] = TensorEntry(f"module.{name}", ref.dtype, ref.shape, "other", f.whole(ref), copy_of=name)
+                path = ("module", name)
+                out[f"module.{name}"] = TensorEntry(f"module.{name}", ref.dtype, ref.shape, "other", f.whole(ref), path, copy_of=name)
             else:
-                full = f"module.layer_{index:02d}.{key}"
-                out[full] = TensorEntry(full, ref.dtype, ref.shape, "other", f.whole(ref))
+                path = ("module", f"layer_{index:02d}.{key}")
+                out[f"module.layer_{index:02d}.{key}"] = TensorEntry(path_name(path), ref.dtype, ref.shape, "other", f.whole(ref), path)
     return out

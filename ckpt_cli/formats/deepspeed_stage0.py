@@ -101,6 +101,11 @@ class Stage0Source:
     files: Stage0Files
     dtypes: dict[str, Any]
 
+    @property
+    def model(self) -> Any:
+        """The model-states file (engine keys, buffer names, client state), as a ZeRO source's."""
+        return self.files.model
+
 
 @dataclass
 class Stage0Files:
