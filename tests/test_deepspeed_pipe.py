@@ -100,3 +100,20 @@ def test_training_state_moves_to_dcp_and_plain_deepspeed(ckpt, ds_pipe, tmp_path
         assert res.code == 0, res.err
         res = ckpt("diff", src, out)
         assert res.code == 0 and "equal (bit-exact)" in res.out, res.out + res.err
+
+
+@pytest.mark.parametrize(
+    "victim,needle",
+    [
+        ("layer_02-model_states.pt", "layer 2 holds parameters"),
+        ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "pipeline stage 1 has no ZeRO optimizer file"),
+    ],
+)
+def test_verify_names_a_missing_file(ckpt, ds_pipe, tmp_path, victim, needle):
+    """DeepSpeed's load_state_dir opens every layer's file and each stage its ZeRO files: a missing one fails verify."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(ds_pipe / "w2" / "stage1-fp32", run)
+    (run / "global_step2" / victim).unlink()
+    assert_fails(ckpt("verify", run), victim, needle)

@@ -423,6 +423,7 @@ class DeepSpeedReader:
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
         if isinstance(ckpt.source, deepspeed_pipeline.PipelineSource):  # each stage's files, then every file's CRCs
             stages = [p for stage in ckpt.source.stages for p in self.check(stage, False)]
+            stages += deepspeed_pipeline.missing_layers(ckpt.source)
             return list(dict.fromkeys(stages)) + (self.check(replace(ckpt, source=None), True) if deep else [])
         problems = []
         root = location(ckpt.path)

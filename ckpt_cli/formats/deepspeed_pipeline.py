@@ -26,6 +26,7 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats.deepspeed_variants import PIPELINE_LAYER
 
 STAGE_MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")  # as deepspeed.py's
 LAYER_INDEX = re.compile(r"^layer_(\d+)")
 
 
@@ -65,12 +66,17 @@ def read(
 ) -> Checkpoint:
     """The stages (each through `reader.read_tag`) and the layer files as one checkpoint of the whole model."""
     stage_files = sorted(int(m.group(1)) for p in folder.iterdir() if (m := STAGE_MODEL_STATES.match(p.name)))
-    first = load(folder / f"mp_rank_{stage_files[0]:02d}_model_states.pt") if stage_files else None
-    dims = (first.tree.get("checkpoint_parallel_dimensions") if first else None) or {}
+    if not stage_files:
+        raise DataError(f"{folder}: pipeline layer files without any stage's model states (mp_rank_XX_model_states.pt)")
+    dims = load(folder / f"mp_rank_{stage_files[0]:02d}_model_states.pt").tree.get("checkpoint_parallel_dimensions") or {}
     count = dims.get("pp_degree") or len(stage_files)
     if stage_files != list(range(count)):
         missing = min(set(range(count)) - set(stage_files), default=len(stage_files))
         raise DataError(f"{folder}: mp_rank_{missing:02d}_model_states.pt of pipeline stage {missing} is missing ({count} stages)")
+    optims = {int(m.group(3)) for p in folder.iterdir() if (m := OPTIM_STATES.match(p.name))}
+    if optims and optims != set(range(count)):
+        stage = min(set(range(count)) - optims)
+        raise DataError(f"{folder}: pipeline stage {stage} has no ZeRO optimizer file (zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt)")
     stages = [reader.read_tag(path, folder, tag, [], options, stage_of=s) for s in range(count)]
     for s, stage in enumerate(stages):
         if stage.details.get("moe_layers") or stage.details.get("zero_stage") not in (1, None):
@@ -104,6 +110,14 @@ def read(
     ckpt.training_state = reader._training_state(ckpt, details.get("optimizer_wrapper", ""))
     ckpt.source = PipelineSource(folder, stages, layers, {n: t.dtype for n, t in tensors.items()})
     return ckpt
+
+
+def missing_layers(source: PipelineSource) -> list[str]:
+    """A layer holding parameters (`IDX.name` in a stage's param_shapes) without its layer file: DeepSpeed's
+    load_state_dir finds no file for it and fails (docs/formats.md §2.14)."""
+    have = {int(m.group(1)) for name in source.layers if (m := LAYER_INDEX.match(name))}
+    owners = sorted({int(n.split(".", 1)[0]) for stage in source.stages for n in stage.tensors if n.split(".", 1)[0].isdigit()})
+    return [f"{source.folder}: layer_{i:02d}-model_states.pt is missing (layer {i} holds parameters)" for i in owners if i not in have]
 
 
 def _layer_tensors(layers: Mapping[str, Any], params: Mapping[str, TensorEntry], buffers: set[str]) -> dict[str, TensorEntry]:
