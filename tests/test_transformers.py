@@ -58,8 +58,13 @@ def test_an_hf_release_carries_its_config_and_the_config_says_the_dtype_written(
 
     model, root = tiny_llama
     same = tmp_path / "same"
-    assert ckpt("reshard", root / "sharded", same, "--num-shards", "2").code == 0
-    assert (same / "config.json").read_bytes() == (root / "sharded" / "config.json").read_bytes()
+    res = ckpt("reshard", root / "sharded", same, "--num-shards", "2")
+    assert res.code == 0 and "rope_theta added for transformers v4" in res.err, res.err
+    saved, kept = json.loads((root / "sharded" / "config.json").read_text()), json.loads((same / "config.json").read_text())
+    assert "rope_theta" not in saved and kept == {**saved, "rope_theta": saved["rope_parameters"]["rope_theta"]}  # v5 keeps it nested
+    again = tmp_path / "again"
+    assert ckpt("reshard", same, again, "--num-shards", "1").code == 0
+    assert (again / "config.json").read_bytes() == (same / "config.json").read_bytes()  # nothing to change: the bytes as they are
     assert (same / "generation_config.json").is_file()
     assert_same_tensors(AutoModelForCausalLM.from_pretrained(same).state_dict(), model.state_dict())
     half = tmp_path / "half"
