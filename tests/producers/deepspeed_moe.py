@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import deepspeed
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.utils import groups
+from ds_held import gathered, run, zero_state
 from torch import nn
 
 STEPS = 3
@@ -129,38 +129,9 @@ def global_name(engine, name: str) -> str:
 
 
 def held(engine) -> dict:
-    """What the run holds, full tensors by global parameter name: fp32 master weights, exp_avg, exp_avg_sq, step.
-    Each param's partitions are summed over its own data-parallel group (the expert data-parallel group for an
-    expert), from DeepSpeed's fragment mappings (tensor_fragment.py), as safe_get_full_fp32_param does."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    opt = engine.optimizer
-    bf16_optimizer = hasattr(opt, "fp32_groups_flat_partition")
-    flats = opt.fp32_groups_flat_partition if bf16_optimizer else opt.single_partition_of_fp32_groups
-    group_of = {id(p): i for i, group in enumerate(opt.bf16_groups if bf16_optimizer else opt.bit16_groups) for p in group}
-    mine: dict[str, dict[str, torch.Tensor]] = {}
-    for name, param in engine.module.named_parameters():
-        fp32 = safe_get_full_fp32_param(param)
-        state = {"fp32": fp32.detach().clone().float()}
-        flat = flats[group_of[id(param)]]
-        for key in ("exp_avg", "exp_avg_sq"):
-            buffer = torch.zeros(param.numel(), dtype=torch.float32)
-            if param._hp_mapping is not None:
-                lp, hp = param._hp_mapping.lp_fragment_address, param._hp_mapping.hp_fragment_address
-                buffer.narrow(0, lp.start, lp.numel).copy_(opt.optimizer.state[flat][key].narrow(0, hp.start, hp.numel))
-            dist.all_reduce(buffer, group=param._dp_group)
-            state[key] = buffer.reshape(param.shape)
-        state["step"] = opt.optimizer.state[flat]["step"].detach().clone()
-        mine[global_name(engine, name)] = state
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for rank_view in everyone:
-        for name, state in rank_view.items():
-            if name in out:  # held by several ranks: all must agree
-                assert all(torch.equal(out[name][k], v) for k, v in state.items()), name
-            out[name] = state
-    return out
+    """What the run holds, full tensors by global parameter name: fp32 master weights, exp_avg, exp_avg_sq, step
+    (ds_held.zero_state: each expert summed over its expert-data-parallel group)."""
+    return zero_state(engine, lambda name: global_name(engine, name))
 
 
 def held_without_zero(engine) -> dict:
@@ -171,15 +142,7 @@ def held_without_zero(engine) -> dict:
     for name, param in engine.module.named_parameters():
         state = {"fp32": param.detach().clone().float(), **{k: v.detach().clone() for k, v in opt.state[param].items()}}
         mine[global_name(engine, name)] = state
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for rank_view in everyone:
-        for name, state in rank_view.items():
-            if name in out:  # held by several ranks: all must agree
-                assert all(torch.equal(out[name][k], v) for k, v in state.items()), name
-            out[name] = state
-    return out
+    return gathered(mine)
 
 
 def held_now(engine) -> dict:
@@ -213,14 +176,4 @@ def load(*tasks: str) -> None:
 
 
 if __name__ == "__main__":
-    deepspeed.init_distributed(dist_backend="gloo")
-    command: list[str] = []
-    for arg in [*sys.argv[1:], "+"]:  # commands separated by '+': save OUT CONFIG... + load TASK...
-        if arg != "+":
-            command.append(arg)
-            continue
-        {"save": save, "load": load}[command[0]](*command[1:])
-        command = []
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    run({"save": save, "load": load})

@@ -16,12 +16,12 @@ layout, then trains one more batch (the loaded run works).
 from __future__ import annotations
 
 import os
-import sys
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule
+from ds_held import run, zero_state
 from torch import nn
 
 
@@ -61,37 +61,9 @@ def train(engine, dtype: torch.dtype, batches: range) -> None:
 
 
 def held(engine) -> dict:
-    """This stage's parameters as the run holds them: fp32 master weight, exp_avg, exp_avg_sq and step, each summed over
-    the stage's data-parallel group from DeepSpeed's fragment mappings (tensor_fragment.py), as safe_get_full_fp32_param
-    does; every rank's view gathered, by the PipelineModule's names."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    opt = engine.optimizer
-    bf16_optimizer = hasattr(opt, "fp32_groups_flat_partition")
-    flats = opt.fp32_groups_flat_partition if bf16_optimizer else opt.single_partition_of_fp32_groups
-    group_of = {id(p): i for i, group in enumerate(opt.bf16_groups if bf16_optimizer else opt.bit16_groups) for p in group}
-    mine = {}
-    for name, param in engine.module.named_parameters():
-        state = {"fp32": safe_get_full_fp32_param(param).detach().clone().float()}
-        flat = flats[group_of[id(param)]]
-        for key in ("exp_avg", "exp_avg_sq"):
-            buffer = torch.zeros(param.numel(), dtype=torch.float32)
-            if param._hp_mapping is not None:
-                lp, hp = param._hp_mapping.lp_fragment_address, param._hp_mapping.hp_fragment_address
-                buffer.narrow(0, lp.start, lp.numel).copy_(opt.optimizer.state[flat][key].narrow(0, hp.start, hp.numel))
-            dist.all_reduce(buffer, group=param._dp_group)
-            state[key] = buffer.reshape(param.shape)
-        state["step"] = opt.optimizer.state[flat]["step"].detach().clone()
-        mine[name] = state
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for view in everyone:
-        for name, state in view.items():
-            if name in out:  # a stage's data-parallel replicas: all must agree
-                assert all(torch.equal(out[name][k], v) for k, v in state.items()), name
-            out[name] = state
-    return out
+    """This stage's parameters as the run holds them (ds_held.zero_state: each summed over the stage's data-parallel
+    group), every rank's view gathered, by the PipelineModule's names."""
+    return zero_state(engine)
 
 
 def save(out: str, *names: str) -> None:
@@ -119,14 +91,4 @@ def load(*tasks: str) -> None:
 
 
 if __name__ == "__main__":
-    deepspeed.init_distributed(dist_backend="gloo")
-    command: list[str] = []
-    for arg in [*sys.argv[1:], "+"]:  # commands separated by '+': save OUT CONFIG... + load TASK...
-        if arg != "+":
-            command.append(arg)
-            continue
-        {"save": save, "load": load}[command[0]](*command[1:])
-        command = []
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    run({"save": save, "load": load})
