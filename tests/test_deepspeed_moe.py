@@ -307,6 +307,12 @@ def test_stage0_training_state_moves_to_dcp(ckpt, ds_moe, tmp_path):
     assert res.code == 0 and "equal (bit-exact)" in res.out, res.out + res.err
 
 
+def test_stage0_reshard_refuses_a_view(ckpt, ds_moe, tmp_path):
+    """A reshard writes the files again: --dtype cannot apply (refused as for every DeepSpeed reshard, not ignored)."""
+    res = ckpt("reshard", ds_moe / "w2" / "stage0-fp32-ep2", tmp_path / "out", "--world-size", 2, "--dtype", "bf16")
+    assert res.code == 2 and "copies every tensor as it is" in res.err and not (tmp_path / "out").exists()
+
+
 def test_stage0_names_every_optimizer_entry(ds_moe):
     ckpt = open_checkpoint(ds_moe / "w2" / "stage0-fp32-ep2")
     assert ckpt.details["zero_stage"] == 0 and not any("not read" in n for n in ckpt.notes)

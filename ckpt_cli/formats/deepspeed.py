@@ -288,6 +288,9 @@ class DeepSpeedReader:
         refuse_variants(folder, first_model.tree, MODEL_STATES, pipeline_stage=stage_of is not None)
         if not optim_paths:
             refuse_universal(folder)  # ds_to_universal's output beside a native run's `latest`, picked by --tag
+            if stage_of is not None and any(OPTIM_STATES.match(p.name) for p in folder.iterdir()):  # other stages have theirs
+                expected = f"zero_pp_rank_0_mp_rank_{stage_of:02d}_optim_states.pt"
+                raise DataError(f"{folder}: pipeline stage {stage_of} has no ZeRO optimizer file ({expected})")
             if moe_here:  # MoE without ZeRO: the torch optimizer's state per expert-parallel rank
                 return self._stage0(path, tag, notes, deepspeed_stage0.read_files(folder, first_model, load), options)
             raise UsageError(

@@ -26,7 +26,6 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats.deepspeed_variants import PIPELINE_LAYER
 
 STAGE_MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")  # as deepspeed.py's
 LAYER_INDEX = re.compile(r"^layer_(\d+)")
 
 
@@ -73,10 +72,6 @@ def read(
     if stage_files != list(range(count)):
         missing = min(set(range(count)) - set(stage_files), default=len(stage_files))
         raise DataError(f"{folder}: mp_rank_{missing:02d}_model_states.pt of pipeline stage {missing} is missing ({count} stages)")
-    optims = {int(m.group(3)) for p in folder.iterdir() if (m := OPTIM_STATES.match(p.name))}
-    if optims and optims != set(range(count)):
-        stage = min(set(range(count)) - optims)
-        raise DataError(f"{folder}: pipeline stage {stage} has no ZeRO optimizer file (zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt)")
     stages = [reader.read_tag(path, folder, tag, [], options, stage_of=s) for s in range(count)]
     for s, stage in enumerate(stages):
         if stage.details.get("moe_layers") or stage.details.get("zero_stage") not in (1, None):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core.model import Box, Piece, TensorEntry
+from ckpt_cli.core.model import TensorEntry
 from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
@@ -248,14 +248,11 @@ def tensors(files: Stage0Files) -> dict[str, TensorEntry]:
     """The weights (model states' module, the expert files' experts under global names) and, when the names were told,
     each param's optimizer state `optimizer.state.<name>.<key>` (dense params from rank 0's file, experts from their own)."""
     out: dict[str, TensorEntry] = {}
-    module = files.model.tree.get("module") or {}
-    for f in [files.model, *files.experts.values()]:
-        items = module.items() if f is files.model else f.tree.items()
-        for key, ref in items:
+    trees = [(files.model, files.model.tree.get("module") or {}), *((f, f.tree) for f in files.experts.values())]
+    for f, tree in trees:
+        for key, ref in tree.items():
             if isinstance(ref, TensorRef):
-                out[str(key)] = TensorEntry(
-                    str(key), ref.dtype, ref.shape, "model", [Piece(Box((0,) * len(ref.shape), ref.shape), f.array(ref))]
-                )
+                out[str(key)] = TensorEntry(str(key), ref.dtype, ref.shape, "model", f.whole(ref))
     if files.shapes is None:
         return out
     for e, f in files.expp.items():
@@ -268,8 +265,7 @@ def tensors(files: Stage0Files) -> dict[str, TensorEntry]:
                 for key, ref in (opt["state"].get(index) or {}).items():
                     if isinstance(ref, TensorRef):
                         path = ("optimizer", "state", name, str(key))
-                        pieces = [Piece(Box((0,) * len(ref.shape), ref.shape), f.array(ref))]
-                        out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, ref.shape, "optimizer", pieces, path)
+                        out[path_name(path)] = TensorEntry(path_name(path), ref.dtype, ref.shape, "optimizer", f.whole(ref), path)
     return out
 
 

@@ -20,12 +20,11 @@ def refuse_variants(folder: Path, model: dict[str, Any], model_states: re.Patter
     layer = next((n for n in names if PIPELINE_LAYER.match(n)), None)
     if pipeline_stage and dims.get("tp_degree", 1) > 1:
         raise UsageError(f"{folder}: pipeline- and tensor-parallel checkpoint (tp_degree {dims['tp_degree']}) is not supported by ckpt")
-    if (layer or dims.get("pp_degree", 1) > 1) and not pipeline_stage:
+    if (layer or dims.get("pp_degree", 1) > 1) and not pipeline_stage:  # the native reader reads these before: universal only
         stages = dims.get("pp_degree", "several")
         raise UsageError(
-            f"{folder / (layer or '')}: DeepSpeed pipeline-parallel checkpoint ({stages} stages: PipelineModule layer files and a "
-            "model-states and ZeRO file set per stage) is not supported by ckpt yet; load it with the same number of stages "
-            "(PipelineModule.load_state_dir)"
+            f"{folder / (layer or '')}: DeepSpeed pipeline-parallel files ({stages} stages: PipelineModule layer files and a "
+            "model-states and ZeRO file set per stage) are read from a native tag folder only (--format deepspeed), not here"
         )
     if (folder / "offloaded_tensors").exists():
         raise UsageError(f"{folder}: NVMe-offloaded optimizer state (offloaded_tensors/) is not supported by ckpt")

@@ -110,11 +110,7 @@ class DeepSpeedWriter:
         world = options.world_size
         if not world:
             raise UsageError("writing deepspeed needs --world-size N (the new data-parallel size)")
-        if {n: t.dtype for n, t in ckpt.tensors.items()} != src.dtypes:
-            raise UsageError(
-                "reshard of a DeepSpeed checkpoint copies every tensor as it is: --filter, prefixes, --dtype "
-                "and --weights-only do not apply"
-            )
+        _refuse_views(ckpt, src.dtypes)
         zero_config = (src.model.tree.get("ds_config") or {}).get("zero_optimization") or {}
         reshard: Stage12Reshard | Stage3Reshard
         experts_note = None
@@ -154,8 +150,7 @@ class DeepSpeedWriter:
     def _pipeline(self, ckpt: Checkpoint, src: deepspeed_pipeline.PipelineSource, dest: Path, options: WriteOptions) -> WritePlan:
         """Each pipeline stage resharded to the new data-parallel size (world size / stages), the layer files copied."""
         world, stages = options.world_size or 1, len(src.stages)
-        if {n: t.dtype for n, t in ckpt.tensors.items()} != src.dtypes:
-            raise UsageError("reshard of a DeepSpeed checkpoint copies every tensor as it is: --filter, prefixes, --dtype do not apply")
+        _refuse_views(ckpt, src.dtypes)
         if world % stages:
             raise UsageError(
                 f"--world-size {world} is not a multiple of the {stages} pipeline stages (the ranks are stages x data parallel)"
@@ -175,6 +170,14 @@ class DeepSpeedWriter:
             f"with a plain engine.load_checkpoint() on {_ranks(world)} with the same PipelineModule ({stages} stages) and DeepSpeed config"
         )
         return WritePlan(self.name, dest, True, files, [said, *notes])
+
+
+def _refuse_views(ckpt: Checkpoint, read: dict[str, Any]) -> None:
+    """A reshard writes the source's files again: a view that selected, renamed or cast tensors cannot apply."""
+    if {n: t.dtype for n, t in ckpt.tensors.items()} != read:
+        raise UsageError(
+            "reshard of a DeepSpeed checkpoint copies every tensor as it is: --filter, prefixes, --dtype and --weights-only do not apply"
+        )
 
 
 def _ranks(n: int, kind: str = "") -> str:
@@ -415,6 +418,7 @@ class Stage0Reshard:
     (deepspeed_regroup.py) and each param's state taken by name (docs/formats.md §2.12)."""
 
     def __init__(self, ckpt: Checkpoint, src: deepspeed_stage0.Stage0Source, options: WriteOptions) -> None:
+        _refuse_views(ckpt, src.dtypes)
         self.ckpt, self.src, self.world, self.rule = ckpt, src, options.world_size or 1, options.per_rank_rule
         files = src.files
         current = {m: files.ep for m in files.layout.layers}
