@@ -114,6 +114,20 @@ def group_keys(groups: list[Mapping[str, Any]]) -> list[tuple[str, int]]:
     return out
 
 
+def load_expert_files(folder: Path, num_experts: list[int], load: Callable[[Path], Any]) -> dict[tuple[int, int], Any]:
+    """Every expert file (each loaded through `load`: a RankFile, with its path) by (MoE layer, global expert), in order;
+    DataError naming the first one missing."""
+    found = {(int(m.group(1)), int(m.group(2))): p for p in folder.iterdir() if (m := EXPERT_FILE.match(p.name))}
+    missing = [(layer, e) for layer, n in enumerate(num_experts) for e in range(n) if (layer, e) not in found]
+    if missing:
+        layer, e = missing[0]
+        raise DataError(
+            f"{folder}: expert file layer_{layer}_expert_{e}_mp_rank_00_model_states.pt is missing ({len(missing)} of "
+            f"{sum(num_experts)} missing); DeepSpeed's load_checkpoint opens every one"
+        )
+    return {key: load(p) for key, p in sorted(found.items())}
+
+
 def read_experts(
     folder: Path,
     model: ZeroFile,
@@ -151,19 +165,8 @@ def read_experts(
                     f"{folder}: param group {group.get('name')!r} of rank {r} is partitioned {count} ways, but {world} ranks at "
                     f"expert-parallel size {ep_sizes[g]} make {world // ep_sizes[g]}"
                 )
-    files: dict[tuple[int, int], Path] = {}
-    for p in folder.iterdir():
-        if m := EXPERT_FILE.match(p.name):
-            files[int(m.group(1)), int(m.group(2))] = p
     num_experts = [int(n) for n in tree["num_experts"]]
-    missing = [(layer, e) for layer, n in enumerate(num_experts) for e in range(n) if (layer, e) not in files]
-    if missing:
-        layer, e = missing[0]
-        raise DataError(
-            f"{folder}: expert file layer_{layer}_expert_{e}_mp_rank_00_model_states.pt is missing ({len(missing)} of "
-            f"{sum(num_experts)} missing); DeepSpeed's load_checkpoint opens every one"
-        )
-    experts = {key: load(p) for key, p in sorted(files.items())}
+    experts = load_expert_files(folder, num_experts, load)
     module_group = {m: g for g, shapes in enumerate(tree.get("param_shapes") or []) for n in shapes if (m := zl.expert_module(n))}
     num_local: dict[str, int] = {}
     modules: dict[int, str] = {}
@@ -184,10 +187,8 @@ def read_experts(
     layers = tuple(modules[layer] for layer in sorted(modules))
     layout = zl.ExpertLayout(tuple(ep_sizes), num_local, bool(config.get("use_data_before_expert_parallelism")), layers)
     expp = sorted(p for p in folder.iterdir() if EXPP_OPTIM.match(p.name))
-    paths = [p for _, p in sorted(files.items())]
-    return MoEFiles(
-        layout, order, num_experts, expert_groups, modules, experts, paths + expp, {p.name: experts[k] for k, p in sorted(files.items())}
-    )
+    paths = [f.path for f in experts.values()]
+    return MoEFiles(layout, order, num_experts, expert_groups, modules, experts, paths + expp, {f.path.name: f for f in experts.values()})
 
 
 def partition_problems(layout: Stage12Partitions) -> list[str]:

@@ -23,7 +23,7 @@ from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
-from ckpt_cli.formats.deepspeed_moe import EXPERT_FILE, EXPP_OPTIM
+from ckpt_cli.formats.deepspeed_moe import EXPP_OPTIM, load_expert_files
 from ckpt_cli.formats.deepspeed_partitions import ZeroFile
 
 Shape = tuple[int, ...]
@@ -160,18 +160,13 @@ def read_files(folder: Path, model: Any, load: Callable[[Path], Any]) -> Stage0F
     for e, f in expp.items():
         optimizer_of(f, expp_paths[e])
     num_experts = [int(n) for n in tree["num_experts"]]
-    files = {(int(m.group(1)), int(m.group(2))): p for p in folder.iterdir() if (m := EXPERT_FILE.match(p.name))}
-    missing = [(layer, e) for layer, n in enumerate(num_experts) for e in range(n) if (layer, e) not in files]
-    if missing:
-        layer, e = missing[0]
-        raise DataError(f"{folder}: expert file layer_{layer}_expert_{e}_mp_rank_00_model_states.pt is missing; DeepSpeed opens every one")
-    experts = {key: load(p) for key, p in sorted(files.items())}
+    experts = load_expert_files(folder, num_experts, load)
     modules: dict[int, str] = {}
     for (layer, _), f in experts.items():
         for key in f.tree:
             module = zl.expert_module(str(key))
             if module is None or modules.setdefault(layer, module) != module:
-                raise DataError(f"{files[layer, _]}: holds {key}, not an expert of MoE layer {layer}")
+                raise DataError(f"{f.path}: holds {key}, not an expert of MoE layer {layer}")
     if any(n % ep for n in num_experts):
         raise DataError(f"{folder}: MoE layers of {num_experts} experts at expert-parallel size {ep}")
     layers = tuple(modules[layer] for layer in sorted(modules))
@@ -179,7 +174,7 @@ def read_files(folder: Path, model: Any, load: Callable[[Path], Any]) -> Stage0F
     config = tree.get("ds_config") or {}
     ep_sizes = tuple(ep if g.get("moe") else 1 for g in groups)
     layout = zl.ExpertLayout(ep_sizes, num_local, bool(config.get("use_data_before_expert_parallelism")), layers)
-    paths = [p for _, p in sorted(files.items())] + [p for _, p in sorted(expp_paths.items())]
+    paths = [f.path for f in experts.values()] + [p for _, p in sorted(expp_paths.items())]
     out = Stage0Files(model, experts, expp, layout, None, paths)
     out.shapes = _named_groups(out, num_experts)
     return out
