@@ -281,7 +281,7 @@ class DeepSpeedReader:
 
         first_model = load(shared_model[0] if shared_model else model_paths[min(model_paths)])
         if stage_of is None and deepspeed_pipeline.is_pipeline(folder, first_model.tree):
-            return deepspeed_pipeline.read(self, path, folder, tag, notes, options, load)
+            return deepspeed_pipeline.read(self, path, folder, tag, notes, options, load, first_model.tree)
         moe_here = deepspeed_moe.is_moe(folder, first_model.tree)  # expert parallel: docs/formats.md §2.12
         if moe_here:
             deepspeed_moe.refuse_unsupported(folder, first_model.tree)

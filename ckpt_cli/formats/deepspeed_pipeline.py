@@ -61,13 +61,21 @@ class _Tree:
 
 
 def read(
-    reader: Any, path: Path, folder: Path, tag: str, notes: list[str], options: ReadOptions, load: Callable[[Path], Any]
+    reader: Any,
+    path: Path,
+    folder: Path,
+    tag: str,
+    notes: list[str],
+    options: ReadOptions,
+    load: Callable[[Path], Any],
+    model: Mapping[str, Any],
 ) -> Checkpoint:
-    """The stages (each through `reader.read_tag`) and the layer files as one checkpoint of the whole model."""
+    """The stages (each through `reader.read_tag`) and the layer files as one checkpoint of the whole model; `model`: the
+    model states the reader opened first (every stage's records the same parallel dimensions)."""
     stage_files = sorted(int(m.group(1)) for p in folder.iterdir() if (m := STAGE_MODEL_STATES.match(p.name)))
     if not stage_files:
         raise DataError(f"{folder}: pipeline layer files without any stage's model states (mp_rank_XX_model_states.pt)")
-    dims = load(folder / f"mp_rank_{stage_files[0]:02d}_model_states.pt").tree.get("checkpoint_parallel_dimensions") or {}
+    dims = model.get("checkpoint_parallel_dimensions") or {}
     count = dims.get("pp_degree") or len(stage_files)
     if stage_files != list(range(count)):
         missing = min(set(range(count)) - set(stage_files), default=len(stage_files))
