@@ -285,7 +285,7 @@ class ExpertLayout:
     ep_sizes: tuple[int, ...]
     num_local: Mapping[str, int]
     data_before_expert: bool
-    layers: tuple[str, ...] = ()  # the MoE modules in layer order (the expert files' layer ids)
+    layers: tuple[str, ...]  # the MoE modules in layer order (the expert files' layer ids)
 
     def partition_count(self, g: int, world: int) -> int:
         return expert_data_parallel_size(world, self.ep_sizes[g])

@@ -156,7 +156,7 @@ def regroup(layout: ZeroLayout, new_eps: Mapping[str, int], max_group_size: int 
     experts = layout.experts
     assert experts is not None
     old_eps = module_ep_sizes(layout)
-    layers = experts.layers or tuple(experts.num_local)
+
     num_experts = {m: experts.num_local[m] * old_eps[m] for m in old_eps}
     clients = _clients(layout, experts.num_local)
     saved: dict[tuple[str, str], list[OrderedDict[str, Shape]]] = {}
@@ -166,7 +166,7 @@ def regroup(layout: ZeroLayout, new_eps: Mapping[str, int], max_group_size: int 
     rebuilt = {
         (key, name): cuts
         for key, c in clients.items()
-        for name, cuts in _moe_groups(c, old_eps, num_experts, layers, max_group_size).items()
+        for name, cuts in _moe_groups(c, old_eps, num_experts, experts.layers, max_group_size).items()
     }
     if _as_lists(rebuilt) != _as_lists(saved):
         raise UsageError(
@@ -183,7 +183,7 @@ def regroup(layout: ZeroLayout, new_eps: Mapping[str, int], max_group_size: int 
             templates.append(g)
             ep_sizes.append(1)
     for client in clients.values():
-        for name, cuts in _moe_groups(client, new_eps, num_experts, layers, max_group_size).items():
+        for name, cuts in _moe_groups(client, new_eps, num_experts, experts.layers, max_group_size).items():
             for cut in cuts:
                 shapes.append(cut)
                 groups.append({**layout.groups[client.template], "name": name})

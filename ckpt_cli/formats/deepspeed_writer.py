@@ -203,7 +203,7 @@ def _expert_layout(src: ZeroSource, world: int, asked: int | None, round_robin: 
                 f"give a --world-size that the expert-parallel sizes ({', '.join(map(str, sorted(set(current.values()))))}) divide"
             )
         target = deepspeed_regroup.regroup(src.layout, new)
-    modules = experts.layers or tuple(current)
+    modules = experts.layers
     sizes = sorted({new[m] for m in modules})
     if new == current:
         said = f"kept the expert-parallel size{'s' if len(sizes) > 1 else ''} ({', '.join(f'ep_size_{e}' for e in sizes)})"
