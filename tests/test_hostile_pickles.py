@@ -415,12 +415,12 @@ def _view_pickle(storage_offset: int, shape: tuple[int, ...], stride: tuple[int,
     """The data.pkl of {'x': a view of storage '0' (7*5 float32 elements)}, as torch would write it."""
     from ckpt_cli.formats import torch_save
 
-    storage = torch_save._Storage("0", BY_NAME["float32"], 35)
+    storage = torch_save.Storage("0", BY_NAME["float32"], 35)
     view = pickler.Reduce(
         pickler.Global("torch._utils", "_rebuild_tensor_v2"),
         (storage, storage_offset, shape, stride, False, pickler.Reduce(pickler.Global("collections", "OrderedDict"), ())),
     )
-    return pickler.dumps({"x": view}, torch_save._storage_id)
+    return pickler.dumps({"x": view}, torch_save.storage_id)
 
 
 @pytest.mark.parametrize(

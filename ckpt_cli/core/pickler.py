@@ -61,10 +61,12 @@ class Reduce:
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Instance:
-    """`cls.__new__(cls)` then BUILD(state): how dataclasses pickle (state None: no BUILD)."""
+    """`cls.__new__(cls, *args)` then BUILD(state): how dataclasses pickle (state None: no BUILD), and with `args` and
+    no state how NamedTuples do."""
 
     cls: Global
     state: Any = None
+    args: tuple[Any, ...] = ()
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # what the C pickler's NEWOBJ checks the object against: the class it names
@@ -116,7 +118,7 @@ class _Pickler(pickle.Pickler):
         if kind is DType:
             raise _Unknown(obj, torch_dtype(obj))
         if kind is Instance:
-            return self._newobj(_placeholder(obj.cls), obj.cls, obj.state)
+            return self._newobj(_placeholder(obj.cls), obj.cls, obj.state, obj.args)
         describe = _REGISTERED.get(kind)
         if describe is None:
             return NotImplemented
@@ -125,10 +127,10 @@ class _Pickler(pickle.Pickler):
             return self._newobj(kind, described.cls, described.state)
         return self.reducer_override(described)
 
-    def _newobj(self, cls: type, glob: Global, state: Any) -> Any:
+    def _newobj(self, cls: type, glob: Global, state: Any, args: tuple[Any, ...] = ()) -> Any:
         if id(cls) not in self.known:
             raise _Unknown(cls, glob)
-        return copyreg.__newobj__, (cls,), state  # type: ignore[attr-defined]
+        return copyreg.__newobj__, (cls, *args), state  # type: ignore[attr-defined]
 
 
 def register(cls: type, describe: Callable[[Any], Any]) -> None:

@@ -25,6 +25,7 @@ from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tree import flatten, path_name, unique_names
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import dtensor_layout as lay
+from ckpt_cli.formats.dtensor_flat import FlatLayout, Param, read_flat
 from ckpt_cli.formats.dtensor_mesh import check_order, layout_of
 from ckpt_cli.formats.torch_save import load_archive, stored_array
 
@@ -43,10 +44,25 @@ class RankFile:
 
 @dataclass(frozen=True)
 class DTensorSource:
-    """The folder and each kind's rank files in rank order, for check()."""
+    """The folder and each kind's rank files in rank order (for check()), and what the writer lays out again: each
+    DTensor's mesh and placements as rank 0 saved them, the dtype of every tensor read, and FSDP1's flat layout."""
 
     folder: Path
     files: dict[str, list[Path]]
+    specs: dict[str, Spec] = dataclasses.field(default_factory=dict)
+    dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    flat: FlatLayout | None = None
+    params: list[Param] = dataclasses.field(default_factory=list)
+    not_read: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A DTensor's layout as rank 0 saved it: mesh shape, placements and the pickled spec (its mesh's attributes)."""
+
+    mesh_shape: tuple[int, ...]
+    placements: tuple[lay.Placement, ...]
+    record: Any
 
 
 def rank_file_sets(folder: Path) -> dict[str, dict[int, dict[int, Path]]]:
@@ -92,7 +108,7 @@ def _sub_array(array: StoredArray, local: tuple[int, ...], sizes: tuple[int, ...
     return dataclasses.replace(array, shape=sizes, storage_offset=start)
 
 
-def _dtensor(name: str, key: PathKey, role: str, leaves: list[tuple[RankFile, DTensorRef]], world: int) -> TensorEntry:
+def _dtensor(name: str, key: PathKey, role: str, leaves: list[tuple[RankFile, DTensorRef]], world: int) -> tuple[TensorEntry, Spec]:
     """One logical tensor from every rank's DTensor: each distinct shard once, placed by its mesh coordinate."""
     shape, dtype = leaves[0][1].shape, leaves[0][1].dtype
     first = None
@@ -133,7 +149,7 @@ def _dtensor(name: str, key: PathKey, role: str, leaves: list[tuple[RankFile, DT
     problem = entry.tiling_problem()
     if problem:
         raise DataError(f"{leaves[0][0].path.parent}: '{name}': the shards do not tile {list(shape)}: {problem}")
-    return entry
+    return entry, Spec(first[0], first[1], leaves[0][1].spec)
 
 
 def _shown(placements: tuple[lay.Placement, ...]) -> str:
@@ -165,14 +181,17 @@ class _Kind:
     containers: dict[PathKey, str] = dataclasses.field(default_factory=dict)
     not_read: str | None = None
     differing: list[str] = dataclasses.field(default_factory=list)  # plain model tensors whose ranks disagree: rank 0's read
+    specs: dict[str, Spec] = dataclasses.field(default_factory=dict)
+    flat: FlatLayout | None = None
 
 
 def leaves_of(flat: tuple[list[tuple[PathKey, Any]], Any, Any]) -> list[Any]:
     return [v for _, v in flat[0]]
 
 
-def _read_kind(kind: str, files: list[RankFile]) -> _Kind:
-    """Model or optimizer files: the same keys on every rank, each tensor assembled from all of them."""
+def _read_kind(kind: str, files: list[RankFile], params: list[Param]) -> _Kind:
+    """Model or optimizer files: the same keys on every rank, each tensor assembled from all of them. `params`: the
+    model's parameters (its DTensors), which FSDP1's flat optimizer state is cut into."""
     out = _Kind()
     role, prefix = ROLES[kind], KINDS[kind]
     if all(rf.tree == {} for rf in files):  # SkyRL saves {} when it has no optimizer
@@ -189,14 +208,13 @@ def _read_kind(kind: str, files: list[RankFile]) -> _Kind:
     for i, key in enumerate(keys[: len(paths)]):
         leaves = [(rf, part[0][i][1]) for rf, part in zip(files, per_rank)]
         if all(isinstance(v, DTensorRef) for _, v in leaves):
-            out.tensors[names[i]] = _dtensor(names[i], key, role, leaves, len(files))
+            out.tensors[names[i]], out.specs[names[i]] = _dtensor(names[i], key, role, leaves, len(files))
         elif not all(isinstance(v, TensorRef) for _, v in leaves):
             raise DataError(f"{files[0].path}: '{names[i]}' is a DTensor on some ranks and a plain tensor on others")
         elif _same_everywhere(leaves):
             out.tensors[names[i]] = _plain(names[i], key, role, leaves)
         elif kind == "optim":
-            why = f"'{names[i]}' is a plain tensor that differs between ranks (FSDP1's flat-parameter state: no file says how it splits)"
-            return _Kind(not_read=why)
+            return _flat_kind(files, params, names[i])
         else:  # a buffer FSDP does not keep in sync (dcp.save too keeps one copy of a replicated plain tensor)
             out.tensors[names[i]] = _plain(names[i], key, role, leaves)
             out.differing.append(names[i])
@@ -208,6 +226,14 @@ def _read_kind(kind: str, files: list[RankFile]) -> _Kind:
         out.objects[name] = ObjectEntry(name, value, role, key)
     out.containers = {(*prefix, *p): k for p, k in per_rank[0][2].items()}
     return out
+
+
+def _flat_kind(files: list[RankFile], params: list[Param], differing: str) -> _Kind:
+    """FSDP1's flat-parameter optimizer state (plain 1-D tensors that differ between ranks), per parameter."""
+    flat = read_flat([(str(rf.path), rf.tree, rf.records) for rf in files], params, len(files))
+    if isinstance(flat, str):
+        return _Kind(not_read=f"'{differing}' is a plain tensor that differs between ranks (FSDP1's flat-parameter state): {flat}")
+    return _Kind(tensors=flat.tensors, objects={flat.groups.name: flat.groups}, flat=flat.layout)
 
 
 def _read_extra(files: list[RankFile]) -> _Kind:
@@ -230,7 +256,11 @@ def _read_extra(files: list[RankFile]) -> _Kind:
     return out
 
 
-def _fsdp_config(folder: Path, world: int) -> dict[str, Any]:
+def pattern_of(folder: Path, kind: str, world: int) -> Path:
+    return folder / f"{kind}_world_size_{world}_rank_*.pt"
+
+
+def fsdp_config(folder: Path, world: int) -> dict[str, Any]:
     """verl's fsdp_config.json ({FSDP_version, world_size}), checked against the rank files."""
     path = folder / "fsdp_config.json"
     if not path.is_file():
@@ -263,16 +293,32 @@ class DTensorRanksReader:
         sets = rank_file_sets(path)
         model = _complete(path, "model", sets.get("model", {}), None)
         world = len(model)
-        config = _fsdp_config(path, world)
+        config = fsdp_config(path, world)
         listed = {"model": model, **{k: _complete(path, k, sets[k], world) for k in ("optim", "extra_state") if k in sets}}
         tensors: dict[str, TensorEntry] = {}
         objects: dict[str, ObjectEntry] = {}
         containers: dict[PathKey, str] = {}
         notes, not_read = [], {}
+        specs: dict[str, Spec] = {}
+        params: list[Param] = []
+        flat = None
         for kind, paths in listed.items():
             loaded = [_load(p, options) for p in paths]
-            part = _read_extra(loaded) if kind == "extra_state" else _read_kind(kind, loaded)
-            pattern = path / f"{kind}_world_size_{world}_rank_*.pt"
+            part = _read_extra(loaded) if kind == "extra_state" else _read_kind(kind, loaded, params)
+            if kind == "model":
+                # FSDP1 on one rank (NO_SHARD) saves plain tensors: every model tensor is then taken as a parameter
+                one_rank_fsdp1 = world == 1 and (config.get("FSDP_version") == 1 or config.get("fsdp_strategy") == "fsdp")
+                params = [Param(n, t.shape) for n, t in part.tensors.items() if n in part.specs or one_rank_fsdp1]
+            elif kind == "optim" and world == 1 and one_rank_fsdp1 and not part.not_read:
+                flat_part = _flat_kind(loaded, params, "optimizer.state")
+                part = part if flat_part.not_read else flat_part
+            if part.flat is not None:
+                flat = part.flat
+                notes.append(
+                    f"{pattern_of(path, kind, world)}: FSDP1's flat optimizer state, read per parameter "
+                    f"({len(part.flat.units)} FlatParameters, one per wrapped unit)"
+                )
+            pattern = pattern_of(path, kind, world)
             if part.not_read:
                 not_read[kind] = part.not_read
                 notes.append(f"{pattern}: not read: {part.not_read}")
@@ -288,6 +334,7 @@ class DTensorRanksReader:
             tensors.update(part.tensors)
             objects.update(part.objects)
             containers.update(part.containers)
+            specs.update(part.specs)
         files = [FileInfo(str(p), p.stat().st_size) for paths in listed.values() for p in paths]
         step = STEP_FOLDER.search(path.resolve().parent.name)
         companions, found_notes = _hf_companions(path)
@@ -302,7 +349,9 @@ class DTensorRanksReader:
             containers=containers,
             details=_details(tensors, listed, config, not_read),
             notes=notes + found_notes,
-            source=DTensorSource(path, {k: list(v) for k, v in listed.items()}),
+            source=DTensorSource(
+                path, {k: list(v) for k, v in listed.items()}, specs, {n: t.dtype for n, t in tensors.items()}, flat, params, not_read
+            ),
             companions=companions,
         )
 

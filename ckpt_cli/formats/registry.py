@@ -141,13 +141,13 @@ FORMATS: dict[str, Format] = {
         Format(
             "dtensor",
             "dtensor_ranks:READER",
-            None,
+            "dtensor_writer:WRITER",
             "per-rank torch.save of DTensor shards (verl, SkyRL): model_world_size_W_rank_R.pt",
             True,
             members=r"(model|optim|extra_state)_world_size_\d+_rank_\d+\.pt",
             files=r"model_world_size_\d+_rank_\d+\.pt",  # one rank's file: named, then refused with the folder to read
-            not_resharded="ckpt reads verl's per-rank DTensor files but does not write them yet; convert the run to DCP "
-            "(ckpt convert SRC DST --to dcp --world-size N) or export the weights (--to hf)",
+            reshard_by="world_size",
+            writes_any_state_dict=False,
         ),
         Format(
             "dcp-hf",

@@ -166,22 +166,22 @@ class TorchReader:
             return zipio.archive_problems(f, ckpt.path)
 
 
-class _Storage:
+class Storage:
     """A storage record to be, pickled as torch's persistent id ('storage', class, key, 'cpu', numel)."""
 
     def __init__(self, key: str, dtype: DType, numel: int) -> None:
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
-def _storage_id(obj: Any) -> Any:
-    if not isinstance(obj, _Storage):
+def storage_id(obj: Any) -> Any:
+    if not isinstance(obj, Storage):
         return None
     if obj.dtype.storage_class:
         return ("storage", Global("torch", obj.dtype.storage_class), obj.key, "cpu", obj.numel)
     return ("storage", Global("torch.storage", "UntypedStorage"), obj.key, "cpu", obj.numel * obj.dtype.itemsize)
 
 
-def _tensor(storage: _Storage, shape: tuple[int, ...]) -> Reduce:
+def tensor_reduce(storage: Storage, shape: tuple[int, ...]) -> Reduce:
     """A contiguous tensor over `storage`, exactly as torch pickles it (torch/_tensor.py _reduce_ex_internal)."""
     args = (storage, 0, tuple(shape), contiguous_strides(shape), False, Reduce(Global("collections", "OrderedDict"), ()))
     if storage.dtype.storage_class:
@@ -191,7 +191,7 @@ def _tensor(storage: _Storage, shape: tuple[int, ...]) -> Reduce:
 
 def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]]:
     """`data.pkl` for the checkpoint, and (storage key, tensor whose data fills it) in key order."""
-    storages: dict[Any, _Storage] = {}
+    storages: dict[Any, Storage] = {}
     owners: list[tuple[str, TensorEntry]] = []
     items: list[tuple[Any, Any]] = []
     for entry in ckpt.tensors.values():
@@ -200,11 +200,11 @@ def pickle_state(ckpt: Checkpoint) -> tuple[bytes, list[tuple[str, TensorEntry]]
         pieces = entry.pieces if isinstance(entry.pieces, LazyPieces) else tuple(entry.pieces)  # lazy: one object when tied
         same = (pieces, entry.shape, entry.dtype) if entry.numel and entry.role == "model" else id(entry)
         if same not in storages:
-            storages[same] = _Storage(str(len(storages)), entry.dtype, entry.numel)
+            storages[same] = Storage(str(len(storages)), entry.dtype, entry.numel)
             owners.append((storages[same].key, entry))
-        items.append((entry.path, _tensor(storages[same], entry.shape)))
+        items.append((entry.path, tensor_reduce(storages[same], entry.shape)))
     items += [(obj.path, obj.value) for obj in ckpt.objects.values()]
-    return pickler.dumps(unflatten(items, ckpt.containers), _storage_id), owners
+    return pickler.dumps(unflatten(items, ckpt.containers), storage_id), owners
 
 
 def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str = "", prefix: str = "archive") -> list[Any]:
@@ -343,14 +343,15 @@ def _archive_template(records: tuple[tuple[str, bytes | int], ...], prefix: str)
     return joined, layouts, crcs, zipio.central_directory_size(layouts)
 
 
-def _archive(data_pkl: bytes, storages: list[tuple[str, TensorEntry]], scope: str) -> list[Any]:
+def archive(data_pkl: bytes, storages: list[tuple[str, TensorEntry | bytes]], scope: str = "") -> list[Any]:
+    """The segments of a torch.save zip: `data.pkl` and each storage's data (a tensor's, or literal bytes)."""
     records: list[tuple[str, bytes | TensorData]] = [
         ("data.pkl", data_pkl),
         (".format_version", b"1"),
         (".storage_alignment", b"64"),
         ("byteorder", b"little"),
     ]
-    records += [(f"data/{key}", TensorData(entry, entry.dtype)) for key, entry in storages]
+    records += [(f"data/{key}", TensorData(e, e.dtype) if isinstance(e, TensorEntry) else e) for key, e in storages]
     # A deterministic serialization id (torch draws a random one) keeps outputs reproducible.
     serial = str(int(hashlib.sha1(data_pkl).hexdigest(), 16))[:40].rjust(40, "0")
     records += [("version", b"3\n"), (".data/serialization_id", serial.encode())]
@@ -359,12 +360,12 @@ def _archive(data_pkl: bytes, storages: list[tuple[str, TensorEntry]], scope: st
 
 def torch_file_segments(ckpt: Checkpoint) -> list[Any]:
     data_pkl, owners = pickle_state(ckpt)
-    return _archive(data_pkl, owners, "")
+    return archive(data_pkl, owners, "")
 
 
 def tensor_archive(entry: TensorEntry, scope: str) -> list[Any]:
     """The archive `torch.save(tensor)` writes for one contiguous tensor (a DCP chunk)."""
-    return _archive(_tensor_pickle(entry.dtype, entry.shape), [("0", entry)], scope)
+    return archive(_tensor_pickle(entry.dtype, entry.shape), [("0", entry)], scope)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -376,12 +377,12 @@ def tensor_archive_size(dtype: DType, shape: tuple[int, ...]) -> int:
 @functools.lru_cache(maxsize=1024)
 def _tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
     """`data.pkl` of torch.save(tensor): the same for every chunk of one dtype and shape."""
-    return pickler.dumps(_tensor(_Storage("0", dtype, math.prod(shape)), shape), _storage_id)
+    return pickler.dumps(tensor_reduce(Storage("0", dtype, math.prod(shape)), shape), storage_id)
 
 
 def object_archive(value: Any) -> bytes:
     """`torch.save(value)` of a plain (non-tensor) value, as DCP stores BYTE_IO items."""
-    segments = _archive(pickler.dumps(value), [], "")
+    segments = archive(pickler.dumps(value), [], "")
     return b"".join(s.data if isinstance(s, Literal) else s.build({}) for s in segments)
 
 

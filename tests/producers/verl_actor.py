@@ -37,6 +37,7 @@ torchdata StatefulDataLoader, split across the ranks), then FSDPCheckpointManage
                                             (bfloat16: the merger casts every shard), tokenizer files; for fsdp2 the
                                             merger's `test` operation then checks it against huggingface/'s weights
     OUT/<cfg>/reference.pt                  (rank 0) the trained model's full state dict, Hugging Face names, float32
+    OUT/<cfg>/optim_reference.pt            (rank 0) the optimizer's full state by parameter name (get_optimizer_state_dict)
     OUT/<cfg>/logits.pt                     (rank 0) {"tokens", "logits"}: a plain float32 LlamaForCausalLM holding
                                             reference.pt, on ids 1..16
 
@@ -76,7 +77,7 @@ def cpu_shims() -> None:
     from verl.plugin.platform.platform_cuda import PlatformCUDA
 
     class CpuDevice(types.ModuleType):
-        """torch.cpu, plus the empty_cache verl calls on its device module."""
+        """torch.cpu, plus the empty_cache and set_rng_state verl calls on its device module."""
 
         def __getattr__(self, name: str) -> Any:
             return getattr(torch.cpu, name)
@@ -84,6 +85,10 @@ def cpu_shims() -> None:
         @staticmethod
         def empty_cache() -> None:
             pass
+
+        @staticmethod
+        def set_rng_state(state: torch.Tensor) -> None:  # what verl's load_rng_state restores as the device's
+            torch.set_rng_state(state)
 
     device = CpuDevice("verl_cpu_device")
 
@@ -207,16 +212,25 @@ def train(strategy: str, module: torch.nn.Module, dataloader: Any) -> tuple[torc
     return optimizer, lr_scheduler
 
 
-def write_reference(root: Path, module: torch.nn.Module, base: Path) -> None:
+def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state by parameter name, whole (torch's get_optimizer_state_dict; collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def write_reference(root: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, base: Path) -> None:
     from transformers import AutoConfig, LlamaForCausalLM
     from verl.utils.fsdp_utils import get_fsdp_full_state_dict
 
     # offload_to_cpu=False: on the CPU, FSDP1's offloading unshard frees the very storage it hands back
     state = get_fsdp_full_state_dict(module, offload_to_cpu=False, rank0_only=True)
+    optim = full_optimizer_state(module, optimizer)
     if dist.get_rank() != 0:
         return
     reference = {name: value.detach().float().clone() for name, value in state.items()}
     torch.save(reference, root / "reference.pt")
+    torch.save(optim, root / "optim_reference.pt")
     model = LlamaForCausalLM(AutoConfig.from_pretrained(base)).float().eval()
     model.load_state_dict(reference)
     with torch.no_grad():
@@ -250,7 +264,7 @@ def run(strategy: str, out: Path, base: Path) -> None:
     if dist.get_rank() == 0:  # what RayPPOTrainer._save_checkpoint writes beside the workers' saves
         torch.save(dataloader.state_dict(), step_folder / "data.pt")
         (root / "latest_checkpointed_iteration.txt").write_text(str(STEPS))
-    write_reference(root, module, base)
+    write_reference(root, module, optimizer, base)
     dist.barrier()
 
 
