@@ -101,11 +101,10 @@ def test_inspect_lists_every_tensor_by_logical_name(ckpt, saves, world, config):
     assert model == {k: list(v.shape) for k, v in ref["model"].items()}
     assert model["scale"] == [] and model["inv_freq"] == [6]  # buffers: plain tensors, read once
     optimizer = {t["name"]: t["shape"] for t in doc["tensors"] if t["role"] == "optimizer"}
-    if config == "fsdp1":  # FSDP1's optimizer.state_dict() holds flat-parameter shards: not read, and said so
-        assert not optimizer and "not read" in " ".join(doc["notes"]) and "optim" in doc["details"]["not_read"]
-    else:
-        assert optimizer == {f"optimizer.{k}": list(v.shape) for k, v in ref["optim"].items()}
-        assert doc["training_state"]["optimizer"]["param_groups"] == 1
+    # FSDP1's optimizer.state_dict() holds flat-parameter shards: read per parameter, as FSDP2 keys them
+    assert optimizer == {f"optimizer.{k}": list(v.shape) for k, v in ref["optim"].items()}
+    assert doc["training_state"]["optimizer"]["param_groups"] == 1
+    assert ("FlatParameters" in " ".join(doc["notes"])) == (config == "fsdp1")
     ranks = int(world[1])
     assert {t["name"] for t in doc["tensors"] if t["name"].startswith("rng.")} == {f"rng.{r}.cpu" for r in range(ranks)}
     assert ckpt("verify", folder, "--deep").code == 0
@@ -121,11 +120,11 @@ def test_merge_and_hf_export_equal_full_tensor(ckpt, saves, world, config, tmp_p
 
     with safe_open(tmp_path / "hf" / "model-00001-of-00001.safetensors", "pt") as f:
         assert_same_tensors({k: f.get_tensor(k) for k in f.keys()}, ref["model"])
-    if config != "fsdp1":  # --all keeps the optimizer: every moment equals the run's full_tensor()
-        assert ckpt("merge", folder, tmp_path / "all.pt", "--all", "--quiet").code == 0
-        state = torch.load(tmp_path / "all.pt", weights_only=False)["optimizer"]["state"]
-        got = {f"state.{i}.{k}": v for i, s in state.items() for k, v in s.items()}
-        assert_same_tensors(got, ref["optim"])
+    # --all keeps the optimizer: every moment equals the run's full_tensor() (FSDP1: torch's own unflattening)
+    assert ckpt("merge", folder, tmp_path / "all.pt", "--all", "--quiet").code == 0
+    state = torch.load(tmp_path / "all.pt", weights_only=False)["optimizer"]["state"]
+    got = {f"state.{i}.{k}": v for i, s in state.items() for k, v in s.items()}
+    assert_same_tensors(got, ref["optim"])
 
 
 def test_skyrl_layout(ckpt, saves, tmp_path):
@@ -306,15 +305,75 @@ def test_sharded_tensor_refused_in_words_without_torch_distributed(ckpt, saves, 
     assert_fails(ckpt("inspect", folder), "ShardedTensor")
 
 
-@pytest.mark.parametrize("config", ["fsdp2", "dcp-hf"])
-def test_reshard_of_a_read_only_folder_says_what_to_do_and_the_advice_works(ckpt, dtensor_saves_2, tmp_path, config):
-    """Not "is one file; use ckpt split" (these are folders of per-rank files): what ckpt cannot write, and the
-    conversion it suggests, which must then succeed."""
-    folder = dtensor_saves_2 / config
+@pytest.mark.parametrize("world,config", [("w2", "dcp-hf"), ("w4", "hsdp"), ("w4", "tp")])
+def test_reshard_that_cannot_be_done_says_what_to_do_and_the_advice_works(ckpt, saves, tmp_path, world, config):
+    """Not "is one file; use ckpt split" (these are folders of per-rank files): what ckpt cannot write (DCP's
+    Hugging Face layout; per-rank files on a 2-D mesh), and the conversion it suggests, which must then succeed."""
+    folder = saves(world) / config
     res = ckpt("reshard", folder, tmp_path / "out", "--world-size", 1)
-    fmt = "dtensor" if config == "fsdp2" else "dcp-hf"
-    assert res.code == 2 and f"ckpt cannot reshard a {fmt} checkpoint" in res.err and "one file" not in res.err, res.err
+    assert res.code == 2 and "one file" not in res.err and "Traceback" not in res.err, res.err
+    said = {
+        "dcp-hf": "ckpt cannot reshard a dcp-hf checkpoint",
+        "hsdp": "lies on a 2-D mesh [2, 2] (HSDP or tensor parallel)",
+        "tp": "'gate' lies on a sub-mesh",  # FSDP-only parameters of a dp x tp run: on the dp sub-mesh
+    }[config]
+    assert said in res.err and "--to dcp --world-size N" in res.err, res.err
     assert not (tmp_path / "out").exists()
-    assert "--to dcp --world-size N" in res.err
     res = ckpt("convert", folder, tmp_path / "dcp", "--to", "dcp", "--world-size", 1, "-q")
     assert res.code == 0 and (tmp_path / "dcp" / ".metadata").is_file(), res.err
+
+
+@pytest.mark.parametrize("config", ["fsdp2", "fsdp1", "skyrl"])
+@pytest.mark.parametrize("new", [1, 3])
+def test_reshard_writes_every_rank_as_torch_would_save_it(ckpt, dtensor_saves_2, tmp_path, config, new):
+    """2 -> 1 and 2 -> 3 ranks: each new rank file, loaded by torch, holds DTensors whose local shards are torch.chunk's
+    piece of the saving run's full tensor (FSDP1 on one rank: plain tensors, as its NO_SHARD state dict); FSDP1's flat
+    optimizer state is each rank's padded piece of the FlatParameter; the merged result equals the run's; SkyRL's extra
+    state says the new rank and world size. (verl's own checkpoint manager loading them: tests/test_verl.py.)"""
+    from torch.distributed.tensor import DTensor
+
+    folder = dtensor_saves_2 / config
+    ref = torch.load(dtensor_saves_2 / "references" / f"{config}.pt", weights_only=True)
+    dest = tmp_path / "out"
+    res = ckpt("reshard", folder, dest, "--world-size", new)
+    assert res.code == 0, res.err
+    assert json.loads((dest / "fsdp_config.json").read_text())["world_size"] == new
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "pickling/unpickling of the DeviceMesh occurred before the PGs were created"
+        saved = torch.load(folder / "model_world_size_2_rank_0.pt", weights_only=False)
+        files = [torch.load(dest / f"model_world_size_{new}_rank_{r}.pt", weights_only=False) for r in range(new)]
+        extras = [torch.load(dest / f"extra_state_world_size_{new}_rank_{r}.pt", weights_only=False) for r in range(new)]
+    for r, model in enumerate(files):
+        assert model.keys() == ref["model"].keys()
+        for name, value in model.items():
+            if config == "fsdp1" and new == 1 or not isinstance(saved[name], DTensor):
+                assert not isinstance(value, DTensor) and torch.equal(value, ref["model"][name]), name
+                continue
+            assert isinstance(value, DTensor) and value.device_mesh.mesh.tolist() == list(range(new)), name
+            assert tuple(value.device_mesh.get_coordinate()) == (r,) and value.placements == saved[name].placements
+            start, count = lay.chunk(len(ref["model"][name]), new, r)
+            assert torch.equal(value.to_local(), ref["model"][name][start : start + count]), name
+    if config == "skyrl":
+        assert [(e["rank"], e["world_size"]) for e in extras] == [(r, new) for r in range(new)]
+    assert ckpt("verify", dest, "--deep").code == 0
+    if config != "skyrl":
+        assert ckpt("merge", dest, tmp_path / "all.pt", "--all", "--quiet").code == 0
+        merged = torch.load(tmp_path / "all.pt", weights_only=False)
+        assert_same_tensors({k: merged[k] for k in ref["model"]}, ref["model"])
+        got = {f"state.{i}.{k}": v for i, s in merged["optimizer"]["state"].items() for k, v in s.items()}
+        if config == "fsdp1" and new == 1:  # one rank, buffers among the plain tensors: the FlatParameter is read as saved
+            count = len({k.split(".")[1] for k in ref["optim"]})
+            flat = torch.cat([ref["optim"][f"state.{i}.exp_avg"].flatten() for i in range(count)])
+            assert list(got) == ["state.0.step", "state.0.exp_avg", "state.0.exp_avg_sq"] and torch.equal(got["state.0.exp_avg"], flat)
+        else:
+            assert_same_tensors(got, ref["optim"])
+
+
+def test_reshard_refuses_views_and_a_one_rank_fsdp1_save_going_up(ckpt, dtensor_saves_2, tmp_path):
+    folder = dtensor_saves_2 / "fsdp1"
+    res = ckpt("reshard", folder, tmp_path / "x", "--world-size", 3, "--dtype", "fp32")
+    assert res.code == 2 and "copies every tensor as it is" in res.err, res.err
+    assert ckpt("reshard", folder, tmp_path / "one", "--world-size", 1, "-q").code == 0
+    res = ckpt("reshard", tmp_path / "one", tmp_path / "up", "--world-size", 2)
+    assert res.code == 2 and "hold no DTensor" in res.err and "Traceback" not in res.err, res.err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "up").exists()

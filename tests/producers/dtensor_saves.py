@@ -12,7 +12,8 @@ optimizer.state_dict() and {lr_scheduler, rng} on every rank, and fsdp_config.js
              stay plain tensors, the same on every rank
   skyrl      fsdp2 saved as SkyRL's FSDPStrategy saves without an optimizer: {} in the optim files, its extra state keys
   fsdp1      FullyShardedDataParallel(device_mesh=...) under SHARDED_STATE_DICT, bfloat16: DTensor Shard(0)
-             weights; the optimizer state is FSDP1's flat-parameter shards (plain tensors)
+             weights; the optimizer state is FSDP1's flat-parameter shards (plain tensors); its reference holds
+             the optimizer state by parameter index as get_optimizer_state_dict(full_state_dict=True) unflattens it
   hsdp       (W=4) fully_shard on a 2x2 (replicate, shard) mesh: (Replicate(), Shard(0))
   tp         (W=4) parallelize_module (Colwise/Rowwise) on "tp" then fully_shard on "dp" of a 2x2 mesh:
              (_StridedShard(0, sf=2), Shard(0)), (Shard(0), Shard(1)), (Shard(0), Replicate())
@@ -163,7 +164,14 @@ def save_fsdp1(root: str, config: str) -> None:
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
         save_rank_files(os.path.join(root, config), model, opt, 1)
         model_sd = model.state_dict()
-    write_reference(root, config, reference(model_sd, None))
+    ref = reference(model_sd, None)
+    # The optimizer by parameter (torch's own unflattening of the flat state), keyed by index in model.parameters()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    whole = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    params = [k for k, v in model_sd.items() if isinstance(v, DTensor)]
+    ref["optim"] = {f"state.{params.index(fqn)}.{k}": v for fqn, state in whole["state"].items() for k, v in state.items()}
+    write_reference(root, config, ref)
 
 
 def save_dcp(root: str, config: str) -> None:
