@@ -11,7 +11,7 @@ _ckpt() {
         COMPREPLY=($(compgen -W "$commands --help --version" -- "$cur")); return
     fi
     case "$prev" in
-        --to) COMPREPLY=($(compgen -W "deepspeed dcp hf safetensors torch" -- "$cur")); return ;;
+        --to) COMPREPLY=($(compgen -W "deepspeed dcp dtensor hf safetensors torch" -- "$cur")); return ;;
         --format) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
         --format-a) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
         --format-b) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
