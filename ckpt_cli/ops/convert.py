@@ -104,7 +104,8 @@ def refuse_broken(ckpt: Checkpoint, src: Path) -> None:
 
 
 def _targets_by(kind: str) -> str:
-    return " and ".join(n for n, f in registry.FORMATS.items() if f.reshard_by == kind and f.writable)
+    names = [n for n, f in registry.FORMATS.items() if f.reshard_by == kind and f.writable]
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transform.Transform, cross: CrossOptions) -> bool:
