@@ -377,3 +377,31 @@ def test_reshard_refuses_views_and_a_one_rank_fsdp1_save_going_up(ckpt, dtensor_
     res = ckpt("reshard", tmp_path / "one", tmp_path / "up", "--world-size", 2)
     assert res.code == 2 and "hold no DTensor" in res.err and "Traceback" not in res.err, res.err
     assert not (tmp_path / "x").exists() and not (tmp_path / "up").exists()
+
+
+def test_the_writer_copies_only_plain_attributes_of_a_saved_mesh_and_spec(dtensor_saves_2):
+    """What rank 0's DeviceMesh and DTensorSpec hold beyond what ckpt rewrites is copied into every new file; a crafted
+    attribute holding anything but plain values (a stand-in record, which the pickler could not write back), a shard
+    order that is not ShardOrderEntry tuples is refused by name before anything is written."""
+    from ckpt_cli import api
+    from ckpt_cli.core.safe_dtensor import ShardOrderRec
+    from ckpt_cli.formats.dtensor_writer import mesh_of, mesh_problem
+
+    ckpt = api.open(dtensor_saves_2 / "fsdp2").raw
+    name, spec = next(iter(ckpt.source.specs.items()))
+    assert mesh_problem(spec, name) is None
+    mesh, record = spec.record.__dict__["mesh"], spec.record
+    for target, key, value in [
+        (mesh, "_thread_id", ShardOrderRec()),
+        (record, "use_strided_shard_as_shard_order", ShardOrderRec()),
+        (record, "shard_order", [1, 2]),
+        (record, "shard_order", (ShardOrderRec(),)),
+    ]:
+        saved = target.__dict__[key]
+        target.__dict__[key] = value
+        try:
+            problem = mesh_problem(spec, name)
+            assert problem is not None and f"'{name}'" in problem and f"'{key}'" in problem, problem
+        finally:
+            target.__dict__[key] = saved
+    assert mesh_problem(spec, name) is None and len({mesh_of(s) for s in ckpt.source.specs.values()}) == 1

@@ -96,7 +96,12 @@ def read_flat(trees: list[tuple[str, Any, dict[str, Any]]], params: list[Param],
     """trees: (file, optimizer state dict, zip records) per rank. The per-parameter state, or why it cannot be read."""
     first = trees[0][1]
     state, groups = first.get("state"), first.get("param_groups")
-    if not isinstance(state, dict) or not isinstance(groups, list) or sorted(state) != list(range(len(state))):
+    if (
+        not isinstance(state, dict)
+        or not isinstance(groups, list)
+        or not all(type(k) is int for k in state)
+        or sorted(state) != list(range(len(state)))
+    ):
         return "an optimizer state that is not {state: {0..K-1: ...}, param_groups: [...]}"
     lengths, keys = [], []
     for k in range(len(state)):
@@ -122,8 +127,8 @@ def read_flat(trees: list[tuple[str, Any, dict[str, Any]]], params: list[Param],
     owner = {i: k for k, unit in enumerate(layout.units) for i in unit}
     regrouped = []
     for g in groups:
-        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
-            return "param_groups that are not dicts with 'params'"
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list) or not all(type(i) is int for i in g["params"]):
+            return "param_groups that are not dicts with a list of indices under 'params'"
         held = set(g["params"])
         regrouped.append({**g, "params": [i for i in range(len(params)) if owner[i] in held]})
     path = ("optimizer", "param_groups")
@@ -146,7 +151,9 @@ def _per_param(
     pieces = []
     for r, (where, tree, records) in enumerate(trees):
         ref = tree["state"][k][key]
-        if ref.shape != ref0.shape or ref.dtype != ref0.dtype:
+        if not isinstance(ref, TensorRef) or ref.shape != ref0.shape or ref.dtype != ref0.dtype:
+            if not isinstance(ref, TensorRef):
+                raise DataError(f"{where}: optimizer state {k} '{key}' is not a plain tensor; rank 0 has one")
             raise DataError(
                 f"{where}: optimizer state {k} '{key}' is {ref.dtype}{list(ref.shape)}; rank 0 has {ref0.dtype}{list(ref0.shape)}"
             )

@@ -39,6 +39,7 @@ SPEC_MODULE = "torch.distributed.tensor._dtensor_spec"
 PLACEMENTS = "torch.distributed.tensor.placement_types"
 # DeviceMesh attributes that depend on the world size or the saving rank: written anew
 _MESH_REWRITTEN = {"_layout", "_rank_map", "_flatten_rank_map", "_rank", "_coordinate_on_dim", "_hash"}
+_SPEC_REWRITTEN = {"mesh", "placements", "tensor_meta", "shard_order", "_hash", "args"}  # DTensorSpec attributes written anew
 
 
 class _RankArchive:
@@ -75,10 +76,23 @@ def mesh_problem(spec: Spec, name: str) -> str | None:
         return f"'{name}' lies on a DeviceMesh pickled by torch before 2.9 (no _layout); ckpt writes torch >= 2.9 meshes"
     if attr(mesh, "_root_mesh") is not None or attr(mesh, "_flatten_mapping") not in (None, {}):
         return f"'{name}' lies on a sub-mesh or a flattened mesh; ckpt re-lays a root 1-D mesh"
-    odd = [k for k, v in mesh.__dict__.items() if k not in _MESH_REWRITTEN and not _plain(v)]
+    odd = [k for k, v in mesh.__dict__.items() if k not in _MESH_REWRITTEN and k != "args" and not _plain(v)]
+    odd += [k for k, v in spec.record.__dict__.items() if k not in _SPEC_REWRITTEN and not _plain(v)]
+    order = attr(spec.record, "shard_order")
+    if order is not None and not (
+        isinstance(order, tuple)
+        and all(isinstance(o, ShardOrderRec) and isinstance(attr(o, "args"), tuple) and _plain(attr(o, "args")) for o in order)
+    ):
+        odd.append("shard_order")
     if odd:
-        return f"'{name}': its DeviceMesh attribute '{odd[0]}' holds an object ckpt does not write"
+        return f"'{name}': its DTensor attribute '{odd[0]}' holds an object ckpt does not write"
     return None
+
+
+def mesh_of(spec: Spec) -> tuple[Any, ...]:
+    """What tells one saved mesh from another (every DTensor of a rank file is written on one mesh)."""
+    mesh = attr(spec.record, "mesh")
+    return spec.mesh_shape, attr(mesh, "_mesh_dim_names"), attr(mesh, "_device_type")
 
 
 def _plain(value: Any) -> bool:
@@ -116,7 +130,7 @@ def _spec(spec: Spec, mesh: Instance, entry: TensorEntry) -> Instance:
     meta = Instance(Global(SPEC_MODULE, "TensorMeta"), args=(TorchSize(entry.shape), contiguous_strides(entry.shape), entry.dtype))
     order = attr(record, "shard_order")
     if isinstance(order, tuple):
-        order = tuple(Instance(Global(SPEC_MODULE, "ShardOrderEntry"), args=o.args) for o in order if isinstance(o, ShardOrderRec))
+        order = tuple(Instance(Global(SPEC_MODULE, "ShardOrderEntry"), args=attr(o, "args")) for o in order)
     new = {"mesh": mesh, "placements": tuple(_placement(p) for p in spec.placements), "tensor_meta": meta, "shard_order": order}
     state = {k: new.get(k, v) for k, v in record.__dict__.items() if k != "args"}
     return Instance(Global(SPEC_MODULE, "DTensorSpec"), {**state, **new, "_hash": None})
@@ -185,8 +199,11 @@ class DTensorWriter:
                 f"{src.folder}: the model files hold no DTensor (FSDP1 on one rank saves plain tensors), so there is no "
                 "device mesh to lay out at more ranks; convert the run to DCP instead (ckpt convert SRC DST --to dcp --world-size N)"
             )
+        meshes = {mesh_of(spec) for spec in src.specs.values()}
         for name, spec in src.specs.items():
             problem = mesh_problem(spec, name)
+            if problem is None and len(meshes) > 1:
+                problem = f"'{name}' lies on one of {len(meshes)} different device meshes; ckpt re-lays a run on one 1-D mesh"
             if problem:
                 raise UsageError(f"{src.folder}: {problem}; convert the run to DCP instead (ckpt convert SRC DST --to dcp --world-size N)")
         kinds = _kinds(ckpt)
