@@ -124,10 +124,16 @@ def test_record_check_learns_records_after_it_starts(tmp_path):
     check.add(str(path), 0, 256, zlib.crc32(payload[:256]))
     check.add(str(path), 256, 256, zlib.crc32(payload[256:512]))
     assert not check.wants(str(path), 0, 100)  # verified once covered
+    assert check._sorted[str(path)][1] == [None]  # a record checked is let go (a wide write holds none of them)
+    check.learn([(str(path), good)])  # learnt again by a later file: stays checked, not read again
+    assert not check.wants(str(path), 0, 512) and check._sorted[str(path)][1] == [None]
     check.learn([(str(path), bad)])
     check.add(str(path), 512, 100, zlib.crc32(payload[512:612]))
     with pytest.raises(DataError, match="fails its CRC32"):
         check.finish()  # the rest read and compared
+    outside = zipio.Record("c", 100, 50, zlib.crc32(payload[100:150]))
+    check.whole(str(path), outside)  # checked whole without being learnt
+    check.whole(str(path), outside._replace(crc=1))  # remembered: not read (nor compared) a second time
 
 
 @pytest.mark.parametrize(

@@ -105,10 +105,11 @@ class RecordCheck:
 
     def __init__(self, records: Iterable[tuple[str, Record]] = ()) -> None:
         # Per path: (record starts, records) sorted by start, replaced as one tuple when records are learnt, so that
-        # a thread looking one up never sees the two lists out of step.
-        self._sorted: dict[str, tuple[list[int], list[Record]]] = {}
+        # a thread looking one up never sees the two lists out of step. A record checked is let go: its slot holds
+        # None (a reshard of 580,000 DCP chunks held every record and a set of their keys through the write: 250 MB).
+        self._sorted: dict[str, tuple[list[int], list[Record | None]]] = {}
         self._pieces: dict[tuple[str, int], _Pieces] = {}
-        self._verified: set[tuple[str, int]] = set()
+        self._outside: set[tuple[str, int]] = set()  # records checked by whole() that were never learnt
         self._lock = threading.Lock()
         self.learn(records)
 
@@ -120,27 +121,33 @@ class RecordCheck:
                 new.setdefault(path, {})[rec.data_offset] = rec
         with self._lock:
             for path, recs in new.items():
-                merged = dict(zip(*self._sorted.get(path, ([], []))))
+                merged: dict[int, Record | None] = dict(zip(*self._sorted.get(path, ([], []))))
                 count = len(merged)
-                merged.update((start, rec) for start, rec in recs.items() if start not in merged)
+                merged.update((start, rec) for start, rec in recs.items() if start not in merged)  # a checked one stays None
                 if len(merged) == count:
                     continue  # known already
-                ordered = [merged[start] for start in sorted(merged)]
-                self._sorted[path] = ([r.data_offset for r in ordered], ordered)
+                starts = sorted(merged)
+                self._sorted[path] = (starts, [merged[start] for start in starts])
 
     def _record(self, path: str, offset: int, nbytes: int) -> Record | None:
-        """The checked record that holds bytes [offset, offset + nbytes) of `path`."""
+        """The record still to be checked that holds bytes [offset, offset + nbytes) of `path` (None: no record, or
+        one checked already)."""
         starts, records = self._sorted.get(path, ((), ()))
         i = bisect.bisect_right(starts, offset) - 1
         if i < 0:
             return None
         rec = records[i]
-        return rec if offset + nbytes <= rec.data_offset + rec.size else None
+        return rec if rec is not None and offset + nbytes <= rec.data_offset + rec.size else None
+
+    def _checked(self, path: str, start: int) -> bool:
+        """Whether the record starting at `start` was checked (its slot let go)."""
+        starts, records = self._sorted.get(path, ((), ()))
+        i = bisect.bisect_left(starts, start)
+        return (i < len(starts) and starts[i] == start and records[i] is None) or (path, start) in self._outside
 
     def wants(self, path: str, offset: int, nbytes: int) -> bool:
         """Whether these bytes belong to a record still to be checked (their CRC32 is then wanted)."""
-        rec = self._record(path, offset, nbytes)
-        return rec is not None and (path, rec.data_offset) not in self._verified
+        return self._record(path, offset, nbytes) is not None
 
     def add(self, path: str, offset: int, nbytes: int, crc: int) -> None:
         """Bytes [offset, offset + nbytes) of `path` were read and had CRC32 `crc`; check their record once covered."""
@@ -149,7 +156,7 @@ class RecordCheck:
             return
         key = (path, rec.data_offset)
         with self._lock:
-            if key in self._verified:
+            if self._checked(path, rec.data_offset):
                 return
             if nbytes == rec.size:
                 self._settle(path, rec, crc)
@@ -180,7 +187,7 @@ class RecordCheck:
 
     def whole(self, path: str, rec: Record) -> None:
         """Check a record by reading all of it (a stored array read another way, e.g. through a memory map)."""
-        if not rec.crc or (path, rec.data_offset) in self._verified:
+        if not rec.crc or self._checked(path, rec.data_offset):
             return
         crc = _read_crc(path, rec.data_offset, rec.size)
         with self._lock:
@@ -191,9 +198,10 @@ class RecordCheck:
         with self._lock:
             pending = list(self._pieces.items())
         for (path, start), pieces in pending:
-            if (path, start) in self._verified:
+            starts, records = self._sorted[path]
+            rec = records[bisect.bisect_left(starts, start)]
+            if rec is None:  # checked meanwhile
                 continue
-            rec = next(r for r in self._sorted[path][1] if r.data_offset == start)
             crc = self._joined(path, rec, pieces.parts)
             with self._lock:
                 self._settle(path, rec, crc)
@@ -209,9 +217,14 @@ class RecordCheck:
         return crc
 
     def _settle(self, path: str, rec: Record, crc: int) -> None:
-        """Compare (the lock held); a record is checked once."""
+        """Compare (the lock held); a record is checked once, then let go."""
         key = (path, rec.data_offset)
-        self._verified.add(key)
+        starts, records = self._sorted.get(path, ((), []))
+        i = bisect.bisect_left(starts, rec.data_offset)
+        if i < len(starts) and starts[i] == rec.data_offset:
+            records[i] = None
+        else:  # a record checked whole without being learnt (whole())
+            self._outside.add(key)
         self._pieces.pop(key, None)
         if crc != rec.crc:
             raise DataError(
