@@ -50,8 +50,8 @@ def protocol_of(path: object) -> str | None:
     match = _URL.match(text)
     if match:
         return match.group(1)
-    head, sep, _ = text.partition(":/")
-    return head if sep and head in PROTOCOLS else None
+    colon = text.find(":/")  # not partition(): asked for every chunk a write copies, it copied the whole path each time
+    return text[:colon] if colon > 0 and text[:colon] in PROTOCOLS else None
 
 
 def is_remote(path: object) -> bool:
