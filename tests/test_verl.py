@@ -53,19 +53,23 @@ def test_bf16_export_equals_verls_own_merger(ckpt, verl_runs, tmp_path, strategy
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("world", [1, 3])
-def test_reshard_resumes_in_verls_own_checkpoint_manager(ckpt, verl_runs, tmp_path, strategy, world):
-    """A 2-rank verl actor resharded to 1 and 3 ranks, then loaded by verl's FSDPCheckpointManager.load_checkpoint on
-    that many processes (tests/producers/verl_load.py): the whole model, the optimizer state by parameter (FSDP1: its
-    flat state re-laid per FlatParameter) and the LR schedule equal the saving run's bit for bit, and it trains on."""
-    actor = verl_runs / strategy / "global_step_2" / "actor"
-    dest = tmp_path / "actor"
-    res = ckpt("reshard", actor, dest, "--world-size", world)
-    assert res.code == 0, res.err
-    kinds = ("model", "optim", "extra_state")
-    assert {p.name for p in dest.glob("*.pt")} == {f"{k}_world_size_{world}_rank_{r}.pt" for k in kinds for r in range(world)}
-    assert json.loads((dest / "fsdp_config.json").read_text()) == {"FSDP_version": int(strategy[-1]), "world_size": world}
-    assert (dest / "huggingface" / "tokenizer.json").read_bytes() == (actor / "huggingface" / "tokenizer.json").read_bytes()
-    out = torchrun(world, "verl_load.py", strategy, dest, verl_runs / strategy, timeout=600)
-    assert f"loaded actor on {world} ranks: model, optimizer and schedule equal the run's" in out
+def test_reshard_resumes_in_verls_own_checkpoint_manager(ckpt, verl_runs, tmp_path, world):
+    """2-rank verl FSDP1 and FSDP2 actors resharded to 1 and 3 ranks, then loaded by verl's
+    FSDPCheckpointManager.load_checkpoint on that many processes (tests/producers/verl_load.py, both in one launch): the
+    whole model, the optimizer state by parameter (FSDP1: its flat state re-laid per FlatParameter) and the LR schedule
+    equal the saving run's bit for bit, and it trains on."""
+    jobs: list[str | Path] = []
+    for strategy in STRATEGIES:
+        actor = verl_runs / strategy / "global_step_2" / "actor"
+        dest = tmp_path / strategy / "actor"
+        res = ckpt("reshard", actor, dest, "--world-size", world)
+        assert res.code == 0, res.err
+        kinds = ("model", "optim", "extra_state")
+        assert {p.name for p in dest.glob("*.pt")} == {f"{k}_world_size_{world}_rank_{r}.pt" for k in kinds for r in range(world)}
+        assert json.loads((dest / "fsdp_config.json").read_text()) == {"FSDP_version": int(strategy[-1]), "world_size": world}
+        assert (dest / "huggingface" / "tokenizer.json").read_bytes() == (actor / "huggingface" / "tokenizer.json").read_bytes()
+        jobs += [strategy, dest, verl_runs / strategy]
+    out = torchrun(world, "verl_load.py", *jobs, timeout=600)
+    for strategy in STRATEGIES:
+        assert f"loaded {strategy} actor on {world} ranks: model, optimizer and schedule equal the run's" in out

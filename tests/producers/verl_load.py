@@ -1,12 +1,13 @@
 """Resume a verl actor from a checkpoint folder with verl's own FSDPCheckpointManager, at whatever world size
 torchrun gives, and check what it loaded against the run that saved it.
 
-    torchrun --nproc-per-node W verl_load.py STRATEGY ACTOR RUN
+    torchrun --nproc-per-node W verl_load.py STRATEGY ACTOR RUN [STRATEGY ACTOR RUN ...]
 
-STRATEGY is fsdp1 or fsdp2; ACTOR a folder of model/optim/extra_state_world_size_W_rank_R.pt files (ckpt's reshard
-of a verl_actor.py save); RUN the verl_actor.py output for that strategy (its base_model beside it, reference.pt and
-optim_reference.pt in it). The actor, optimizer and schedule are built exactly as verl_actor.py builds them, then
-`FSDPCheckpointManager.load_checkpoint(ACTOR)` loads this rank's three files. Checked, bit for bit, on rank 0:
+Each triple is loaded in turn in the one launch. STRATEGY is fsdp1 or fsdp2; ACTOR a folder of
+model/optim/extra_state_world_size_W_rank_R.pt files (ckpt's reshard of a verl_actor.py save); RUN the verl_actor.py
+output for that strategy (its base_model beside it, reference.pt and optim_reference.pt in it). The actor, optimizer
+and schedule are built exactly as verl_actor.py builds them, then `FSDPCheckpointManager.load_checkpoint(ACTOR)` loads
+this rank's three files. Checked, bit for bit, on rank 0:
 
     the whole model (verl's get_fsdp_full_state_dict)            == RUN/reference.pt
     the optimizer by parameter name (get_optimizer_state_dict)   == RUN/optim_reference.pt (exp_avg, exp_avg_sq, step)
@@ -43,15 +44,22 @@ def compare(what: str, got: dict, want: dict) -> None:
                 fail(f"{what}.{name}: {mine.dtype}{list(mine.shape)} differs from the saved run's {value.dtype}{list(value.shape)}")
 
 
-def main(strategy: str, actor: Path, run: Path) -> None:
+def main(jobs: list[str]) -> None:
+    dist.init_process_group("gloo")
+    cpu_shims()
+    for i in range(0, len(jobs), 3):
+        load(jobs[i], Path(jobs[i + 1]), Path(jobs[i + 2]))
+    sys.stdout.flush()
+    os._exit(0)  # without tearing down gloo (see fsdp2.py)
+
+
+def load(strategy: str, actor: Path, run: Path) -> None:
     from verl.trainer.config import CheckpointConfig
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
     from verl.utils.fsdp_utils import get_fsdp_full_state_dict
     from verl.utils.torch_functional import get_constant_schedule_with_warmup
     from verl.workers.config.optimizer import FSDPOptimizerConfig, build_optimizer
 
-    dist.init_process_group("gloo")
-    cpu_shims()
     torch.manual_seed(1)  # unlike the saving run: every loaded value must come from the files
     module = build_actor(strategy, run.parent / "base_model")
     optimizer = build_optimizer(module.parameters(), FSDPOptimizerConfig(lr=LR, total_training_steps=STEPS))
@@ -87,10 +95,8 @@ def main(strategy: str, actor: Path, run: Path) -> None:
         fail(f"the step after loading gave a loss of {loss.item()}")
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"loaded {actor.name} on {dist.get_world_size()} ranks: model, optimizer and schedule equal the run's", flush=True)
-    sys.stdout.flush()
-    os._exit(0)  # without tearing down gloo (see fsdp2.py)
+        print(f"loaded {strategy} {actor.name} on {dist.get_world_size()} ranks: model, optimizer and schedule equal the run's", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    main(sys.argv[1:])
