@@ -51,6 +51,10 @@ class FlatLayout:
     def numel(self, params: list[Param], unit: int) -> int:
         return sum(params[i].numel for i in self.units[unit])
 
+    def owners(self) -> dict[int, int]:
+        """Parameter index -> the FlatParameter holding it."""
+        return {i: k for k, unit in enumerate(self.units) for i in unit}
+
 
 def shard_length(total: int, world: int) -> int:
     """Elements of each rank's padded piece of a FlatParameter of `total` elements."""
@@ -124,7 +128,7 @@ def read_flat(trees: list[tuple[str, Any, dict[str, Any]]], params: list[Param],
     for k, unit in enumerate(layout.units):
         for key in layout.keys[k]:
             tensors.update(_per_param(trees, params, k, unit, key, lengths[k]))
-    owner = {i: k for k, unit in enumerate(layout.units) for i in unit}
+    owner = layout.owners()
     regrouped = []
     for g in groups:
         if not isinstance(g, dict) or not isinstance(g.get("params"), list) or not all(type(i) is int for i in g["params"]):
@@ -196,5 +200,5 @@ def flat_state(
 
 def flat_groups(layout: FlatLayout, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The param groups by FlatParameter, as FSDP1's optimizer holds them."""
-    owner = {i: k for k, unit in enumerate(layout.units) for i in unit}
+    owner = layout.owners()
     return [{**g, "params": sorted({owner[i] for i in g["params"]})} for g in groups]

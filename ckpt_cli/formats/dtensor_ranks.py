@@ -54,6 +54,7 @@ class DTensorSource:
     flat: FlatLayout | None = None
     params: list[Param] = dataclasses.field(default_factory=list)
     not_read: dict[str, str] = dataclasses.field(default_factory=dict)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # fsdp_config.json as read ({} when absent)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,11 @@ def pattern_of(folder: Path, kind: str, world: int) -> Path:
     return folder / f"{kind}_world_size_{world}_rank_*.pt"
 
 
+def saved_by_fsdp1(config: dict[str, Any]) -> bool:
+    """What fsdp_config.json says: verl's FSDP_version 1, or SkyRL's strategy "fsdp"."""
+    return config.get("FSDP_version") == 1 or config.get("fsdp_strategy") == "fsdp"
+
+
 def fsdp_config(folder: Path, world: int) -> dict[str, Any]:
     """verl's fsdp_config.json ({FSDP_version, world_size}), checked against the rank files."""
     path = folder / "fsdp_config.json"
@@ -302,23 +308,23 @@ class DTensorRanksReader:
         specs: dict[str, Spec] = {}
         params: list[Param] = []
         flat = None
+        # FSDP1 on one rank (NO_SHARD) saves plain tensors: every model tensor is then taken as a parameter
+        one_rank_fsdp1 = world == 1 and saved_by_fsdp1(config)
         for kind, paths in listed.items():
             loaded = [_load(p, options) for p in paths]
             part = _read_extra(loaded) if kind == "extra_state" else _read_kind(kind, loaded, params)
             if kind == "model":
-                # FSDP1 on one rank (NO_SHARD) saves plain tensors: every model tensor is then taken as a parameter
-                one_rank_fsdp1 = world == 1 and (config.get("FSDP_version") == 1 or config.get("fsdp_strategy") == "fsdp")
                 params = [Param(n, t.shape) for n, t in part.tensors.items() if n in part.specs or one_rank_fsdp1]
-            elif kind == "optim" and world == 1 and one_rank_fsdp1 and not part.not_read:
+            elif kind == "optim" and one_rank_fsdp1 and not part.not_read:
                 flat_part = _flat_kind(loaded, params, "optimizer.state")
                 part = part if flat_part.not_read else flat_part
+            pattern = pattern_of(path, kind, world)
             if part.flat is not None:
                 flat = part.flat
                 notes.append(
-                    f"{pattern_of(path, kind, world)}: FSDP1's flat optimizer state, read per parameter "
+                    f"{pattern}: FSDP1's flat optimizer state, read per parameter "
                     f"({len(part.flat.units)} FlatParameters, one per wrapped unit)"
                 )
-            pattern = pattern_of(path, kind, world)
             if part.not_read:
                 not_read[kind] = part.not_read
                 notes.append(f"{pattern}: not read: {part.not_read}")
@@ -350,7 +356,14 @@ class DTensorRanksReader:
             details=_details(tensors, listed, config, not_read),
             notes=notes + found_notes,
             source=DTensorSource(
-                path, {k: list(v) for k, v in listed.items()}, specs, {n: t.dtype for n, t in tensors.items()}, flat, params, not_read
+                path,
+                {k: list(v) for k, v in listed.items()},
+                specs,
+                {n: t.dtype for n, t in tensors.items()},
+                flat,
+                params,
+                not_read,
+                config,
             ),
             companions=companions,
         )

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import pickler
+from ckpt_cli.core.dtypes import BY_NAME
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry, contiguous_strides
 from ckpt_cli.core.paths import plain_component
@@ -32,7 +33,7 @@ from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import dtensor_flat
 from ckpt_cli.formats import dtensor_layout as lay
 from ckpt_cli.formats.dcp_writer import sub_box
-from ckpt_cli.formats.dtensor_ranks import DTensorSource, Spec, fsdp_config
+from ckpt_cli.formats.dtensor_ranks import DTensorSource, Spec, saved_by_fsdp1
 from ckpt_cli.formats.torch_save import Storage, archive, storage_id, tensor_reduce
 
 SPEC_MODULE = "torch.distributed.tensor._dtensor_spec"
@@ -54,8 +55,6 @@ class _RankArchive:
         return tensor_reduce(storage, entry.shape)
 
     def int32s(self, values: list[int]) -> Reduce:
-        from ckpt_cli.core.dtypes import BY_NAME
-
         storage = Storage(str(len(self.storages)), BY_NAME["int32"], len(values))
         self.storages.append((storage.key, struct.pack(f"<{len(values)}i", *values)))
         return tensor_reduce(storage, (len(values),))
@@ -209,8 +208,8 @@ class DTensorWriter:
         kinds = _kinds(ckpt)
         old = len(src.files["model"])
         # FSDP1 on one rank runs NO_SHARD, whose SHARDED_STATE_DICT holds plain tensors (its state-dict hooks skip
-        # unsharded handles); FSDP2 keeps DTensors on a one-rank mesh
-        plain = world == 1 and is_fsdp1(ckpt)
+        # unsharded handles; a flat optimizer state says FSDP1 too); FSDP2 keeps DTensors on a one-rank mesh
+        plain = world == 1 and (saved_by_fsdp1(src.config) or src.flat is not None)
         files = []
         for r in range(world):
             for kind, parts in (("model", kinds.model), ("optim", kinds.optim), ("extra_state", kinds.extra)):
@@ -300,18 +299,11 @@ class _RankBuild:
         return items, containers
 
 
-def is_fsdp1(ckpt: Checkpoint) -> bool:
-    """Saved by FSDP1: verl's fsdp_config.json says so, SkyRL's strategy is "fsdp", or the optimizer state was flat."""
-    flat = isinstance(ckpt.source, DTensorSource) and ckpt.source.flat is not None
-    return ckpt.details.get("fsdp_version") == 1 or ckpt.details.get("fsdp_strategy") == "fsdp" or flat
-
-
 def _side_files(ckpt: Checkpoint, src: DTensorSource, world: int) -> list[OutputFile]:
     """fsdp_config.json with the new world size, and the model's config and tokenizer under huggingface/."""
     files = []
-    doc = fsdp_config(src.folder, len(src.files["model"]))
-    if doc:
-        doc["world_size"] = world
+    if src.config:
+        doc = {**src.config, "world_size": world}
         files.append(OutputFile("fsdp_config.json", [Literal(json.dumps(doc, indent=4).encode())]))
     for name, where in ckpt.companions.items():
         data = where if isinstance(where, bytes) else Path(where).read_bytes()
