@@ -173,15 +173,20 @@ def test_spliced_dict_is_the_bytes_of_the_whole_dict(count: int):
 
     names = [f"layers.{i}.weight" for i in range(count)]
     items = [(n, (TorchSize((i, 0)), i * 7)) for i, n in enumerate(names)]
+    others = [(n, i) for i, n in enumerate(reversed(names))]  # a second dict, spliced too (a `.metadata` has two)
     size = pickler.Global("torch", "Size")
-    whole = pickler.dumps({"before": 1, "data": dict(items), "after": [2]}, expected=[size], shared=False, strings=names)
+    value = {"before": 1, "data": dict(items), "mid": "x", "more": dict(others), "after": [2]}
+    whole = pickler.dumps(value, expected=[size], shared=False, strings=names)
 
-    def batches():
-        for start in range(0, count, pickler.BATCH):
-            yield items[start : start + pickler.BATCH]
+    def batches_of(pairs):
+        def batches():
+            for start in range(0, len(pairs), pickler.BATCH):
+                yield pairs[start : start + pickler.BATCH]
 
-    spliced = pickler.SplicedDict("\0marker\0", count, batches)
-    value = {"before": 1, "data": spliced.marker, "after": [2]}
-    parts = pickler.dump_parts(value, expected=[size], shared=False, strings=names, spliced=spliced)
+        return batches
+
+    spliced = [pickler.SplicedDict("\0marker\0", count, batches_of(items)), pickler.SplicedDict("\0second\0", count, batches_of(others))]
+    value = {"before": 1, "data": spliced[0].marker, "mid": "x", "more": spliced[1].marker, "after": [2]}
+    parts = pickler.dump_parts(value, expected=[size], shared=False, strings=names, spliced=spliced[::-1])  # found by position
     assert b"".join(parts) == whole
     assert pickle.loads(whole)["data"] == {n: (torch.Size((i, 0)), i * 7) for i, n in enumerate(names)}

@@ -308,4 +308,35 @@ def test_packed_dcp_chunks_make_the_pieces_as_read(ckpt, fsdp2_saves, tmp_path):
     first = several[0].pieces[0]
     strided = Piece(first.region, StoredArray(first.data.path, first.data.offset, first.data.dtype, (1,), (2,), 0, first.data.record))
     kept = [first, strided]
-    assert dcp_chunks.pack(kept, first.data.dtype, dcp_chunks.Paths()) is kept
+    assert dcp_chunks.pack(kept, first.data.dtype, several[0].shape, dcp_chunks.Paths()) is kept
+    # A range read makes only the chunks it meets, and finds the same runs as a walk of every piece
+    for t in several[:20]:
+        for start, count in [(0, 1), (0, t.numel), (t.numel // 3, t.numel // 4 + 1), (t.numel - 1, 1)]:
+            whole = [r for r in plain.tensors[t.name].runs() if r[0] < start + count and r[0] + r[1] > start]
+            assert t.runs_in(start, count) == whole, (t.name, start, count)
+
+
+@pytest.mark.parametrize(
+    "shape, boxes",
+    [
+        ((10, 4), [((0, 0), (3, 4)), ((3, 0), (3, 4)), ((6, 0), (4, 4)), ((10, 0), (0, 4))]),  # rows, an empty chunk
+        ((6, 8), [((r, c), (3, 4)) for r in (0, 3) for c in (0, 4)]),  # a 2 x 2 mesh: boxes interleave by row
+        ((4, 6, 2), [((0, 0, 0), (4, 3, 2)), ((0, 3, 0), (4, 3, 2))]),  # columns of every row
+    ],
+)
+def test_extents_find_every_box_a_range_meets(shape, boxes):
+    """The bisection over the boxes' flat extents returns exactly the boxes holding an element of the range (a box
+    whose extent meets the range without holding any of its elements may come too: the runs are filtered after)."""
+    import math
+
+    from ckpt_cli.core.model import Box, box_runs
+    from ckpt_cli.formats.dcp_chunks import Extents
+
+    extents = Extents(tuple(Box(o, z) for o, z in boxes), shape)
+    numel = math.prod(shape)
+    for start in range(numel):
+        for count in range(1, numel - start + 1):
+            found = set(extents.meeting(start, count))
+            holding = {i for i, (o, z) in enumerate(boxes) if any(g < start + count and g + n > start for g, n, _ in box_runs(o, z, shape))}
+            assert holding <= found, (start, count)
+            assert all(boxes[i][1][0] for i in found), "an empty chunk is never made for a range"

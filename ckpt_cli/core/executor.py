@@ -24,7 +24,7 @@ from ckpt_cli import interrupt, store
 from ckpt_cli.core.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.model import ZEROS, TensorEntry
 from ckpt_cli.core.paths import inside
-from ckpt_cli.core.plan import Deferred, Literal, OutputFile, Segment, TensorData, WritePlan, sizes_of
+from ckpt_cli.core.plan import Deferred, FileSizes, Literal, OutputFile, Segment, TensorData, WritePlan, sizes_of
 from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
 from ckpt_cli.core.sinks import (
     WRITEBACK_BYTES,
@@ -213,6 +213,9 @@ def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int
     against its CRC32 (DataError before anything is committed)."""
 
     def write_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
+        if out.stream is not None:
+            write_stream(write, target, out, tick)
+            return
         segments = made(out, check)  # first: a built file's size is known once its segments are made
         sink = write.create(target, out.size, tick)
         try:
@@ -228,6 +231,29 @@ def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int
 
     _write_all(files, workers, progress, write_one)
     write.sync()  # once all are written (the kernel wrote back while the next file was made), before the commit
+
+
+STREAM_HINT = 1 << 30  # what an object store's part size is chosen for when a streamed file's size is not known yet
+
+
+def write_stream(write: Write, target: Path, out: OutputFile, tick: Progress) -> None:
+    """A streamed file: its parts written in order as they are made, each let go once written; its size then known."""
+    assert out.stream is not None
+    sink = write.create(target, out.sizes.total if out.sizes else STREAM_HINT, tick)
+    written = 0
+    try:
+        local = FileSink(sink.fd, 0, tick, buffered=True) if sink.fd is not None else None
+        for part in out.stream():
+            (local or sink).write(part)
+            written += len(part)
+        if local is not None:
+            local.flush()
+        interrupt.check()
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+    out.sizes = FileSizes(written, 0, 0)
 
 
 WriteOne = Callable[[Path, OutputFile, Progress, int, threading.Event, RecordCheck], None]

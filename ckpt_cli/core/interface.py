@@ -18,9 +18,6 @@ class ReadOptions:
     # A tensor's pieces located when its data is first read, and forgettable (LazyPieces.release): `diff` of two wide
     # checkpoints holds one tensor's pieces at a time, not both checkpoints' (formats without it read as usual)
     pieces_when_read: bool = False
-    # DCP: a tensor's plain chunks packed as numbers and its pieces made again when asked for (formats/dcp_chunks.py).
-    # Off for writes that cut each tensor once per output file (a reshard to 8 made every tensor's pieces 9 times)
-    pack_chunks: bool = True
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copyreg
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -195,24 +195,33 @@ def _batch_body(batch: bytes, size: int, last: bool, total: int) -> bytes | memo
     return body
 
 
-def _splice(out: bytes, pickler: pickle.Pickler, handed: _Handed, spliced: SplicedDict) -> list[bytes | memoryview]:
-    """The pickle `out` (PROTO dropped) with the dict's bytes where its marker's are."""
-    text = spliced.marker.encode()
-    marker = pickle.BINUNICODE + len(text).to_bytes(4, "little") + text
-    at = out.find(marker)
-    if at < 0 or out.find(marker, at + 1) >= 0:
-        raise pickle.PicklingError("the spliced dict's marker is not in the pickle exactly once")
-    parts: list[bytes | memoryview] = [memoryview(out)[2:at], pickle.EMPTY_DICT]
-    done = 0
-    for batch in spliced.batches():
-        handed.parts.clear()
-        pickler.dump(dict(batch))
-        done += len(batch)
-        parts.append(_batch_body(b"".join(handed.parts), len(batch), done == spliced.count, spliced.count))
-    if done != spliced.count:
-        raise pickle.PicklingError(f"the spliced dict has {done} items, not {spliced.count}")
-    parts.append(memoryview(out)[at + len(marker) :])
-    return parts
+def _splice(out: bytes, pickler: pickle.Pickler, handed: _Handed, spliced: Sequence[SplicedDict]) -> Iterator[bytes | memoryview]:
+    """The pickle `out` (PROTO dropped) with each dict's bytes where its marker's are, made as they are asked for."""
+    found = []
+    for dict_ in spliced:
+        text = dict_.marker.encode()
+        marker = pickle.BINUNICODE + len(text).to_bytes(4, "little") + text
+        at = out.find(marker)
+        if at < 0 or out.find(marker, at + 1) >= 0:
+            raise pickle.PicklingError("a spliced dict's marker is not in the pickle exactly once")
+        found.append((at, len(marker), dict_))
+    pos = 2
+    for at, length, dict_ in sorted(found, key=lambda f: f[0]):
+        yield memoryview(out)[pos:at]
+        yield pickle.EMPTY_DICT
+        done = 0
+        for batch in dict_.batches():
+            handed.parts.clear()
+            try:
+                pickler.dump(dict(batch))
+            except _Unknown as missing:  # the bytes before are written already: every global must be announced
+                raise pickle.PicklingError(f"{missing.glob} met in a spliced dict without being expected") from None
+            done += len(batch)
+            yield _batch_body(b"".join(handed.parts), len(batch), done == dict_.count, dict_.count)
+        if done != dict_.count:
+            raise pickle.PicklingError(f"the spliced dict has {done} items, not {dict_.count}")
+        pos = at + length
+    yield memoryview(out)[pos:]
 
 
 def dumps(obj: Any, *args: Any, **options: Any) -> bytes:
@@ -227,8 +236,8 @@ def dump_parts(
     shared: bool = True,
     strings: Iterable[str] = (),
     stand_ins: Iterable[tuple[type, Global]] = (),
-    spliced: SplicedDict | None = None,
-) -> list[bytes | memoryview]:
+    spliced: Sequence[SplicedDict] = (),
+) -> Iterator[bytes | memoryview]:
     """Protocol-2 pickle of `obj`, where Global/Reduce/Instance/DType stand for torch objects, as consecutive parts
     (the preamble, then the pickler's own output less its PROTO, not copied). `expected`: globals
     the caller knows `obj` names, written first so that no dump restarts for them (a restart pickles again all that
@@ -238,7 +247,8 @@ def dump_parts(
     for one, alive until the end; the globals still come from the memo). `strings`: text objects `obj` holds many
     times (a `.metadata`'s keys and file names, once per chunk), written once and then fetched from the memo, even
     with shared=False. `stand_ins`: registered classes `obj` holds and the global each is written as (known up front
-    too). `spliced`: a dict written in place of its marker (with shared=False)."""
+    too). `spliced`: dicts written in place of their markers (with shared=False), each made a batch at a time as the
+    parts are asked for, so that a caller writing them out holds one batch's bytes, not the pickle's."""
     texts = list({id(t): t for t in strings}.values())  # by identity: the memo finds the very objects `obj` holds
     known: dict[int, tuple[Any, Global]] = {}  # id(object) -> (object, the global it is written as)
     for item in expected:
@@ -260,9 +270,12 @@ def dump_parts(
         try:
             pickler.dump(obj)
             out = handed.parts[0] if len(handed.parts) == 1 else b"".join(handed.parts)
-            if spliced is not None:  # the same pickler: its memo refers to the same globals and strings
-                return [_preamble(order, texts), *_splice(out, pickler, handed, spliced)]
         except _Unknown as missing:
             known[id(missing.obj)] = (missing.obj, missing.glob)
             continue
-        return [_preamble(order, texts), memoryview(out)[2:]]  # its PROTO 2 dropped: the preamble has it
+        yield _preamble(order, texts)
+        if spliced:  # the same pickler: its memo refers to the same globals and strings
+            yield from _splice(out, pickler, handed, spliced)
+        else:
+            yield memoryview(out)[2:]  # its PROTO 2 dropped: the preamble has it
+        return

@@ -74,16 +74,23 @@ class OutputFile:
     sizes: FileSizes | None = None  # given with `build` when known without building (else measured once)
     reads: Sequence[str] = ()  # with `build`: the files its tensor data is read from
     names: list[str] | None = None  # with `build`: its tensors' names, once known
+    # Literal bytes made as they are written, in order, and let go (a wide DCP `.metadata`: 100 MB held whole else);
+    # its size is known once written (or measured by making them, then dropping them)
+    stream: Callable[[], Iterable[bytes | memoryview]] | None = None
 
     def parts(self) -> list[Segment]:
         """The file's segments (made now for a built file: hold them only while writing it)."""
+        if self.stream is not None:
+            raise TypeError(f"{self.relpath}: a streamed file has no segments; its bytes come from `stream`")
         return self.segments if self.build is None else self.build()
 
     def measured(self) -> FileSizes:
-        if self.build is None:
+        if self.stream is not None and self.sizes is None:
+            self.sizes = FileSizes(sum(len(part) for part in self.stream()), 0, 0)
+        if self.build is None and self.stream is None:
             return sizes_of(self.segments)
         if self.sizes is None:
-            self.sizes = sizes_of(self.build())
+            self.sizes = sizes_of(self.parts())
         return self.sizes
 
     @property
@@ -95,6 +102,8 @@ class OutputFile:
         return (s.tensor for s in self.segments if isinstance(s, TensorData))
 
     def tensor_names(self) -> list[str]:
+        if self.stream is not None:
+            return []
         if self.build is None:
             return [s.tensor.name for s in self.segments if isinstance(s, TensorData)]
         if self.names is None:

@@ -332,7 +332,7 @@ class DCPReader:
                         pieces = LazyPieces(functools.partial(_tensor_pieces, files, fqn, item, storage, options), len(item.chunks))
                     else:
                         pieces = _tensor_pieces(files, fqn, item, storage, options)
-                        pieces = dcp_chunks.pack(pieces, item.properties.dtype, paths) if options.pack_chunks else pieces
+                        pieces = dcp_chunks.pack(pieces, item.properties.dtype, size, paths)
                         object.__setattr__(item, "chunks", ())  # the pieces hold the same boxes (200,000 records at 64 ranks)
                     tensors[fqn] = TensorEntry(fqn, item.properties.dtype, size, roles.tensor_role(key_path), pieces, key_path)
                 elif isinstance(item, BytesStorageRec):

@@ -43,11 +43,11 @@ def _cls(name: str, module: str = _META) -> Global:
     return Global(module, name)
 
 
-def _properties(entry: TensorEntry) -> Instance:
+def _properties(dtype: DType) -> Instance:
     """TensorProperties as its __getstate__ pickles it: (dtype, layout, requires_grad, memory format, pinned)."""
     layout = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))
     contiguous = Reduce(_cls("_MEM_FORMAT_ENCODING"), (0,))
-    return Instance(_cls("TensorProperties"), (entry.dtype, layout, False, contiguous, False))
+    return Instance(_cls("TensorProperties"), (dtype, layout, False, contiguous, False))
 
 
 class _IndexOf:
@@ -99,23 +99,32 @@ def metadata_parts(
     order: list[str] | None = None,
     *,
     chunk_class: type,
-) -> list[bytes | memoryview]:
-    """`.metadata`, in consecutive parts, as FileSystemWriter.finish pickles DCP's dataclasses (written without importing torch), from the
-    placed items (`objects`: the BYTE_IO ones; `chunk_class`: the class of the tensors' items, pickled as their
-    ChunkStorageMetadata); `order`: the keys in the order the global plan first meets them (state_dict_metadata's
-    order in a real save)."""
+) -> Iterator[bytes | memoryview]:
+    """`.metadata`, in consecutive parts made as they are asked for, as FileSystemWriter.finish pickles DCP's
+    dataclasses (written without importing torch), from the placed items (`objects`: the BYTE_IO ones; `chunk_class`:
+    the class of the tensors' items, pickled as their ChunkStorageMetadata); `order`: the keys in the order the global
+    plan first meets them (state_dict_metadata's order in a real save). Both dicts that grow with the chunks,
+    state_dict_metadata and storage_data, are pickled a thousand entries at a time where their markers stand, so a
+    caller writing the parts out holds one batch's bytes at a time, not the file's (100 MB for 600,000 chunks)."""
     pickler.register(chunk_class, _chunk_state)
-    sdm: dict[str, Any] = {}
-    dtypes: dict[DType, None] = {}
-    properties: dict[DType, Instance] = {}  # one description per dtype, written in full for each tensor all the same
-    for fqn, (entry, listed) in chunks.items():  # sizes as TorchSize: torch.Size(dims) when pickled, a tuple here
-        described = properties.setdefault(entry.dtype, _properties(entry))
-        sdm[fqn] = Instance(_cls("TensorStorageMetadata"), {"properties": described, "size": TorchSize(entry.shape), "chunks": listed})
-        dtypes[entry.dtype] = None
-    for item in objects:
-        sdm[item.fqn] = Instance(_cls("BytesStorageMetadata"))
+    dtypes = {entry.dtype: None for entry, _ in chunks.values()}
+    properties = {dtype: _properties(dtype) for dtype in dtypes}  # one description per dtype, written in full each time
+    byte_keys = {item.fqn for item in objects}
+    keys = [*chunks, *(item.fqn for item in objects)]
     if order:
-        sdm = {key: sdm[key] for key in order if key in sdm} | sdm
+        keys = list(dict.fromkeys([*(key for key in order if key in chunks or key in byte_keys), *keys]))
+
+    def described(fqn: str) -> Instance:  # sizes as TorchSize: torch.Size(dims) when pickled, a tuple here
+        if fqn in byte_keys:
+            return Instance(_cls("BytesStorageMetadata"))
+        entry, listed = chunks[fqn]
+        state = {"properties": properties[entry.dtype], "size": TorchSize(entry.shape), "chunks": listed}
+        return Instance(_cls("TensorStorageMetadata"), state)
+
+    def tensors() -> Iterator[list[tuple[str, Instance]]]:
+        for start in range(0, len(keys), pickler.BATCH):
+            yield [(fqn, described(fqn)) for fqn in keys[start : start + pickler.BATCH]]
+
     count = sum(len(listed) for _, listed in chunks.values()) + len(objects)
 
     def indexed() -> Iterator[tuple[Any, int | None]]:  # storage_data's keys in the order a dict of them would hold
@@ -132,22 +141,25 @@ def metadata_parts(
     placed = sorted((item for item, _ in indexed()), key=lambda item: item.key)
     for value in [*((item.key, (item.file, item.pos, item.length)) for item in placed), *sorted(planner)]:
         body.update(repr(value).encode())
+    del placed
     save_id = str(uuid.UUID(bytes=body.digest()[:16], version=4))  # reproducible, unlike uuid4()
     storage_meta = Instance(
         _cls("StorageMeta"),
         {"checkpoint_id": Reduce(Global("pathlib", "PosixPath"), (str(dest),)), "save_id": save_id, "load_id": None, "modules": []},
     )
-    # storage_data, two records for each chunk, is written a thousand entries at a time where its marker stands
+    # state_dict_metadata, a record for each tensor and chunk, and storage_data, two records for each chunk, are
+    # written a thousand entries at a time where their markers stand
+    state_dict_metadata = pickler.SplicedDict(f"\0ckpt state_dict_metadata {uuid.uuid4()}\0", len(keys), tensors)
     storage_data = pickler.SplicedDict(f"\0ckpt storage_data {uuid.uuid4()}\0", count, batches)
     meta = {
-        "state_dict_metadata": sdm,
+        "state_dict_metadata": state_dict_metadata.marker,
         "planner_data": planner,
         "storage_data": storage_data.marker,
         "storage_meta": storage_meta,
         "version": "1.0.0",
     }
     # Every global the pickle names, known up front: each one met unannounced restarts the dump (it pickled the
-    # 200,000 chunks of a 1,024-rank `.metadata` four times).
+    # 200,000 chunks of a 1,024-rank `.metadata` four times), and one met in a spliced dict is an error.
     expected: list[Global | DType] = [_cls("Metadata"), _cls("StorageMeta"), Global("pathlib", "PosixPath")]
     if objects:
         expected.append(_cls("BytesStorageMetadata"))
@@ -159,7 +171,12 @@ def metadata_parts(
     stand_ins = [(chunk_class, _cls("ChunkStorageMetadata")), (_IndexOf, _cls("MetadataIndex")), (_StoredAt, _STORAGE_INFO)]
     # keys and file names written once each: without the memo every chunk would repeat them (torch's own `.metadata`
     # refers to them; so the file and whatever reads it stay as small)
-    texts = [*sdm, *{item.file: None for item, _ in indexed()}]
+    texts = [*keys, *{item.file: None for item, _ in indexed()}]
     return pickler.dump_parts(
-        Instance(_cls("Metadata"), meta), expected=expected, shared=False, strings=texts, stand_ins=stand_ins, spliced=storage_data
+        Instance(_cls("Metadata"), meta),
+        expected=expected,
+        shared=False,
+        strings=texts,
+        stand_ins=stand_ins,
+        spliced=[state_dict_metadata, storage_data],
     )

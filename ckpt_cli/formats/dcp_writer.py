@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,9 +154,13 @@ def sub_box(
     `source`: entry.runs(), when the caller cuts several boxes from one tensor."""
     if offsets == (0,) * len(entry.shape) and sizes == entry.shape:
         return dataclasses.replace(entry, name=name)
+    box = tuple(box_runs(offsets, sizes, entry.shape))
+    if source is None and box and entry.made_by_range():  # only the source pieces the box's extent meets are made
+        first, last = box[0][0], box[-1][0] + box[-1][1]
+        source = entry.runs_in(first, last - first)
     source = entry.runs() if source is None else source
     pieces, i = [], 0
-    for gstart, length, lstart in box_runs(offsets, sizes, entry.shape):
+    for gstart, length, lstart in box:
         end = gstart + length
         while i < len(source) and source[i][0] + source[i][1] <= gstart:
             i += 1
@@ -336,10 +340,9 @@ def dedup(planned: Planned, world: int) -> list[list[Item]]:
     """Each rank's plan after dedup_save_plans (dcp/_dedup_save_plans.py): every item kept by one of its holders, the
     one with the fewest planned bytes so far, items taken in the order the ranks' plans list them (rank 0's plan,
     then what rank 1 adds, ...); each plan keeps its own order."""
-    position = {id(item): i for i, (item, _) in enumerate(planned)}
     met = sorted(range(len(planned)), key=lambda i: planned[i][1][0])  # stable: plan order within a first holder
     sizes = [0] * world
-    kept: list[list[Item]] = [[] for _ in range(world)]
+    kept: list[list[int]] = [[] for _ in range(world)]  # positions in `planned`: each plan keeps its own order
     for i in met:
         item, holders = planned[i]
         # Among equals, the first the set of holder ranks yields, as torch's min() over that set meets them (not
@@ -348,10 +351,9 @@ def dedup(planned: Planned, world: int) -> list[list[Item]]:
         # What torch counts (WriteItem.tensor_storage_size): the whole tensor's bytes for each of its chunks, empty
         # ones included; 1 for a non-tensor value.
         sizes[r] += (item.entry.nbytes if item.entry is not None else 0) or 1
-        kept[r].append(item)
-    for items in kept:
-        items.sort(key=lambda item: position[id(item)])
-    return kept
+        kept[r].append(i)
+    del met
+    return [[planned[i][0] for i in sorted(positions)] for positions in kept]
 
 
 def _object_bytes(obj: ObjectEntry) -> bytes:
@@ -407,13 +409,13 @@ class RankFile:
         return [item.name for item in self.items if item.entry is not None]
 
 
-def _metadata_segments(
+def _metadata_stream(
     chunks: dict[str, tuple[TensorEntry, list[Item]]], planner: dict[str, Any], values: list[Item], dest: Path, order: list[str]
-) -> list[Any]:
+) -> Iterator[bytes | memoryview]:
     for entry, _ in chunks.values():  # written after every data file: the pieces the sources made are read no more
         if isinstance(entry.pieces, LazyPieces):
             entry.pieces.release()
-    return [Literal(part) for part in metadata_parts(chunks, planner, values, dest, order, chunk_class=Item)]
+    return metadata_parts(chunks, planner, values, dest, order, chunk_class=Item)
 
 
 class DCPWriter:
@@ -439,6 +441,7 @@ class DCPWriter:
         chunks = chunk_lists(entries, kept)
         order = list(dict.fromkeys(item.fqn for items in kept for item in items))
         files = []
+        lengths: dict[int, int] = {}
         reads = tuple({a.path: None for entry in ckpt.tensors.values() for a in entry.stored_arrays()})
         for r, items in enumerate(kept):
             name = f"__{r}_0.distcp"
@@ -450,7 +453,8 @@ class DCPWriter:
                     item.archive = _object_bytes(item.obj)
                     item.length = len(item.archive)
                 else:
-                    item.length = item.archive_size()
+                    length = item.archive_size()
+                    item.length = lengths.setdefault(length, length)  # a few distinct sizes, one int object each
                 item.file, item.pos = name, pos
                 pos += item.length
             data = [i.planned_bytes for i in items if i.entry is not None]
@@ -458,8 +462,8 @@ class DCPWriter:
         placed = {item.fqn: item for items in kept for item in items if item.obj is not None}
         values = [placed[obj.name] for obj in objects]
         # Made when written (by rank 0 alone under torchrun): pickling 200,000 chunks' records takes seconds
-        made = functools.partial(_metadata_segments, chunks, planner, values, dest, order)
-        files.append(OutputFile(".metadata", build=made, commit_marker=True))
+        made = functools.partial(_metadata_stream, chunks, planner, values, dest, order)
+        files.append(OutputFile(".metadata", stream=made, commit_marker=True))
         notes += layout.notes
         if layout.mesh[1] == 1 and not any(n.startswith("layout:") for n in layout.notes):
             sharded = sum(1 for entry, listed in chunks.values() if len(listed) > 1 or is_sharded(entry, ckpt))

@@ -60,7 +60,6 @@ class Format:
     not_resharded: str | None = None  # a read-only format of many files: why `reshard` refuses it, what to do instead
     commit: Commit | None = None  # the marker its writer writes last (core/plan.OutputFile.commit_marker)
     takes_tp: bool = False  # the writer lays out a dp x tp mesh (--tp)
-    walks_once: bool = False  # the writer reads each source tensor in one go (a DCP source's chunks may stay packed)
     merge_suffixes: tuple[str, ...] = ()  # `merge` writes this one-file format to a destination with these suffixes
     tensors_only: bool = False  # holds tensors only: optimizer and training state cannot go there
     folders: bool = True  # detection can claim a folder
@@ -166,7 +165,6 @@ FORMATS: dict[str, Format] = {
             "Hugging Face sharded safetensors + model.safetensors.index.json",
             False,
             reshard_by="shards",
-            walks_once=True,
             tensors_only=True,
             members=r".+-\d+-of-\d+\.(safetensors|bin)|.+\.index\.json",
             # DCP's per-rank Hugging Face shards (shard-R-model-I-of-N) have no index
@@ -178,7 +176,6 @@ FORMATS: dict[str, Format] = {
             "safetensors:WRITER",
             "one .safetensors file",
             False,
-            walks_once=True,
             merge_suffixes=(".safetensors",),
             tensors_only=True,
             folders=False,
@@ -190,7 +187,6 @@ FORMATS: dict[str, Format] = {
             "torch_save:WRITER",
             "one torch.save file (.pt/.pth/.bin)",
             True,
-            walks_once=True,
             merge_suffixes=(".pt", ".pth", ".bin"),
             folders=False,
             files=".*",  # by its zip or pickle magic

@@ -35,8 +35,7 @@ TORCH_RSS = 260 * 10**6
 def prepare(request: Request) -> Job:
     """Open the source once and plan the write (metadata only; nothing is written)."""
     src = request.source
-    walks_once = request.to is not None and registry.get(request.to).walks_once
-    ckpt = open_checkpoint(request.src, src.format, src.tag, src.trust_pickle, pack_chunks=walks_once)
+    ckpt = open_checkpoint(request.src, src.format, src.tag, src.trust_pickle)
     unsafe = ckpt.unsafe_values()
     if unsafe:  # a value whose pickle names a global outside the allow list is never copied (its loader would run it)
         raise DataError(f"refusing to copy a pickled value the allow list rejects: {unsafe_value_problem(unsafe[0])}")

@@ -100,14 +100,13 @@ def open_exact(
     trust_pickle: bool,
     layout_only: bool = False,
     pieces_when_read: bool = False,
-    pack_chunks: bool = True,
 ) -> Checkpoint:
     """The checkpoint at `path` itself: a run checkpoint (unless --format names a core format), or a core one."""
     run = runs.detect(path) if format_name is None else None
     if run is not None:
         return run_read.read(run, ReadOptions(tag=tag, trust_pickle=trust_pickle, layout_only=layout_only))
     resolved = registry.resolve(path, format_name, tag)
-    options = ReadOptions(resolved.tag, trust_pickle, layout_only, pieces_when_read, pack_chunks)
+    options = ReadOptions(resolved.tag, trust_pickle, layout_only, pieces_when_read)
     ckpt = resolved.format.reader.read(resolved.path, options)
     if resolved.tag and not ckpt.tag:
         ckpt.tag = resolved.tag

@@ -19,10 +19,9 @@ def open_checkpoint(
     trust_pickle: bool = False,
     layout_only: bool = False,
     pieces_when_read: bool = False,
-    pack_chunks: bool = True,
 ) -> Checkpoint:
     """Read a checkpoint's metadata (no tensor data) from any supported format or framework run folder; `layout_only`:
-    what inspect reports, no more, and `pieces_when_read`, `pack_chunks` (ReadOptions), for a checkpoint named directly."""
+    what inspect reports, no more, and `pieces_when_read` (ReadOptions), for a checkpoint named directly."""
     path = store.location(path)  # s3://bucket/prefix: a store.Location
     store.fresh()  # listings and blocks cached by an earlier command in this process may be stale
     if not store.renames(path):
@@ -41,7 +40,7 @@ def open_checkpoint(
             "(or name --format to read this one file alone)"
         )
     if format is not None or runs.detect(path) is not None or registry.detect(path) is not None:
-        ckpt = run_roots.open_exact(path, format, tag, trust_pickle, layout_only, pieces_when_read, pack_chunks)
+        ckpt = run_roots.open_exact(path, format, tag, trust_pickle, layout_only, pieces_when_read)
         note = run_roots.part_note(path) if format is None and not runs.detect(path) else None
         if note:
             ckpt.notes.append(note)
