@@ -54,21 +54,7 @@ def write_file(
     """Write one output file. Literal bytes go out at once; tensor data is copied by `threads` threads at
     known offsets (large CRC-bearing tensors in CHUNK_BYTES pieces, their CRCs combined in order); the
     CRC-dependent trailers (Deferred) come last. `check` verifies the source records the copies read."""
-    lock = threading.Lock()
-    pending = 0
-
-    def advance(nbytes: int) -> None:
-        nonlocal pending
-        with lock:
-            pending += nbytes
-            flush = pending >= WRITEBACK_BYTES
-            if flush:
-                pending = 0
-        if flush:  # let the disk work while we produce the next bytes
-            start_writeback(fd)
-        if progress:
-            progress(nbytes)
-
+    advance = _advancer(fd, progress)
     if threads == 1:  # in order, through one buffered sink: each trailer right after the data it covers
 
         def in_order(sources: SourceFiles) -> int:
@@ -99,6 +85,26 @@ def write_file(
         data = seg.build(by_key)
         assert len(data) == seg.size, "deferred segment size differs from its plan"
         FileSink(fd, offset, None).write(data)
+
+
+def _advancer(fd: int, progress: Progress | None) -> Progress:
+    """What each block written calls: starts writeback every WRITEBACK_BYTES, then reports progress."""
+    lock = threading.Lock()
+    pending = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal pending
+        with lock:
+            pending += nbytes
+            flush = pending >= WRITEBACK_BYTES
+            if flush:
+                pending = 0
+        if flush:  # let the disk work while we produce the next bytes
+            start_writeback(fd)
+        if progress:
+            progress(nbytes)
+
+    return advance
 
 
 def _tensor_jobs(
@@ -216,6 +222,10 @@ def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int
         if out.stream is not None:
             write_stream(write, target, out, tick)
             return
+        batches = getattr(out.build, "batches", None)
+        if batches is not None and out.sizes is not None and threads == 1:
+            write_batches(write, target, out, batches(), tick, check)
+            return
         segments = made(out, check)  # first: a built file's size is known once its segments are made
         sink = write.create(target, out.size, tick)
         try:
@@ -231,6 +241,41 @@ def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int
 
     _write_all(files, workers, progress, write_one)
     write.sync()  # once all are written (the kernel wrote back while the next file was made), before the commit
+
+
+def write_batches(
+    write: Write, target: Path, out: OutputFile, batches: Iterator[list[Segment]], tick: Progress, check: RecordCheck
+) -> None:
+    """A built file whose builder makes its segments in batches (each self-contained: a DCP rank file's chunk
+    archives), written in order one batch at a time: a rank file of 70,000 chunks held every chunk's segments at
+    once (+100 MB). Its size was planned; its source records are learnt batch by batch."""
+    sink = write.create(target, out.size, tick)
+    sources = SourceFiles(check)
+    names: list[str] = []
+    try:
+        local = FileSink(sink.fd, 0, _advancer(sink.fd, tick), buffered=True) if sink.fd is not None else None
+        written = 0
+        for batch in batches:
+            tensors = [s.tensor for s in batch if isinstance(s, TensorData)]
+            check.learn(records(tensors))
+            names += [sys.intern(t.name) for t in tensors]
+            if local is None:
+                sources.expect(file_runs(batch))
+            write_segments(batch, local or sink, sources)
+            written += sum(seg.size for seg in batch)
+        if local is not None:
+            local.flush()
+        written = local.offset if local is not None else written
+        assert written == out.size, f"{out.relpath}: wrote {written} bytes, planned {out.size}"
+        interrupt.check()  # a SIGTERM during the last blocks: complete nothing
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+    finally:
+        sources.close()
+    if out.names is None:
+        out.names = names
 
 
 STREAM_HINT = 1 << 30  # what an object store's part size is chosen for when a streamed file's size is not known yet

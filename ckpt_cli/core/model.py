@@ -32,6 +32,11 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+@functools.lru_cache(maxsize=1 << 12)  # a few distinct layouts, asked for every chunk a write copies
+def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    return all(st == want for sz, st, want in zip(shape, stride, contiguous_strides(shape)) if sz != 1)
+
+
 @dataclass(frozen=True, slots=True)  # slots: a wide checkpoint holds one per chunk (200,000 at 64 ranks)
 class StoredArray:
     """A strided array stored at `offset` (byte position of storage element 0) in `path`."""
@@ -59,9 +64,7 @@ class StoredArray:
 
     @property
     def is_contiguous(self) -> bool:
-        if self.numel <= 1:
-            return True
-        return all(st == want for sz, st, want in zip(self.shape, self.stride, contiguous_strides(self.shape)) if sz != 1)
+        return self.numel <= 1 or _contiguous(self.shape, self.stride)
 
     def extent(self) -> tuple[int, int]:
         """Byte range [start, end) of the file that the elements occupy (empty arrays: start == end)."""

@@ -396,8 +396,16 @@ class RankFile:
         self.items = items
 
     def __call__(self) -> list[Any]:
+        return self._segments(self.items)
+
+    def batches(self, size: int = 1000) -> Iterator[list[Any]]:
+        """The segments `size` items at a time, each item's archive whole in one batch (written in order)."""
+        for start in range(0, len(self.items), size):
+            yield self._segments(self.items[start : start + size])
+
+    def _segments(self, items: list[Item]) -> list[Any]:
         segments: list[Any] = []
-        for item in self.items:
+        for item in items:
             if item.obj is not None:
                 parts = [Literal(item.archive)]
             else:

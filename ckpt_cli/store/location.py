@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import errno
 import fnmatch
+import functools
 import os
 import re
 import stat
@@ -46,7 +47,11 @@ def protocol_of(path: object) -> str | None:
     """The protocol of a remote location (`s3://b/k`, or `s3:/b/k` as Path spells it); None for a local path."""
     if isinstance(path, Location):
         return path.protocol
-    text = os.fspath(path) if isinstance(path, PurePath) else str(path)
+    return _text_protocol(os.fspath(path) if isinstance(path, PurePath) else str(path))
+
+
+@functools.lru_cache(maxsize=1 << 12)  # asked for every chunk a write copies (a million times), of a few files
+def _text_protocol(text: str) -> str | None:
     match = _URL.match(text)
     if match:
         return match.group(1)
