@@ -126,7 +126,7 @@ def test_record_check_learns_records_after_it_starts(tmp_path):
     assert not check.wants(str(path), 0, 100)  # verified once covered
     assert check._sorted[str(path)][1] == [None]  # a record checked is let go (a wide write holds none of them)
     check.learn([(str(path), good)])  # learnt again by a later file: stays checked, not read again
-    assert not check.wants(str(path), 0, 512) and check._sorted[str(path)][1] == [None]
+    assert not check.wants(str(path), 0, 512) and check._sorted[str(path)][1] == [] and list(check._done[str(path)]) == [0]
     check.learn([(str(path), bad)])
     check.add(str(path), 512, 100, zlib.crc32(payload[512:612]))
     with pytest.raises(DataError, match="fails its CRC32"):

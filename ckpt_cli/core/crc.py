@@ -15,6 +15,7 @@ import ctypes
 import os
 import threading
 import zlib
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -109,6 +110,7 @@ class RecordCheck:
         # None (a reshard of 580,000 DCP chunks held every record and a set of their keys through the write: 250 MB).
         self._sorted: dict[str, tuple[list[int], list[Record | None]]] = {}
         self._pieces: dict[tuple[str, int], _Pieces] = {}
+        self._done: dict[str, array] = {}  # per path, the starts of the records checked, sorted (let go from _sorted)
         self._outside: set[tuple[str, int]] = set()  # records checked by whole() that were never learnt
         self._lock = threading.Lock()
         self.learn(records)
@@ -121,10 +123,17 @@ class RecordCheck:
                 new.setdefault(path, {})[rec.data_offset] = rec
         with self._lock:
             for path, recs in new.items():
-                merged: dict[int, Record | None] = dict(zip(*self._sorted.get(path, ([], []))))
+                # The records checked (None) move to the path's sorted array of checked starts (8 bytes each, not an
+                # int and two list slots: a reshard of 580,000 chunks checks as many). One learnt again stays checked.
+                old_starts, old_records = self._sorted.get(path, ([], []))
+                checked = [start for start, rec in zip(old_starts, old_records) if rec is None]
+                done = self._done.get(path, _NONE_DONE)
+                if checked:
+                    done = self._done[path] = array("q", sorted([*done, *checked]))
+                merged: dict[int, Record | None] = {start: rec for start, rec in zip(old_starts, old_records) if rec is not None}
                 count = len(merged)
-                merged.update((start, rec) for start, rec in recs.items() if start not in merged)  # a checked one stays None
-                if len(merged) == count:
+                merged.update((start, rec) for start, rec in recs.items() if start not in merged and not _holds(done, start))
+                if len(merged) == count and not checked:
                     continue  # known already
                 starts = sorted(merged)
                 self._sorted[path] = (starts, [merged[start] for start in starts])
@@ -143,7 +152,9 @@ class RecordCheck:
         """Whether the record starting at `start` was checked (its slot let go)."""
         starts, records = self._sorted.get(path, ((), ()))
         i = bisect.bisect_left(starts, start)
-        return (i < len(starts) and starts[i] == start and records[i] is None) or (path, start) in self._outside
+        if i < len(starts) and starts[i] == start and records[i] is None:
+            return True
+        return _holds(self._done.get(path, _NONE_DONE), start) or (path, start) in self._outside
 
     def wants(self, path: str, offset: int, nbytes: int) -> bool:
         """Whether these bytes belong to a record still to be checked (their CRC32 is then wanted)."""
@@ -231,6 +242,15 @@ class RecordCheck:
                 f"{path}: record {rec.name} at byte {rec.data_offset} fails its CRC32 check (stored {rec.crc:08x}, read {crc:08x}): "
                 "the file is damaged; nothing was converted"
             )
+
+
+_NONE_DONE = array("q")
+
+
+def _holds(starts: array, start: int) -> bool:
+    """Whether the sorted array holds `start`."""
+    i = bisect.bisect_left(starts, start)
+    return i < len(starts) and starts[i] == start
 
 
 def _read_crc(path: str, offset: int, nbytes: int) -> int:
