@@ -219,8 +219,8 @@ def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int
     against its CRC32 (DataError before anything is committed)."""
 
     def write_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
-        if out.stream is not None:
-            write_stream(write, target, out, tick)
+        if out.stream is not None:  # its parts as batches of one literal each
+            write_batches(write, target, out, ([Literal(part)] for part in out.stream()), tick, check)
             return
         batches = getattr(out.build, "batches", None)
         if batches is not None and out.sizes is not None and threads == 1:
@@ -244,12 +244,13 @@ def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int
 
 
 def write_batches(
-    write: Write, target: Path, out: OutputFile, batches: Iterator[list[Segment]], tick: Progress, check: RecordCheck
+    write: Write, target: Path, out: OutputFile, batches: Iterable[list[Segment]], tick: Progress, check: RecordCheck
 ) -> None:
-    """A built file whose builder makes its segments in batches (each self-contained: a DCP rank file's chunk
-    archives), written in order one batch at a time: a rank file of 70,000 chunks held every chunk's segments at
-    once (+100 MB). Its size was planned; its source records are learnt batch by batch."""
-    sink = write.create(target, out.size, tick)
+    """A file whose segments come in batches (each self-contained: a DCP rank file's chunk archives, a streamed
+    file's parts), written in order one batch at a time: a rank file of 70,000 chunks held every chunk's segments at
+    once (+100 MB), `.metadata` its whole pickle. A planned size is checked; otherwise it is known once written. The
+    source records are learnt batch by batch."""
+    sink = write.create(target, out.sizes.total if out.sizes else STREAM_HINT, tick)
     sources = SourceFiles(check)
     names: list[str] = []
     try:
@@ -266,7 +267,7 @@ def write_batches(
         if local is not None:
             local.flush()
         written = local.offset if local is not None else written
-        assert written == out.size, f"{out.relpath}: wrote {written} bytes, planned {out.size}"
+        assert out.sizes is None or written == out.size, f"{out.relpath}: wrote {written} bytes, planned {out.size}"
         interrupt.check()  # a SIGTERM during the last blocks: complete nothing
         sink.commit()
     except BaseException:
@@ -274,31 +275,13 @@ def write_batches(
         raise
     finally:
         sources.close()
+    if out.sizes is None:
+        out.sizes = FileSizes(written, 0, 0)
     if out.names is None:
         out.names = names
 
 
 STREAM_HINT = 1 << 30  # what an object store's part size is chosen for when a streamed file's size is not known yet
-
-
-def write_stream(write: Write, target: Path, out: OutputFile, tick: Progress) -> None:
-    """A streamed file: its parts written in order as they are made, each let go once written; its size then known."""
-    assert out.stream is not None
-    sink = write.create(target, out.sizes.total if out.sizes else STREAM_HINT, tick)
-    written = 0
-    try:
-        local = FileSink(sink.fd, 0, tick, buffered=True) if sink.fd is not None else None
-        for part in out.stream():
-            (local or sink).write(part)
-            written += len(part)
-        if local is not None:
-            local.flush()
-        interrupt.check()
-        sink.commit()
-    except BaseException:
-        sink.abort()
-        raise
-    out.sizes = FileSizes(written, 0, 0)
 
 
 WriteOne = Callable[[Path, OutputFile, Progress, int, threading.Event, RecordCheck], None]
