@@ -107,6 +107,20 @@ def test_slice_mappings_as_deepspeed_saves_them():
     assert zl.fragment(zl.Slot("empty", (0,), 10), 0, 50) is None  # zero-element params get no mapping
 
 
+@pytest.mark.parametrize("paddings", [None, [0, 5, 0, 3, 0, 0, 1]])
+@pytest.mark.parametrize("world", [1, 2, 3, 64, 1024])
+def test_slots_within_finds_by_bisection_what_a_scan_of_every_slot_finds(paddings, world):
+    slots = zl.flat_slots([*BIASES, ("empty", (0,)), *WEIGHTS], paddings and [*paddings, 0])  # pads between, an empty param
+    ends = [slot.end for slot in slots]
+    size = zl.partition_size(zl.flat_numel(slots), world)
+    for rank in range(world):
+        scanned = [slot for slot in slots if zl.fragment(slot, rank * size, size)]
+        assert zl.slots_within(slots, ends, rank * size, size) == scanned
+        assert zl.slice_mappings(zl.slots_within(slots, ends, rank * size, size), rank * size, size) == zl.slice_mappings(
+            slots, rank * size, size
+        )
+
+
 # ---- stage 3 ----
 
 

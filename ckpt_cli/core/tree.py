@@ -21,8 +21,13 @@ def holds_tensor(value: Any, is_tensor: Callable[[Any], bool]) -> bool:
     if isinstance(value, dict):
         return any(holds_tensor(v, is_tensor) for v in value.values())
     if isinstance(value, (list, tuple)):
+        if PLAIN.issuperset(map(type, value)):  # a list of 20,000 numbers (param_alignment_paddings), in C
+            return False
         return any(holds_tensor(v, is_tensor) for v in value)
     return False
+
+
+PLAIN = frozenset({int, float, str, bool, type(None)})
 
 
 MAX_NODES = 10_000_000  # entries a state dict may flatten to (shared references count each time they are reached)

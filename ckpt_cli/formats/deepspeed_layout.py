@@ -18,6 +18,7 @@ the reshard writer (formats/deepspeed_writer.py) and the source built from anoth
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -162,6 +163,18 @@ def fragment(slot: Slot, start: int, size: int) -> tuple[int, int] | None:
     partition's beginning (tensor_fragment.py get_hp_fragment_mapping); None when the param is not in it."""
     shared = overlap(slot.offset, slot.numel, start, size)
     return (shared[1] - shared[0], shared[0] - start) if shared else None
+
+
+def slots_within(slots: Sequence[Slot], ends: Sequence[int], start: int, size: int) -> list[Slot]:
+    """The slots with elements in [start, start+size), in order; `ends` holds each slot's end. Found by bisection:
+    a rank of 1,024 meets a few dozen of a group's 20,000 params, and every rank asked of them all (a minute)."""
+    out = []
+    for slot in slots[bisect.bisect_right(ends, start) :]:
+        if slot.offset >= start + size:
+            break
+        if slot.end > max(start, slot.offset):  # not an empty param
+            out.append(slot)
+    return out
 
 
 def slice_mappings(slots: Sequence[Slot], start: int, size: int) -> list[tuple[str, int, int]]:

@@ -36,8 +36,9 @@ from ckpt_cli.formats.deepspeed_template import BuiltSource
 from ckpt_cli.formats.torch_save import torch_file_segments
 
 
-def tensorize(rank_file: ZeroFile) -> Any:
-    """A copy of the file's tree whose tensors are TensorEntries over the stored bytes (module weights may tie)."""
+def tensorize(rank_file: ZeroFile, tree: Any = None) -> Any:
+    """A copy of the file's tree (or of `tree`, read from it) whose tensors are TensorEntries over the stored bytes
+    (module weights may tie)."""
 
     def convert(value: Any, under_module: bool) -> Any:
         if isinstance(value, TensorRef):
@@ -60,7 +61,30 @@ def tensorize(rank_file: ZeroFile) -> Any:
             return tuple(convert(v, under_module) for v in value)
         return copy.deepcopy(value)
 
-    return convert(rank_file.tree, False)
+    return convert(rank_file.tree if tree is None else tree, False)
+
+
+def outline(optimizer_file: ZeroFile, remade: tuple[str, ...]) -> Any:
+    """The optimizer file's tree with the optimizer_state_dict entries `remade` for each new rank left None (key order
+    kept), so that they are not copied first: rank 0 of 2 holds the slice mappings of half of 20,000 params."""
+    tree = copy.copy(optimizer_file.tree)
+    osd = tree["optimizer_state_dict"] = copy.copy(tree["optimizer_state_dict"])
+    for key in remade:
+        if key in osd:
+            osd[key] = None
+    return tree
+
+
+def own(tree: dict[Any, Any], *paths: tuple[Any, ...]) -> dict[Any, Any]:
+    """A shallow copy of `tree` whose dicts along each of `paths` are copies too: what one rank's file rewrites is its
+    own, the rest is shared with the other ranks' (read only). A template tensorized once serves 1,024 ranks."""
+    top = copy.copy(tree)
+    for path in paths:
+        node = top
+        for key in path:
+            node[key] = copy.copy(node[key])
+            node = node[key]
+    return top
 
 
 def file_segments(tree: Any, where: str) -> list[Any]:
@@ -237,6 +261,8 @@ class Stage12Reshard:
     per_rank_rule: str
     target: ZeroLayout  # the groups written: the source's, or its MoE groups at new expert-parallel sizes (deepspeed_regroup)
     per_rank_note: str | None = None
+    _slots: dict[int, tuple[list[Slot], list[int]]] = dataclasses.field(default_factory=dict)  # group -> (slots, their ends)
+    _template: dict[str, Any] | None = None  # the source optimizer file tensorized, its per-rank entries left out
 
     def files(self, tag: str) -> list[OutputFile]:
         mp = getattr(self.src, "pipeline_stage", None) or 0  # a pipeline stage's files carry its mp_rank
@@ -258,6 +284,16 @@ class Stage12Reshard:
 
     def slots(self, g: int) -> list[Slot]:
         """Group g's params in the new flat order."""
+        if g not in self._slots:
+            slots = self._order(g)
+            self._slots[g] = (slots, [slot.end for slot in slots])
+        return self._slots[g][0]
+
+    def within(self, g: int, start: int, size: int) -> list[Slot]:
+        """Group g's params with elements in [start, start+size)."""
+        return zl.slots_within(self.slots(g), self._slots[g][1], start, size)
+
+    def _order(self, g: int) -> list[Slot]:
         slots = self.target.offsets(g)
         if not self.round_robin:
             return slots  # the order, and with it the alignment pads, do not depend on W
@@ -280,7 +316,11 @@ class Stage12Reshard:
         return file_segments(tree, where)
 
     def _optimizer_file(self, rank: int, where: str) -> list[Any]:
-        tree = tensorize(self.src.optims[0])
+        if self._template is None:
+            remade = ("single_partition_of_fp32_groups", "group_paddings", "partition_count", "param_slice_mappings")
+            self._template = tensorize(self.src.optims[0], outline(self.src.optims[0], remade))
+        state_path = ("optimizer_state_dict", "base_optimizer_state", "state")
+        tree = own(self._template, *[(*state_path, g) for g in self._template["optimizer_state_dict"]["base_optimizer_state"]["state"]])
         osd = tree["optimizer_state_dict"]
         if isinstance(self.target, deepspeed_regroup.Regrouped):
             self._regrouped(osd, self.target)
@@ -293,15 +333,17 @@ class Stage12Reshard:
             size = zl.partition_size(data, count)
             start = index * size
             pad = zl.group_padding(data, count, index, bf16_optimizer)
-            fp32.append(self._flat(slots, "", start, zl.saved_partition_numel(size, pad, bf16_optimizer), f"fp32.{g}", name_of))
+            here = self.within(g, start, size)
+            dtypes = functools.partial(_state_entry, self.ckpt, name_of(slots[0].name))  # a group's params share their dtypes
+            fp32.append(self._flat(here, dtypes(""), "", start, zl.saved_partition_numel(size, pad, bf16_optimizer), f"fp32.{g}", name_of))
             state = osd["base_optimizer_state"]["state"].get(g)
             if state is not None:
                 for key, value in list(state.items()):
                     if isinstance(value, TensorEntry) and value.shape:
-                        state[key] = self._flat(slots, key, start, size, f"{key}.{g}", name_of)
+                        state[key] = self._flat(here, dtypes(key), key, start, size, f"{key}.{g}", name_of)
             paddings.append(pad)
             counts.append(count)
-            mappings.append(OrderedDict((name, fragment_address(n, at)) for name, n, at in zl.slice_mappings(slots, start, size)))
+            mappings.append(OrderedDict((name, fragment_address(n, at)) for name, n, at in zl.slice_mappings(here, start, size)))
         osd["single_partition_of_fp32_groups"] = fp32
         osd["group_paddings"] = paddings
         osd["partition_count"] = counts
@@ -320,19 +362,18 @@ class Stage12Reshard:
         if "param_alignment_paddings" in osd:  # compared with the live layout at load: one zero per param (no alignment)
             osd["param_alignment_paddings"] = [[0] * len(shapes) for shapes in target.shapes]
 
-    def _flat(self, slots: list[Slot], key: str, start: int, length: int, name: str, name_of: Callable[[str], str] = str) -> TensorEntry:
-        """Elements [start, start+length) of a group's flat buffer: the params' master weights (key "") or moments
-        (`name_of`: a param's logical name; MoE: a local expert's global name)."""
+    def _flat(
+        self, slots: list[Slot], like: TensorEntry, key: str, start: int, length: int, name: str, name_of: Callable[[str], str] = str
+    ) -> TensorEntry:
+        """Elements [start, start+length) of a group's flat buffer, of `like`'s dtype, from `slots` (those with elements
+        there): the params' master weights (key "") or moments (`name_of`: a param's logical name; MoE: a local
+        expert's global name)."""
         parts = []
-        dtype = None
         for slot in slots:
-            entry = _state_entry(self.ckpt, name_of(slot.name), key)
-            dtype = entry.dtype
             if shared := zl.overlap(slot.offset, slot.numel, start, length):
                 lo, hi = shared
-                parts.append((lo - start, entry, lo - slot.offset, hi - lo))
-        assert dtype is not None
-        return lazy_flat(name, dtype, length, parts)
+                parts.append((lo - start, _state_entry(self.ckpt, name_of(slot.name), key), lo - slot.offset, hi - lo))
+        return lazy_flat(name, like.dtype, length, parts)
 
 
 class Stage3Reshard:
@@ -343,6 +384,7 @@ class Stage3Reshard:
         self.ckpt, self.src, self.world = ckpt, src, world
         self.per_rank_rule: str = per_rank_rule
         self.per_rank_note: str | None = None
+        self._template: dict[str, Any] | None = None  # the source optimizer file tensorized, its per-rank entries left out
         shapes = src.layout.shapes
         groups = [[(name, tuple(shape)) for s in group["params"] for name, shape in shapes[s].items()] for group in src.layout.groups]
         self.subs, self.group_subs = zl.stage3_group_sub_groups(groups, world, sub_group_size)
@@ -393,7 +435,9 @@ class Stage3Reshard:
         return tree
 
     def _optimizer(self, rank: int) -> Any:
-        tree = tensorize(self.src.optims[0])
+        if self._template is None:
+            self._template = tensorize(self.src.optims[0], outline(self.src.optims[0], ("fp32_flat_groups",)))
+        tree = own(self._template, ("optimizer_state_dict", "optimizer_state_dict"))
         osd = tree["optimizer_state_dict"]
         osd["partition_count"] = self.world
         inner = osd["optimizer_state_dict"]
