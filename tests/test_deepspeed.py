@@ -303,6 +303,22 @@ def test_inspect_parses_each_optimizer_file_and_one_model_states(ds_saves, confi
     assert [t["pieces"] for t in doc["tensors"]] == [len(t.pieces) for t in full.tensors.values()]  # counted, then made
 
 
+def test_rank_files_share_what_they_repeat(ds_saves):
+    """Every ZeRO-1/2 rank file repeats param_alignment_paddings (a zero per param: 160 KB a rank of a 20,000-param
+    model, 1,024 ranks): the read keeps one list, the first rank's, and what differs per rank stays each rank's own."""
+    from ckpt_cli.core.tree import share_equal
+
+    src = open_checkpoint(ds_saves[3] / "stage2-fp32").source
+    osds = [src.optims[r].tree["optimizer_state_dict"] for r in range(3)]
+    assert osds[1]["param_alignment_paddings"] is osds[0]["param_alignment_paddings"] is osds[2]["param_alignment_paddings"]
+    assert osds[1]["param_slice_mappings"] != osds[0]["param_slice_mappings"]  # each rank's own
+    assert osds[1]["single_partition_of_fp32_groups"] is not osds[0]["single_partition_of_fp32_groups"]  # tensor refs: never
+    values, like = {"same": [[0, 0], [1]], "other": [0, 1], "refs": [object()], "text": "a"}, {"same": [[0, 0], [1]], "other": [0]}
+    like["refs"] = values["refs"][:]
+    share_equal(values, like)
+    assert values["same"] is like["same"] and values["other"] == [0, 1] and values["refs"] is not like["refs"]
+
+
 @pytest.mark.parametrize("to", ["deepspeed", "dcp"])
 def test_a_wide_write_makes_each_built_file_once(ds_saves, tmp_path, to):
     """A rank file of a wide write is built (its segments made) when it is written, and only then: its size, known

@@ -30,6 +30,25 @@ def holds_tensor(value: Any, is_tensor: Callable[[Any], bool]) -> bool:
 PLAIN = frozenset({int, float, str, bool, type(None)})
 
 
+def is_plain(value: Any) -> bool:
+    """Whether `value` is a number, string, bool or None, or lists and tuples of them."""
+    if isinstance(value, (list, tuple)):
+        return PLAIN.issuperset(map(type, value)) or all(is_plain(v) for v in value)
+    return type(value) in PLAIN
+
+
+def share_equal(values: Any, like: Any) -> None:
+    """Point the plain lists of dict `values` that equal those of dict `like` under the same key at `like`'s objects
+    (in place; equal, so nothing a reader sees changes). Every rank file of a ZeRO-1/2 checkpoint repeats one zero
+    per parameter (param_alignment_paddings): 160 KB a rank of a 20,000-param model, 1,024 ranks."""
+    if not isinstance(values, dict) or not isinstance(like, dict) or values is like:
+        return
+    for key, value in list(values.items()):
+        other = like.get(key)
+        if value is not other and isinstance(value, list) and value == other and is_plain(value):
+            values[key] = other
+
+
 MAX_NODES = 10_000_000  # entries a state dict may flatten to (shared references count each time they are reached)
 
 

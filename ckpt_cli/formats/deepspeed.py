@@ -25,7 +25,7 @@ from ckpt_cli.core.pickle_guard import charge
 from ckpt_cli.core.pickler import Global, Instance, Reduce
 from ckpt_cli.core.safe_pickle import Sealed, TensorRef
 from ckpt_cli.core.tags import pick as pick_tag
-from ckpt_cli.core.tree import flatten, path_name
+from ckpt_cli.core.tree import flatten, path_name, share_equal
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_moe, deepspeed_pipeline, deepspeed_stage0
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
@@ -297,7 +297,10 @@ class DeepSpeedReader:
                 f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"
             )
         # Every file is parsed, inspect's too: a hostile pickle in any rank's file is refused, never passed over in silence.
-        optims: Mapping[int, RankFile] = {r: load(p) for r, p in sorted(optim_paths.items())}
+        optims: dict[int, RankFile] = {}
+        for r, p in sorted(optim_paths.items()):
+            optims[r] = load(p)
+            share_equal(optims[r].tree.get("optimizer_state_dict"), optims[min(optims)].tree.get("optimizer_state_dict"))
         osd0 = optims[min(optims)].tree.get("optimizer_state_dict")
         if not isinstance(osd0, dict):
             raise DataError(f"{optim_paths[min(optims)]}: no optimizer_state_dict")

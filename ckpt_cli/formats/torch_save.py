@@ -297,7 +297,9 @@ class _Directory:
         return zipio.central_directory(self.layouts, {**self.crcs, **computed})
 
 
-TEMPLATE_CACHE_BYTES = 1 << 16  # archives with more literal bytes (a whole state dict's data.pkl) are laid out uncached
+# Archives with more literal bytes (a state dict's data.pkl) are laid out uncached: the cache is for DCP's chunk archives
+# (a few hundred bytes, a few shapes); 1,024 ZeRO rank files of 46 KB pickles, each its own, held 100 MB in it.
+TEMPLATE_CACHE_BYTES = 1 << 12
 
 
 class _Slot(NamedTuple):
