@@ -340,3 +340,42 @@ def test_extents_find_every_box_a_range_meets(shape, boxes):
             holding = {i for i, (o, z) in enumerate(boxes) if any(g < start + count and g + n > start for g, n, _ in box_runs(o, z, shape))}
             assert holding <= found, (start, count)
             assert all(boxes[i][1][0] for i in found), "an empty chunk is never made for a range"
+
+
+def test_storage_index_answers_as_the_dict_it_packs():
+    """The packed storage index (formats/dcp_metadata.StorageIndex) gives back every entry as read: chunks of tensors
+    stored alike (their offsets shared), a later entry under a key already given (the dict's rule: the later wins),
+    a non-tensor value (offsets None), and entries it keeps as read (a transform, a field it does not know, a number
+    past 64 bits); and the real `.metadata` of an FSDP2 save (test_dcp) reads through it."""
+    from ckpt_cli.formats.dcp_metadata import StorageIndex, StorageInfoRec
+
+    def info(path, offset, length, **more):
+        return StorageInfoRec(relative_path=path, offset=offset, length=length, **more)
+
+    entries = [
+        (("a", (0, 0)), info("__0_0.distcp", 0, 100)),
+        (("a", (4, 0)), info("__1_0.distcp", 0, 100)),
+        (("b", (0, 0)), info("__0_0.distcp", 100, 100)),
+        (("b", (4, 0)), info("__1_0.distcp", 100, 100)),
+        (("c", None), info("__0_0.distcp", 200, 7)),
+        (("d", (0,)), info("__0_0.distcp", 207, 9, transform_descriptors=["zstd"])),
+        (("e", (0,)), info("__0_0.distcp", 216, 9, newer_field=1)),
+        (("f", (0,)), info("__0_0.distcp", 1 << 64, 9)),
+    ]
+    index, expected = StorageIndex(), {}
+    for key, value in entries:
+        index[key] = value
+        expected[key] = value
+    assert index.get(("a", (4, 0))).offset == 0 and index.get(("a", (8, 0))) is None and index.get(("z", None)) is None
+    index[("a", (0, 0))] = expected[("a", (0, 0))] = info("__2_0.distcp", 5, 100)  # after a lookup: the later wins
+    index[("b", (0, 0))] = expected[("b", (0, 0))] = info("__3_0.distcp", 6, 100)  # before one
+    got = dict(index.items())
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        for field in ("relative_path", "offset", "length", "transform_descriptors"):
+            assert getattr(got[key], field) == getattr(value, field) == getattr(index.get(key), field), (key, field)
+    assert got[("e", (0,))] is expected[("e", (0,))] and got[("e", (0,))].newer_field == 1
+    assert len(list(index.values())) == len(expected)
+    a, b = index.by_fqn["a"], index.by_fqn["b"]
+    index.get(("c", None))
+    assert a[0] is b[0] and a[2] is b[2]  # stored alike: one tuple of offsets and one lookup table

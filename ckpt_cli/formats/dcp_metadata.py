@@ -7,6 +7,7 @@ in their current and legacy modules, and path objects become text. Facts: docs/f
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
@@ -144,29 +145,98 @@ StorageKey = tuple[str, Any]  # (fqn, chunk offsets); offsets None for a non-ten
 
 
 class StorageIndex:
-    """`.metadata`'s storage_data by (fqn, chunk offsets), held as fqn -> offsets -> entry: a dict keyed by pairs made
-    a tuple per chunk (200,000 at 64 ranks: 11 MB), and `diff` holds two of these."""
+    """`.metadata`'s storage_data by (fqn, chunk offsets), packed: per fqn its chunks' offsets (once looked up: one
+    tuple and one lookup table shared by the fqns stored alike) and three numbers a chunk (its file's number, offset,
+    length); a StorageInfoRec is made again when asked for. As records, the 581,160 chunks of a 64-rank MoE checkpoint
+    held ~120 MB to the end of a write, and `diff` holds two of these. An entry with anything else (transform
+    descriptors, a newer torch's field, a number past 64 bits) is kept as read."""
 
-    __slots__ = ("by_fqn",)
+    __slots__ = ("by_fqn", "paths", "numbers", "layouts", "kept")
 
     def __init__(self) -> None:
-        self.by_fqn: dict[str, dict[Any, StorageInfoRec]] = {}
+        self.by_fqn: dict[str, list[Any]] = {}  # fqn -> [offsets of its chunks, array of 3 numbers a chunk, table or None]
+        self.paths: list[str] = []
+        self.numbers: dict[str, int] = {}
+        self.layouts: dict[tuple[Any, ...], tuple[tuple[Any, ...], dict[Any, int]]] = {}
+        self.kept: dict[StorageKey, StorageInfoRec] = {}
 
     def __setitem__(self, key: StorageKey, info: StorageInfoRec) -> None:
-        self.by_fqn.setdefault(key[0], {})[key[1]] = info
+        fqn, offsets = key
+        if not _plain_info(info):
+            self.kept[key] = info
+            return
+        found = self.by_fqn.get(fqn)
+        if found is None:
+            found = self.by_fqn[fqn] = [[], array("q"), None]
+        elif found[2] is not None:  # looked up already: its offsets become its own list again
+            found[0], found[2] = list(found[0]), None
+        path = info.relative_path
+        number = self.numbers.get(path)
+        if number is None:
+            number = self.numbers[path] = len(self.paths)
+            self.paths.append(path)
+        found[0].append(offsets)
+        found[1].extend((number, info.offset, info.length))
 
     def get(self, key: StorageKey) -> StorageInfoRec | None:
-        inner = self.by_fqn.get(key[0])
-        return None if inner is None else inner.get(key[1])
+        if self.kept and key in self.kept:
+            return self.kept[key]
+        found = self.by_fqn.get(key[0])
+        if found is None:
+            return None
+        if found[2] is None:
+            self._settle(found)
+        position = found[2].get(key[1])
+        return None if position is None else self._info(found[1], position)
 
     def items(self) -> Iterator[tuple[StorageKey, StorageInfoRec]]:
-        for fqn, inner in self.by_fqn.items():
-            for offsets, info in inner.items():
-                yield (fqn, offsets), info
+        for fqn, found in self.by_fqn.items():
+            if found[2] is None:
+                self._settle(found)
+            for i, offsets in enumerate(found[0]):
+                yield (fqn, offsets), self._info(found[1], i)
+        yield from self.kept.items()
 
     def values(self) -> Iterator[StorageInfoRec]:
-        for inner in self.by_fqn.values():
-            yield from inner.values()
+        for _, info in self.items():
+            yield info
+
+    def _info(self, numbers: array, i: int) -> StorageInfoRec:
+        path, offset, length = numbers[3 * i : 3 * i + 3]
+        return StorageInfoRec(relative_path=self.paths[path], offset=offset, length=length)
+
+    def _settle(self, found: list[Any]) -> None:
+        """A fqn's offsets as the tuple and lookup table shared by the fqns stored alike; of two entries under one
+        key, the later (as in the dict they were read from)."""
+        keys, numbers = tuple(found[0]), found[1]
+        shared = self.layouts.get(keys)
+        if shared is None:
+            table = {offsets: i for i, offsets in enumerate(keys)}
+            if len(table) < len(keys):
+                last = sorted(table.values())
+                keys = tuple(keys[i] for i in last)
+                numbers = array("q", (n for i in last for n in numbers[3 * i : 3 * i + 3]))
+                table = {offsets: i for i, offsets in enumerate(keys)}
+            shared = self.layouts.setdefault(keys, (keys, table))
+        found[0], found[1], found[2] = shared[0], numbers, shared[1]
+
+
+def _plain_info(info: StorageInfoRec) -> bool:
+    """A storage entry the index packs: a text path, two 64-bit numbers, no transform and no other field."""
+    try:
+        object.__getattribute__(info, "_more")
+        return False
+    except AttributeError:
+        pass
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    return (
+        type(getattr(info, "relative_path", None)) is str
+        and type(offset) is int
+        and type(length) is int
+        and 0 <= offset < 1 << 63
+        and 0 <= length < 1 << 63
+        and getattr(info, "transform_descriptors", None) is None
+    )
 
 
 class StorageMetaRec(_Record):
