@@ -259,7 +259,7 @@ def test_dedup_keeps_what_torch_dedup_save_plans_keeps(world, tp, rows):
 
     from ckpt_cli.core import dtypes
     from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
-    from ckpt_cli.formats import dcp_writer
+    from ckpt_cli.formats import dcp_plan, dcp_writer
     from ckpt_cli.formats.dcp_mesh import Split
 
     shapes = {"a": (rows, 4), "b": (rows + 1,), "c": (2, rows), "d": (3,)}
@@ -267,21 +267,23 @@ def test_dedup_keeps_what_torch_dedup_save_plans_keeps(world, tp, rows):
     ckpt = Checkpoint("dcp", "", tensors, {"step": ObjectEntry("step", 3, "other", ("step",))})
     splits = {"a": Split(0, None), "b": Split(0, 0), "c": Split(0, 1)}  # "d": replicated
     layout = dcp_writer.Layout((world // tp, tp), splits, [])
-    planned, _, _, _ = dcp_writer.rank_plans(ckpt, layout)
-    ours = [[(i.fqn, i.offsets) for i in items] for items in dcp_writer.dedup(planned, world)]
+    plan, _ = dcp_writer.rank_plans(ckpt, layout)
+    ours = [[plan.key(i) for i in positions] for positions in dcp_plan.dedup(plan)]
 
     plans = []
     for r in range(world):
         items = []
-        for item, holders in planned:
-            if r not in holders:
+        for i in range(len(plan)):
+            if r not in plan.holders(i):
                 continue
-            if item.obj is not None:
-                items.append(WriteItem(MetadataIndex(item.fqn), WriteItemType.BYTE_IO))
+            fqn, offsets = plan.key(i)
+            if plan.which[i] < 0:
+                items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
                 continue
-            chunk = ChunkStorageMetadata(torch.Size(item.offsets), torch.Size(item.shape))
-            data = TensorWriteData(chunk, TensorProperties(dtype=torch.float32), torch.Size(item.entry.shape))
-            items.append(WriteItem(MetadataIndex(item.fqn, torch.Size(item.offsets)), WriteItemType.SHARD, tensor_data=data))
+            tensor = plan.tensors[plan.which[i]]
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(tensor.shape_of(plan.box[i])))
+            data = TensorWriteData(chunk, TensorProperties(dtype=torch.float32), torch.Size(tensor.entry.shape))
+            items.append(WriteItem(MetadataIndex(fqn, torch.Size(offsets)), WriteItemType.SHARD, tensor_data=data))
         plans.append(SavePlan(items))
     theirs = [
         [(w.index.fqn, tuple(w.index.offset) if w.index.offset is not None else None) for w in p.items] for p in dedup_save_plans(plans)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +34,14 @@ class Placed(Protocol):
 
     @property
     def shape(self) -> tuple[int, ...]: ...
+
+
+class Chunks(Protocol):
+    """A tensor's placed items, made as they are iterated."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
 
 
 _META = "torch.distributed.checkpoint.metadata"
@@ -92,7 +100,7 @@ pickler.register(_StoredAt, _stored_state)
 
 
 def metadata_parts(
-    chunks: dict[str, tuple[TensorEntry, list[Any]]],
+    chunks: dict[str, tuple[TensorEntry, Chunks]],
     planner: dict[str, Any],
     objects: list[Any],
     dest: Path,
@@ -101,8 +109,9 @@ def metadata_parts(
     chunk_class: type,
 ) -> Iterator[bytes | memoryview]:
     """`.metadata`, in consecutive parts made as they are asked for, as FileSystemWriter.finish pickles DCP's
-    dataclasses (written without importing torch), from the placed items (`objects`: the BYTE_IO ones; `chunk_class`:
-    the class of the tensors' items, pickled as their ChunkStorageMetadata); `order`: the keys in the order the global
+    dataclasses (written without importing torch), from the placed items (`chunks`: each tensor's, made as they are
+    iterated; `objects`: the BYTE_IO ones; `chunk_class`: the class of the tensors' items, pickled as their
+    ChunkStorageMetadata); `order`: the keys in the order the global
     plan first meets them (state_dict_metadata's order in a real save). Both dicts that grow with the chunks,
     state_dict_metadata and storage_data, are pickled a thousand entries at a time where their markers stand, so a
     caller writing the parts out holds one batch's bytes at a time, not the file's (100 MB for 600,000 chunks)."""
@@ -118,7 +127,7 @@ def metadata_parts(
         if fqn in byte_keys:
             return Instance(_cls("BytesStorageMetadata"))
         entry, listed = chunks[fqn]
-        state = {"properties": properties[entry.dtype], "size": TorchSize(entry.shape), "chunks": listed}
+        state = {"properties": properties[entry.dtype], "size": TorchSize(entry.shape), "chunks": list(listed)}
         return Instance(_cls("TensorStorageMetadata"), state)
 
     def tensors() -> Iterator[list[tuple[str, Instance]]]:
@@ -137,11 +146,14 @@ def metadata_parts(
         while batch := [(_IndexOf(item, i), _StoredAt(item)) for item, i in itertools.islice(it, pickler.BATCH)]:
             yield batch
 
-    body = hashlib.sha256()  # item by item: the repr of 200,000 entries at once is tens of MB
-    placed = sorted((item for item, _ in indexed()), key=lambda item: item.key)
-    for value in [*((item.key, (item.file, item.pos, item.length)) for item in placed), *sorted(planner)]:
+    body = hashlib.sha256()  # item by item, in key order (a key's fqn, then its offsets): one fqn's items at a time
+    by_fqn: dict[str, Iterable[Any]] = {fqn: listed for fqn, (_, listed) in chunks.items()}
+    by_fqn.update((item.fqn, [item]) for item in objects)
+    for fqn in sorted(by_fqn):
+        for item in sorted(by_fqn[fqn], key=lambda item: item.key):
+            body.update(repr((item.key, (item.file, item.pos, item.length))).encode())
+    for value in sorted(planner):
         body.update(repr(value).encode())
-    del placed
     save_id = str(uuid.UUID(bytes=body.digest()[:16], version=4))  # reproducible, unlike uuid4()
     storage_meta = Instance(
         _cls("StorageMeta"),

@@ -16,7 +16,8 @@ import dataclasses
 import functools
 import io
 import math
-from collections.abc import Iterator, Sequence
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,11 @@ from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.plan import FileSizes, Literal, OutputFile, WritePlan
 from ckpt_cli.core.training import apply_per_rank_rule
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.formats import torch_save
+from ckpt_cli.formats import dcp_plan, torch_save
 from ckpt_cli.formats.dcp import DATA_FILE
-from ckpt_cli.formats.dcp_mesh import Saved, SourceMesh, Split, chunk_of, parse_mesh, source_mesh
+from ckpt_cli.formats.dcp_mesh import Saved, SourceMesh, Split, parse_mesh, source_mesh
 from ckpt_cli.formats.dcp_metadata_writer import metadata_parts
+from ckpt_cli.formats.dcp_plan import Plan, TensorPlan
 
 
 def is_sharded(entry: TensorEntry, ckpt: Checkpoint) -> bool:
@@ -63,47 +65,6 @@ def is_sharded(entry: TensorEntry, ckpt: Checkpoint) -> bool:
 def dcp_path(path: PathKey, containers: dict[PathKey, str]) -> tuple[str | int, ...]:
     """DCP's key path: dict keys as str, list positions as int (dcp/_traverse.py)."""
     return tuple(p if containers.get(path[:i]) in ("list", "tuple") and isinstance(p, int) else str(p) for i, p in enumerate(path))
-
-
-@dataclass(slots=True)  # one per (tensor, rank) of a wide write: hundreds of thousands
-class Item:
-    """One write item of one rank's plan, as DCP's planner would make it: a chunk of `entry` (its data is cut from the
-    source when the rank's file is written) or a non-tensor value `obj`."""
-
-    fqn: str
-    offsets: tuple[int, ...] | None  # None for BYTE_IO
-    planned_bytes: int  # what dedup_save_plans counts: tensor bytes, or 1 for a non-tensor
-    entry: TensorEntry | None = None  # the whole tensor the chunk is cut from
-    sizes: tuple[int, ...] | None = None  # the chunk's sizes; None: all of `entry`, not split
-    obj: ObjectEntry | None = None
-    archive: bytes = b""  # a non-tensor value's archive, made once when the item is placed
-    file: str = ""  # where the item is stored (once placed): the rank's file, byte offset and length
-    pos: int = 0
-    length: int = 0
-
-    @property
-    def key(self) -> tuple[str, tuple[int, ...] | None]:
-        return self.fqn, self.offsets
-
-    @property
-    def name(self) -> str:
-        """The chunk's tensor name (the flat key, or the entry's own when it is written whole)."""
-        assert self.entry is not None
-        return self.entry.name if self.sizes is None else self.fqn
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        assert self.entry is not None
-        return self.entry.shape if self.sizes is None else self.sizes
-
-    def archive_size(self) -> int:
-        assert self.entry is not None
-        return torch_save.tensor_archive_size(self.entry.dtype, self.shape)
-
-    def chunk(self) -> TensorEntry:
-        """The chunk as a tensor of its own, its pieces pointing into the source."""
-        assert self.entry is not None and self.offsets is not None
-        return self.entry if self.sizes is None else sub_box(self.entry, self.name, self.offsets, self.sizes)
 
 
 def _is_leaf(value: Any) -> bool:
@@ -256,68 +217,38 @@ def layout_for(ckpt: Checkpoint, world: int, tp: int | None) -> Layout:
     return Layout(mesh, found.splits, notes)
 
 
-Holders = Sequence[int]  # the ranks whose plans hold an item, ascending (a range where they are evenly spaced)
-
-
-Planned = list[tuple[Item, Holders]]
-
-
-def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[Planned, dict[str, TensorEntry], dict[str, Any], list[ObjectEntry]]:
-    """Every item the ranks plan, once, with the ranks whose plans hold it, in plan order (each rank plans its
-    flattened state dict in order); the tensors by flat key, planner_data and the BYTE_IO leaves. An item several
-    ranks plan (a replicated tensor, the empty chunk of every rank past a small tensor's end, a non-tensor value) is
-    one object with its holders, not one list slot per rank: at 1,024 ranks most chunks of small tensors are that
-    empty one, and 1,024 plans of 8,000 slots took 120 MB."""
+def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[Plan, dict[str, Any]]:
+    """Every item the ranks plan, once, with the ranks whose plans hold it, in plan order (formats/dcp_plan.py), and
+    planner_data."""
     world = layout.mesh[0] * layout.mesh[1]
     everyone = range(world)
-    planned: Planned = []
-    entries: dict[str, TensorEntry] = {}
+    tensors: list[TensorPlan] = []
     planner: dict[str, Any] = {}
-    same: dict[Any, Any] = {}  # equal sizes and byte counts as one object
-    boxes: dict[tuple[tuple[int, ...], Split], list[tuple[tuple[int, ...], tuple[int, ...], Holders]]] = {}
+    same: dict[Any, Any] = {}  # equal sizes as one object
+    boxes: dict[tuple[tuple[int, ...], Split | None], list[dcp_plan.Box]] = {}
     for entry in ckpt.tensors.values():
         path = dcp_path(entry.path, ckpt.containers)
         fqn = ".".join(map(str, path))
         planner[fqn] = path
-        entries[fqn] = entry
         split = layout.splits.get(entry.name)
-        if split is None:
-            planned.append((Item(fqn, (0,) * len(entry.shape), entry.nbytes, entry), everyone))
-            continue
         key = (entry.shape, split)
         if key not in boxes:  # thousands of tensors, a few shapes: each shape's boxes computed once, not per tensor
-            boxes[key] = _boxes_with_holders(entry.shape, split, layout.mesh, same)
-        for offsets, sizes, holders in boxes[key]:
-            nbytes = math.prod(sizes) * entry.dtype.itemsize
-            planned.append((Item(fqn, offsets, same.setdefault(nbytes, nbytes), entry, sizes), holders))
-    objects = byte_items(ckpt)
-    for obj in objects:
-        planner[obj.name] = obj.path
-        planned.append((Item(obj.name, None, 1, obj=obj), everyone))
+            whole = [((0,) * len(entry.shape), None, everyone)]
+            boxes[key] = whole if split is None else dcp_plan.boxes_with_holders(entry.shape, split, layout.mesh, same)
+        tensors.append(TensorPlan(fqn, entry, boxes[key]))
+    values = [dcp_plan.Item(obj.name, obj) for obj in byte_items(ckpt)]
+    for item in values:
+        planner[item.fqn] = item.obj.path
+    members: list[tuple[str, int]] = [(t.fqn, i) for i, t in enumerate(tensors)] + [(v.fqn, -1 - k) for k, v in enumerate(values)]
     order = flat_order(ckpt)
     if order:  # as the source's state dict was flattened: dedup_save_plans meets the items in that order
-        planned.sort(key=lambda p: order.get(p[0].fqn, len(order)))
-    return planned, entries, planner, objects
-
-
-def _boxes_with_holders(
-    shape: tuple[int, ...], split: Split, mesh: tuple[int, int], same: dict[Any, Any]
-) -> list[tuple[tuple[int, ...], tuple[int, ...], Holders]]:
-    """Each distinct box the ranks of `mesh` save of a tensor laid out by `split`, with the ranks saving it, in rank
-    order of first holder (a replicated or empty box: several ranks)."""
-    held: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
-    for r in range(mesh[0] * mesh[1]):
-        held.setdefault(chunk_of(shape, split, mesh, r), []).append(r)
-    return [(same.setdefault(o, o), same.setdefault(z, z), _compact(ranks)) for (o, z), ranks in held.items()]
-
-
-def _compact(ranks: list[int]) -> Holders:
-    """Ascending ranks as a range when evenly spaced (one rank, a run, every tp-th), else as a tuple."""
-    if len(ranks) == 1:
-        return range(ranks[0], ranks[0] + 1)
-    step = ranks[1] - ranks[0]
-    spaced = range(ranks[0], ranks[-1] + 1, step)
-    return spaced if len(spaced) == len(ranks) and all(a == b for a, b in zip(spaced, ranks)) else tuple(ranks)
+        members.sort(key=lambda m: order.get(m[0], len(order)))
+    plan = Plan(tensors, values, world)
+    for _, which in members:
+        count = len(tensors[which].boxes) if which >= 0 else 1
+        plan.which.extend([which] * count)
+        plan.box.extend(range(count))
+    return plan, planner
 
 
 def flat_order(ckpt: Checkpoint) -> dict[str, int]:
@@ -326,37 +257,7 @@ def flat_order(ckpt: Checkpoint) -> dict[str, int]:
     return {str(fqn): i for i, fqn in enumerate(planner)} if isinstance(planner, dict) else {}
 
 
-def chunk_lists(entries: dict[str, TensorEntry], kept: list[list[Item]]) -> dict[str, tuple[TensorEntry, list[Item]]]:
-    """Each tensor's chunks in the order DCP's global plan lists them: the kept plans, rank by rank."""
-    listed: dict[str, list[Item]] = {fqn: [] for fqn in entries}
-    for items in kept:
-        for item in items:
-            if item.entry is not None:
-                listed[item.fqn].append(item)
-    return {fqn: (entry, listed[fqn]) for fqn, entry in entries.items()}
-
-
-def dedup(planned: Planned, world: int) -> list[list[Item]]:
-    """Each rank's plan after dedup_save_plans (dcp/_dedup_save_plans.py): every item kept by one of its holders, the
-    one with the fewest planned bytes so far, items taken in the order the ranks' plans list them (rank 0's plan,
-    then what rank 1 adds, ...); each plan keeps its own order."""
-    met = sorted(range(len(planned)), key=lambda i: planned[i][1][0])  # stable: plan order within a first holder
-    sizes = [0] * world
-    kept: list[list[int]] = [[] for _ in range(world)]  # positions in `planned`: each plan keeps its own order
-    for i in met:
-        item, holders = planned[i]
-        # Among equals, the first the set of holder ranks yields, as torch's min() over that set meets them (not
-        # always the lowest: {6, 7, 8} iterates 8, 6, 7); the set is filled in rank order, as torch fills it.
-        r = holders[0] if len(holders) == 1 else min(set(holders), key=sizes.__getitem__)
-        # What torch counts (WriteItem.tensor_storage_size): the whole tensor's bytes for each of its chunks, empty
-        # ones included; 1 for a non-tensor value.
-        sizes[r] += (item.entry.nbytes if item.entry is not None else 0) or 1
-        kept[r].append(i)
-    del met
-    return [[planned[i][0] for i in sorted(positions)] for positions in kept]
-
-
-def _object_bytes(obj: ObjectEntry) -> bytes:
+def object_bytes(obj: ObjectEntry) -> bytes:
     if obj.raw is not None:  # a DCP source: the archive as torch wrote it
         path, offset, length = obj.raw
         with open_regular(path) as f:
@@ -386,44 +287,77 @@ def _per_rank_view(ckpt: Checkpoint, world: int, rule: str) -> tuple[Checkpoint,
 
 
 class RankFile:
-    """Makes a rank file's segments when the executor writes it (a wide write holds one rank's at a time): each item's
-    archive in order, at the offsets .metadata records (each archive's size depends on its dtype and shape alone:
-    tensor_archive_size; the executor checks the file's total)."""
+    """Makes a rank file's segments when the executor writes it (a wide write holds one rank's at a time): its values'
+    archives, then each tensor chunk's archive, in order, at the offsets `.metadata` records (each archive's size
+    depends on its dtype and shape alone: tensor_archive_size; the executor checks the file's total)."""
 
-    __slots__ = ("items",)
+    __slots__ = ("tensors", "values", "codes")
 
-    def __init__(self, items: list[Item]) -> None:
-        self.items = items
+    def __init__(self, tensors: list[TensorPlan], values: list[dcp_plan.Item], codes: array) -> None:
+        self.tensors, self.values, self.codes = tensors, values, codes  # codes: (tensor, box) per chunk, in order
 
     def __call__(self) -> list[Any]:
-        return self._segments(self.items)
+        return [*(Literal(v.archive) for v in self.values), *self._chunks(0, len(self.codes) // 2)]
 
     def batches(self, size: int = 1000) -> Iterator[list[Any]]:
         """The segments `size` items at a time, each item's archive whole in one batch (written in order)."""
-        for start in range(0, len(self.items), size):
-            yield self._segments(self.items[start : start + size])
+        if self.values:
+            yield [Literal(v.archive) for v in self.values]
+        for start in range(0, len(self.codes) // 2, size):
+            yield self._chunks(start, min(start + size, len(self.codes) // 2))
 
-    def _segments(self, items: list[Item]) -> list[Any]:
+    def _chunks(self, start: int, end: int) -> list[Any]:
         segments: list[Any] = []
-        for item in items:
-            if item.obj is not None:
-                parts = [Literal(item.archive)]
-            else:
-                parts = torch_save.tensor_archive(item.chunk(), f"{item.fqn}@{item.offsets}")
-            segments += parts
+        for k in range(start, end):
+            tensor = self.tensors[self.codes[2 * k]]
+            offsets, sizes, _ = tensor.boxes[self.codes[2 * k + 1]]
+            chunk = tensor.entry if sizes is None else sub_box(tensor.entry, tensor.fqn, offsets, sizes)
+            segments += torch_save.tensor_archive(chunk, f"{tensor.fqn}@{offsets}")
         return segments
 
     def tensor_names(self) -> list[str]:
-        return [item.name for item in self.items if item.entry is not None]
+        named = []
+        for k in range(0, len(self.codes), 2):
+            tensor = self.tensors[self.codes[k]]
+            named.append(tensor.entry.name if tensor.boxes[self.codes[k + 1]][1] is None else tensor.fqn)
+        return named
 
 
-def _metadata_stream(
-    chunks: dict[str, tuple[TensorEntry, list[Item]]], planner: dict[str, Any], values: list[Item], dest: Path, order: list[str]
-) -> Iterator[bytes | memoryview]:
-    for entry, _ in chunks.values():  # written after every data file: the pieces the sources made are read no more
-        if isinstance(entry.pieces, LazyPieces):
-            entry.pieces.release()
-    return metadata_parts(chunks, planner, values, dest, order, chunk_class=Item)
+def place(plan: Plan, kept: list[array], reads: tuple[str, ...]) -> list[OutputFile]:
+    """Each rank's file laid out, values first and then tensor chunks (as FileSystemWriter orders a rank's file), each
+    chunk's place recorded on its tensor in `.metadata`'s order (the kept plans rank by rank)."""
+    files = []
+    for r, positions in enumerate(kept):
+        name = dcp_plan.file_name(r)
+        values = [plan.values[-1 - plan.which[i]] for i in positions if plan.which[i] < 0]
+        pos = 0
+        for item in values:
+            item.archive = object_bytes(item.obj)
+            item.file, item.pos, item.length = name, pos, len(item.archive)
+            pos += item.length
+        codes = array("q")
+        data = largest = 0
+        for i in positions:
+            t = plan.which[i]
+            if t < 0:
+                continue
+            tensor, b = plan.tensors[t], plan.box[i]
+            shape = tensor.shape_of(b)
+            tensor.placed.extend((b, r, pos))
+            codes.extend((t, b))
+            pos += dcp_plan.archive_length(tensor.entry.dtype, shape)
+            nbytes = math.prod(shape) * tensor.entry.dtype.itemsize
+            data, largest = data + nbytes, max(largest, nbytes)
+        files.append(OutputFile(name, build=RankFile(plan.tensors, values, codes), sizes=FileSizes(pos, data, largest), reads=reads))
+    return files
+
+
+def _metadata_stream(plan: Plan, planner: dict[str, Any], dest: Path, order: list[str]) -> Iterator[bytes | memoryview]:
+    for tensor in plan.tensors:  # written after every data file: the pieces the sources made are read no more
+        if isinstance(tensor.entry.pieces, LazyPieces):
+            tensor.entry.pieces.release()
+    chunks = {tensor.fqn: (tensor.entry, tensor) for tensor in plan.tensors}
+    return metadata_parts(chunks, planner, plan.values, dest, order, chunk_class=dcp_plan.Chunk)
 
 
 class DCPWriter:
@@ -443,41 +377,21 @@ class DCPWriter:
         if opaque:
             raise UsageError(f"cannot write non-tensor values that were not parsed: {', '.join(opaque[:3])} (try --trust-pickle)")
         layout = layout_for(ckpt, world_size, options.tp)
-        planned, entries, planner, objects = rank_plans(ckpt, layout)
-        kept = dedup(planned, layout.mesh[0] * layout.mesh[1])
-        del planned
-        chunks = chunk_lists(entries, kept)
-        order = list(dict.fromkeys(item.fqn for items in kept for item in items))
-        files = []
-        lengths: dict[int, int] = {}
+        plan, planner = rank_plans(ckpt, layout)
+        kept = dcp_plan.dedup(plan)
+        order = list(dict.fromkeys(plan.key(i)[0] for positions in kept for i in positions))
         reads = tuple({a.path: None for entry in ckpt.tensors.values() for a in entry.stored_arrays()})
-        for r, items in enumerate(kept):
-            name = f"__{r}_0.distcp"
-            # BYTE_IO items first, then tensors, as FileSystemWriter orders a rank's file.
-            items[:] = [i for i in items if i.obj is not None] + [i for i in items if i.entry is not None]
-            pos = 0
-            for item in items:
-                if item.obj is not None:
-                    item.archive = _object_bytes(item.obj)
-                    item.length = len(item.archive)
-                else:
-                    length = item.archive_size()
-                    item.length = lengths.setdefault(length, length)  # a few distinct sizes, one int object each
-                item.file, item.pos = name, pos
-                pos += item.length
-            data = [i.planned_bytes for i in items if i.entry is not None]
-            files.append(OutputFile(name, build=RankFile(items), sizes=FileSizes(pos, sum(data), max(data, default=0)), reads=reads))
-        placed = {item.fqn: item for items in kept for item in items if item.obj is not None}
-        values = [placed[obj.name] for obj in objects]
+        files = place(plan, kept, reads)
+        del kept
+        plan.which, plan.box = array("q"), array("q")  # placed: the tensors hold their chunks' places
         # Made when written (by rank 0 alone under torchrun): pickling 200,000 chunks' records takes seconds
-        made = functools.partial(_metadata_stream, chunks, planner, values, dest, order)
-        files.append(OutputFile(".metadata", stream=made, commit_marker=True))
+        files.append(OutputFile(".metadata", stream=functools.partial(_metadata_stream, plan, planner, dest, order), commit_marker=True))
         notes += layout.notes
         if layout.mesh[1] == 1 and not any(n.startswith("layout:") for n in layout.notes):
-            sharded = sum(1 for entry, listed in chunks.values() if len(listed) > 1 or is_sharded(entry, ckpt))
+            sharded = sum(1 for tensor in plan.tensors if len(tensor) > 1 or is_sharded(tensor.entry, ckpt))
             notes.append(
                 f"layout: FSDP2 Shard(0) on {world_size} ranks; {sharded} tensors sharded by rows, "
-                f"{len(chunks) - sharded} replicated, {len(ckpt.objects)} non-tensor values"
+                f"{len(plan.tensors) - sharded} replicated, {len(ckpt.objects)} non-tensor values"
             )
         return WritePlan(self.name, dest, True, files, notes)
 
