@@ -3,6 +3,7 @@ dcp_to_torch_save, FSDP2 set_state_dict (under torchrun) and transformers."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -245,6 +246,19 @@ def test_verify_metadata_past_the_end_of_a_file(ckpt, copy_w2):
 
     rewrite_metadata(copy_w2, stretch)
     assert_fails(ckpt("verify", copy_w2), "model.head.bias", "truncated")
+
+
+def test_verify_two_items_stored_in_one_byte_range(ckpt, copy_w2):
+    """Two storage entries naming the same bytes (each a valid archive of the right shape): dcp.load would read one
+    tensor's data for the other."""
+
+    def alias(meta):
+        weight = next(k for k in meta.storage_data if k.fqn == "model.embed.weight" and k.offset[0] == 0)
+        moment = next(k for k in meta.storage_data if k.fqn.endswith("embed.weight.exp_avg") and k.offset == weight.offset)
+        meta.storage_data[moment] = copy.copy(meta.storage_data[weight])
+
+    rewrite_metadata(copy_w2, alias)
+    assert_fails(ckpt("verify", copy_w2), "byte ranges", "overlap")
 
 
 def test_verify_leftovers(ckpt, copy_w2):

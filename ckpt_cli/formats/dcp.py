@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
+from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,7 +276,7 @@ def _check_tensor_metadata(meta_path: Path, fqn: str, item: TensorStorageRec) ->
 
 
 def world_size_of(storage: StorageIndex) -> int:
-    ranks = {int(m.group(1)) for info in storage.values() if (m := DATA_FILE.search(info.relative_path))}
+    ranks = {int(m.group(1)) for path in {span[0] for span in storage.spans()} if (m := DATA_FILE.search(path))}
     return max(ranks) + 1 if ranks else 1
 
 
@@ -396,7 +397,7 @@ class DCPReader:
         if leftovers:
             problems.append(f"{folder / leftovers[0]}: leftover of a save that crashed before it committed")
         meta_path = folder / METADATA
-        referenced = {info.relative_path for info in source.storage.values()}
+        referenced = {span[0] for span in source.storage.spans()}
         for p in sorted(folder.glob("*.distcp")):
             if p.name not in referenced:
                 problems.append(f"{p}: not referenced by {METADATA} (a leftover of another save?)")
@@ -407,7 +408,7 @@ class DCPReader:
                 problems.append(
                     f"{data}: rewritten after {METADATA} was committed; an interrupted re-save may have mixed old metadata with new data"
                 )
-        problems += _overlaps(folder, list(source.storage.values()), source.safetensors)
+        problems += _overlaps(folder, source.storage.spans(), source.safetensors)
         problems += list(source.problems)
         problems += _bounds(ckpt)
         problems += [unsafe_value_problem(o) for o in ckpt.unsafe_values()]
@@ -416,29 +417,34 @@ class DCPReader:
         return problems
 
 
-def _overlaps(folder: Path, infos: list[StorageInfoRec], safetensors: frozenset[tuple[str, int]]) -> list[str]:
+def _overlaps(folder: Path, spans: Iterable[tuple[str, int, int]], safetensors: frozenset[tuple[str, int]]) -> list[str]:
     """Byte ranges that overlap; the tensor items of one safetensors document share its offset and count once.
-    Sorted as references to the entries (200,000 at 64 ranks), not as a tuple per range."""
-    by_file: dict[str, list[StorageInfoRec]] = {}
+    Held as two numbers a range per file (581,000 at 64 ranks), sorted only where they are not in order already."""
+    by_file: dict[str, array] = {}
     seen: set[tuple[str, int]] = set()
-    for info in infos:
-        if safetensors and (info.relative_path, info.offset) in safetensors:
-            if (info.relative_path, info.offset) in seen:
+    for rel, offset, length in spans:
+        if safetensors and (rel, offset) in safetensors:
+            if (rel, offset) in seen:
                 continue
-            seen.add((info.relative_path, info.offset))
-        by_file.setdefault(info.relative_path, []).append(info)
+            seen.add((rel, offset))
+        found = by_file.get(rel)
+        if found is None:
+            found = by_file[rel] = array("q")
+        found.extend((offset, length))
     problems = []
-    for rel, spans in by_file.items():
-        spans.sort(key=_span_order)
-        for a, b in zip(spans, spans[1:]):
-            if b.offset < a.offset + a.length:
-                problems.append(f"{folder / rel}: byte ranges {a.offset}..{a.offset + a.length} and {b.offset}.. overlap")
+    for rel, ranges in by_file.items():
+        starts, lengths = ranges[0::2], ranges[1::2]
+        order: Iterable[int] = range(len(starts))
+        if any(starts[i] > starts[i + 1] for i in range(len(starts) - 1)):
+            order = sorted(order, key=lambda i: (starts[i], starts[i] + lengths[i]))
+        previous = None
+        for i in order:
+            if previous is not None and starts[i] < starts[previous] + lengths[previous]:
+                a, b = starts[previous], starts[i]
+                problems.append(f"{folder / rel}: byte ranges {a}..{a + lengths[previous]} and {b}.. overlap")
                 break
+            previous = i
     return problems
-
-
-def _span_order(info: StorageInfoRec) -> tuple[int, int]:
-    return info.offset, info.offset + info.length
 
 
 def _bounds(ckpt: Checkpoint) -> list[str]:
