@@ -65,7 +65,7 @@ class TensorPlan:
 
 
 class Chunk:
-    """One placed chunk of a tensor, as `.metadata` and its rank file see it (made when asked for)."""
+    """One placed chunk of a tensor, as `.metadata` lists it (made as it is pickled)."""
 
     __slots__ = ("tensor", "box", "rank", "pos")
 
