@@ -319,6 +319,24 @@ def test_rank_files_share_what_they_repeat(ds_saves):
     assert values["same"] is like["same"] and values["other"] == [0, 1] and values["refs"] is not like["refs"]
 
 
+@pytest.mark.parametrize("config", ["stage2-fp32", "stage3-fp32"])
+def test_rank_files_leave_the_shared_template_as_it_was(ds_saves, tmp_path, config):
+    """Each new rank's optimizer file is made from one template of the source's tree (tensorized once); what a rank
+    rewrites is its own copy, so files made side by side in threads never see another rank's entries."""
+    import ckpt_cli
+
+    request = ckpt_cli.convert_request(ds_saves[2] / config, tmp_path / "out", to="deepspeed", world_size=3)
+    built = [f for f in ckpt_cli.prepare(request).job.plan.files if f.build is not None and "optim_states" in f.relpath]
+    built[0].build()
+    make = built[0].build  # stage 1/2: partial(Stage12Reshard._optimizer_file, ...); 3: partial(_rank_file, self._optimizer, ...)
+    reshard = getattr(make.func, "__self__", None) or make.args[0].__self__
+    template = reshard._template
+    before = repr(template)
+    for f in built:
+        f.build()
+    assert repr(template) == before
+
+
 @pytest.mark.parametrize("to", ["deepspeed", "dcp"])
 def test_a_wide_write_makes_each_built_file_once(ds_saves, tmp_path, to):
     """A rank file of a wide write is built (its segments made) when it is written, and only then: its size, known

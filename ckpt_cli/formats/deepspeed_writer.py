@@ -235,8 +235,9 @@ class Stage12Reshard:
         if self._template is None:
             remade = ("single_partition_of_fp32_groups", "group_paddings", "partition_count", "param_slice_mappings")
             self._template = tensorize(self.src.optims[0], outline(self.src.optims[0], remade))
-        state_path = ("optimizer_state_dict", "base_optimizer_state", "state")
-        tree = own(self._template, *[(*state_path, g) for g in self._template["optimizer_state_dict"]["base_optimizer_state"]["state"]])
+        state_path = ("optimizer_state_dict", "base_optimizer_state", "state")  # what the rank rewrites: its own copies
+        groups = self._template["optimizer_state_dict"]["base_optimizer_state"]["state"]
+        tree = own(self._template, state_path, *[(*state_path, g) for g in groups])
         osd = tree["optimizer_state_dict"]
         if isinstance(self.target, deepspeed_regroup.Regrouped):
             self._regrouped(osd, self.target)
