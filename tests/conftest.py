@@ -4,8 +4,10 @@ huggingface_hub, transformers), made once per session."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +138,32 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 PRODUCERS = Path(__file__).parent / "producers"
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder made by build(folder) once per test run, for the producers' fixtures (a torchrun of them costs minutes).
+    Under pytest-xdist every worker has a session of its own: the first to ask builds the folder in the run's shared
+    temporary directory, holding a file lock; the others wait on the lock and reuse it, or fail with its error."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # pytest-N/, above this worker's popen-gwK/
+    (base / "built").mkdir(exist_ok=True)
+    root, done, failed = (base / "built" / f"{name}{suffix}" for suffix in ("", ".done", ".failed"))
+    with FileLock(base / "built" / f"{name}.lock"):
+        if failed.exists():
+            raise AssertionError(f"building {name} failed in another worker:\n{failed.read_text()}")
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            try:
+                build(root)
+            except Exception as exc:
+                failed.write_text(str(exc))
+                raise
+            done.touch()
+    return root
+
+
 def free_port() -> int:
     import socket
 
@@ -167,12 +195,13 @@ def _run_script(cmd: list[str], label: str, timeout: int, env: dict[str, str] | 
 @pytest.fixture(scope="session")
 def fsdp2_saves(tmp_path_factory) -> dict[int, Path]:
     """Real FSDP2 + dcp.save checkpoints at world sizes 1-4 (one torchrun each); W=2 also saves a tiny Llama."""
-    root = tmp_path_factory.mktemp("fsdp2")
-    out = {}
-    for world in (1, 2, 3, 4):
-        out[world] = root / f"w{world}"
-        torchrun(world, "fsdp2.py", "save", out[world], *(["llama"] if world == 2 else []))
-    return out
+
+    def build(root: Path) -> None:
+        for world in (1, 2, 3, 4):
+            torchrun(world, "fsdp2.py", "save", root / f"w{world}", *(["llama"] if world == 2 else []))
+
+    root = built_once(tmp_path_factory, "fsdp2", build)
+    return {world: root / f"w{world}" for world in (1, 2, 3, 4)}
 
 
 DS_CONFIGS = ["stage1-fp32", "stage2-fp32", "stage3-fp32", "stage1-bf16", "stage2-bf16", "stage3-bf16", "stage1-bf16acc32", "stage2-fp32rr"]
@@ -181,12 +210,13 @@ DS_CONFIGS = ["stage1-fp32", "stage2-fp32", "stage3-fp32", "stage1-bf16", "stage
 @pytest.fixture(scope="session")
 def ds_saves(tmp_path_factory) -> dict[int, Path]:
     """Real DeepSpeed ZeRO checkpoints: every config at world sizes 1, 2, 3 (one torchrun each); W=2 adds a tiny Llama."""
-    root = tmp_path_factory.mktemp("deepspeed")
-    out = {}
-    for world in (1, 2, 3):
-        out[world] = root / f"w{world}"
-        torchrun(world, "deepspeed_train.py", "save", out[world], *DS_CONFIGS, *(["llama"] if world == 2 else []))
-    return out
+
+    def build(root: Path) -> None:
+        for world in (1, 2, 3):
+            torchrun(world, "deepspeed_train.py", "save", root / f"w{world}", *DS_CONFIGS, *(["llama"] if world == 2 else []))
+
+    root = built_once(tmp_path_factory, "deepspeed", build)
+    return {world: root / f"w{world}" for world in (1, 2, 3)}
 
 
 def ds_to_universal(tag_folder: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -249,9 +279,12 @@ def run_folders(tmp_path_factory) -> dict[str, Path]:
     CPU: name -> the run root (BASE/runs/NAME). A tiny Llama, 4 steps, a checkpoint every 2 steps. The runs in
     RUN_FOLDERS_TWO_PROCESS come from one torchrun of 2 processes, the two plain ones from one plain process.
     What each run held at each save: run_folder_saved(root, step)."""
-    base = tmp_path_factory.mktemp("run_folders")
-    torchrun(2, "run_folders.py", "save", base, *RUN_FOLDERS_TWO_PROCESS, *RUN_FOLDERS_REFUSED)
-    producer("run_folders.py", "save", base, *RUN_FOLDERS_ONE_PROCESS)
+
+    def build(base: Path) -> None:
+        torchrun(2, "run_folders.py", "save", base, *RUN_FOLDERS_TWO_PROCESS, *RUN_FOLDERS_REFUSED)
+        producer("run_folders.py", "save", base, *RUN_FOLDERS_ONE_PROCESS)
+
+    base = built_once(tmp_path_factory, "run_folders", build)
     return {name: base / "runs" / name for name in RUN_FOLDERS + RUN_FOLDERS_REFUSED}
 
 
@@ -299,8 +332,11 @@ def consolidate_run_folders(checkpoints: dict[str, Path], out: Path) -> dict[str
 @pytest.fixture(scope="session")
 def run_folders_consolidated(run_folders, tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
     """Each run's step-4 checkpoint consolidated by its framework's own tool (consolidate_run_folders)."""
+    from safetensors.torch import load_file
+
     checkpoints = {name: run_folder_checkpoint(run_folders[name]) for name in RUN_FOLDERS}
-    return consolidate_run_folders(checkpoints, tmp_path_factory.mktemp("consolidated"))
+    out = built_once(tmp_path_factory, "consolidated", lambda root: consolidate_run_folders(checkpoints, root))
+    return {name: load_file(out / name / "reference.safetensors") for name in checkpoints}
 
 
 # ---- DeepSpeed MoE (expert parallel), tests/producers/deepspeed_moe.py -------------------------------------
@@ -335,26 +371,28 @@ def ds_moe(tmp_path_factory) -> Path:
     ROOT/w{2,4}/CONFIG: the saves, each with reference.pt (what the run held); ROOT/reshard/NAME: ckpt's reshards
     (CONFIG-{2to4,4to2} or ds_moe_ep_change_name); ROOT/loaded/NAME/loaded.pt: what DeepSpeed loaded from them, in
     reference.pt's layout."""
-    root = tmp_path_factory.mktemp("ds_moe")
-    torchrun(2, "deepspeed_moe.py", "save", root / "w2", *DS_MOE_W2)
-    tasks: dict[int, list[str]] = {1: [], 2: [], 4: []}
-    reshards: dict[int, list[tuple[Path, Path, tuple[str, ...]]]] = {2: [], 4: []}
-    for config, src, dst in DS_MOE_RESHARDS:
-        name = f"{config}-{src}to{dst}"
-        tasks[dst].append(f"{root / 'reshard' / name}:{config}:{root / 'loaded' / name}")
-        reshards[src].append((root / f"w{src}" / config, root / "reshard" / name, ("--world-size", str(dst))))
-    for src, config, dst, load, options in DS_MOE_EP_CHANGES:
-        name = ds_moe_ep_change_name(src, config, dst, load)
-        tasks[dst].append(f"{root / 'reshard' / name}:{load}:{root / 'loaded' / name}")
-        reshards[src].append((root / f"w{src}" / config, root / "reshard" / name, ("--world-size", str(dst), *options)))
-    for source, dest, options in reshards[2]:
-        ckpt_quiet("reshard", source, dest, *options)
-    torchrun(4, "deepspeed_moe.py", "save", root / "w4", *DS_MOE_W4, "+", "load", *tasks[4])
-    for source, dest, options in reshards[4]:
-        ckpt_quiet("reshard", source, dest, *options)
-    torchrun(2, "deepspeed_moe.py", "load", *tasks[2])
-    torchrun(1, "deepspeed_moe.py", "load", *tasks[1])
-    return root
+
+    def build(root: Path) -> None:
+        torchrun(2, "deepspeed_moe.py", "save", root / "w2", *DS_MOE_W2)
+        tasks: dict[int, list[str]] = {1: [], 2: [], 4: []}
+        reshards: dict[int, list[tuple[Path, Path, tuple[str, ...]]]] = {2: [], 4: []}
+        for config, src, dst in DS_MOE_RESHARDS:
+            name = f"{config}-{src}to{dst}"
+            tasks[dst].append(f"{root / 'reshard' / name}:{config}:{root / 'loaded' / name}")
+            reshards[src].append((root / f"w{src}" / config, root / "reshard" / name, ("--world-size", str(dst))))
+        for src, config, dst, load, options in DS_MOE_EP_CHANGES:
+            name = ds_moe_ep_change_name(src, config, dst, load)
+            tasks[dst].append(f"{root / 'reshard' / name}:{load}:{root / 'loaded' / name}")
+            reshards[src].append((root / f"w{src}" / config, root / "reshard" / name, ("--world-size", str(dst), *options)))
+        for source, dest, options in reshards[2]:
+            ckpt_quiet("reshard", source, dest, *options)
+        torchrun(4, "deepspeed_moe.py", "save", root / "w4", *DS_MOE_W4, "+", "load", *tasks[4])
+        for source, dest, options in reshards[4]:
+            ckpt_quiet("reshard", source, dest, *options)
+        torchrun(2, "deepspeed_moe.py", "load", *tasks[2])
+        torchrun(1, "deepspeed_moe.py", "load", *tasks[1])
+
+    return built_once(tmp_path_factory, "ds_moe", build)
 
 
 DS_PIPE = ["stage1-fp32", "stage1-bf16"]
@@ -366,18 +404,20 @@ def ds_pipe(tmp_path_factory) -> Path:
     per stage) and 4 (2), each resharded by ckpt to the other size and loaded there by DeepSpeed with a plain
     load_checkpoint. Three torchrun launches. ROOT/w{2,4}/CONFIG (with reference.pt), ROOT/reshard/CONFIG-{2to4,4to2},
     ROOT/loaded/CONFIG-{2to4,4to2}/loaded.pt (tests/producers/deepspeed_pipe.py)."""
-    root = tmp_path_factory.mktemp("ds_pipe")
-    torchrun(2, "deepspeed_pipe.py", "save", root / "w2", *DS_PIPE)
-    tasks: dict[int, list[str]] = {2: [], 4: []}
-    for src, dst in ((2, 4), (4, 2)):
-        tasks[dst] = [f"{root / 'reshard' / f'{c}-{src}to{dst}'}:{c}:{root / 'loaded' / f'{c}-{src}to{dst}'}" for c in DS_PIPE]
-    for config in DS_PIPE:
-        ckpt_quiet("reshard", root / "w2" / config, root / "reshard" / f"{config}-2to4", "--world-size", 4)
-    torchrun(4, "deepspeed_pipe.py", "save", root / "w4", *DS_PIPE, "+", "load", *tasks[4])
-    for config in DS_PIPE:
-        ckpt_quiet("reshard", root / "w4" / config, root / "reshard" / f"{config}-4to2", "--world-size", 2)
-    torchrun(2, "deepspeed_pipe.py", "load", *tasks[2])
-    return root
+
+    def build(root: Path) -> None:
+        torchrun(2, "deepspeed_pipe.py", "save", root / "w2", *DS_PIPE)
+        tasks: dict[int, list[str]] = {2: [], 4: []}
+        for src, dst in ((2, 4), (4, 2)):
+            tasks[dst] = [f"{root / 'reshard' / f'{c}-{src}to{dst}'}:{c}:{root / 'loaded' / f'{c}-{src}to{dst}'}" for c in DS_PIPE]
+        for config in DS_PIPE:
+            ckpt_quiet("reshard", root / "w2" / config, root / "reshard" / f"{config}-2to4", "--world-size", 4)
+        torchrun(4, "deepspeed_pipe.py", "save", root / "w4", *DS_PIPE, "+", "load", *tasks[4])
+        for config in DS_PIPE:
+            ckpt_quiet("reshard", root / "w4" / config, root / "reshard" / f"{config}-4to2", "--world-size", 2)
+        torchrun(2, "deepspeed_pipe.py", "load", *tasks[2])
+
+    return built_once(tmp_path_factory, "ds_pipe", build)
 
 
 # ---- per-rank DTensor torch.save files and DCP with safetensors serialization (tests/producers/dtensor_saves.py) ----
@@ -390,17 +430,21 @@ DTENSOR_W4 = ["fsdp2", "hsdp", "tp"]
 def dtensor_saves_2(tmp_path_factory) -> Path:
     """One torchrun of 2 processes: ROOT/CONFIG for each of DTENSOR_W2 (verl-style rank files from FSDP2 and FSDP1; DCP
     with safetensors serialization from FileSystemWriter and HuggingFaceStorageWriter) and ROOT/references/CONFIG.pt."""
-    root = tmp_path_factory.mktemp("dtensor_w2")
-    torchrun(2, "dtensor_saves.py", "save", root, *DTENSOR_W2)
-    return root
+
+    def build(root: Path) -> None:
+        torchrun(2, "dtensor_saves.py", "save", root, *DTENSOR_W2)
+
+    return built_once(tmp_path_factory, "dtensor_w2", build)
 
 
 @pytest.fixture(scope="session")
 def dtensor_saves_4(tmp_path_factory) -> Path:
     """One torchrun of 4 processes: verl-style rank files from FSDP2 (1-D), HSDP (2x2) and FSDP2 + tensor parallel (2x2)."""
-    root = tmp_path_factory.mktemp("dtensor_w4")
-    torchrun(4, "dtensor_saves.py", "save", root, *DTENSOR_W4)
-    return root
+
+    def build(root: Path) -> None:
+        torchrun(4, "dtensor_saves.py", "save", root, *DTENSOR_W4)
+
+    return built_once(tmp_path_factory, "dtensor_w4", build)
 
 
 # ---- FSDP2 + tensor parallel on a 2-D mesh, saved with DCP (tests/producers/dcp_tp.py) ----------------------------
@@ -414,14 +458,16 @@ def dcp_tp(tmp_path_factory) -> Path:
     ckpt to each of DCP_TP_MESHES and loaded there by dcp.load + set_state_dict. Two torchrun launches of 4 processes.
     ROOT/{tp,fsdp}: the saves; ROOT/references/{tp,fsdp}.pt: what the runs held (full tensors); ROOT/reshard/MESH: ckpt reshard
     --world-size 4 --tp T; ROOT/loaded/MESH/loaded.pt: what the model on MESH loaded from it; ROOT/loaded/MESH/resaved: its dcp.save."""
-    root = tmp_path_factory.mktemp("dcp_tp")
-    torchrun(4, "dcp_tp.py", "save", root, "tp", "fsdp")
-    tasks = []
-    for mesh in DCP_TP_MESHES:
-        ckpt_quiet("reshard", root / "tp", root / "reshard" / mesh, "--world-size", 4, "--tp", mesh.split("x")[1])
-        tasks.append(f"{root / 'reshard' / mesh}:{mesh}:{root / 'loaded' / mesh}")
-    torchrun(4, "dcp_tp.py", "load", *tasks)
-    return root
+
+    def build(root: Path) -> None:
+        torchrun(4, "dcp_tp.py", "save", root, "tp", "fsdp")
+        tasks = []
+        for mesh in DCP_TP_MESHES:
+            ckpt_quiet("reshard", root / "tp", root / "reshard" / mesh, "--world-size", 4, "--tp", mesh.split("x")[1])
+            tasks.append(f"{root / 'reshard' / mesh}:{mesh}:{root / 'loaded' / mesh}")
+        torchrun(4, "dcp_tp.py", "load", *tasks)
+
+    return built_once(tmp_path_factory, "dcp_tp", build)
 
 
 # ---- Megatron-Core torch_dist (tests/producers/megatron_save.py) --------------------------------------------------
@@ -431,9 +477,11 @@ def dcp_tp(tmp_path_factory) -> Path:
 def mcore(tmp_path_factory) -> Path:
     """Megatron's GPTModel at TP=2 saved by dist_checkpointing.save, one torchrun of 2 processes: ROOT/{stacked,per_layer}
     and ROOT/reference.pt (what the model held)."""
-    root = tmp_path_factory.mktemp("megatron")
-    torchrun(2, "megatron_save.py", root)
-    return root
+
+    def build(root: Path) -> None:
+        torchrun(2, "megatron_save.py", root)
+
+    return built_once(tmp_path_factory, "megatron", build)
 
 
 # ---- object storage: a moto server in server mode (tests/s3_store.py) ---------------------------------------------
