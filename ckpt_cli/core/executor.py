@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckpt_cli import interrupt, store
+from ckpt_cli.core import heap
 from ckpt_cli.core.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.model import ZEROS, TensorEntry
 from ckpt_cli.core.paths import inside
@@ -264,6 +265,8 @@ def write_batches(
                 sources.expect(file_runs(batch))
             write_segments(batch, local or sink, sources)
             written += sum(seg.size for seg in batch)
+            del batch
+            heap.give_back()  # what the batch's segments took, or RSS climbs through a wide write
         if local is not None:
             local.flush()
         written = local.offset if local is not None else written
