@@ -210,3 +210,31 @@ def test_a_large_pickle_is_read_in_pieces_let_go_as_read():
     assert count == -(-len(data) // (1 << 20))
     assert stream.read(3 << 20) == data[: 3 << 20] and len(pieces) <= count - 2  # what was read is let go
     assert stream.read() == data[3 << 20 :] and not pieces
+
+
+def test_read_ahead_windows_stay_within_their_budget_over_many_files(tmp_path, monkeypatch):
+    """Small reads from many rank files in turn (a wide reshard or merge) go through one read-ahead window a file; the
+    windows together stay within WINDOW_BUDGET (sized once each, 1,024 files' windows had reached 240 MB of a 64 MB
+    budget), and every read returns the file's bytes, at a window's edge and at the end of a file too."""
+    from ckpt_cli.core import reading
+
+    monkeypatch.setattr(reading, "WINDOW_BYTES", 256 << 10)
+    monkeypatch.setattr(reading, "WINDOW_BUDGET", 1 << 20)
+    rng = np.random.default_rng(0)
+    files = []
+    for i in range(40):
+        path = tmp_path / f"__{i}_0.distcp"
+        path.write_bytes(rng.integers(0, 256, 512 << 10, dtype=np.uint8).tobytes())
+        files.append((str(path), path.read_bytes()))
+    sources = reading.SourceFiles()
+    try:
+        for offset in [*range(0, 300_000, 7_000), (512 << 10) - 100]:
+            for path, data in files:
+                buf = bytearray(100)
+                sources.pread_into(path, offset, buf)
+                assert bytes(buf) == data[offset : offset + 100], (path, offset)
+                held = sum(len(window) for _, window in sources._windows.values())
+                assert held <= reading.WINDOW_BUDGET, (held, path, offset)
+        assert held == sources._window_bytes  # the running count the budget is checked against
+    finally:
+        sources.close()

@@ -27,7 +27,7 @@ from ckpt_cli.store import prefetch as remote_read
 # the page cache 3-10x slower on a 2-core VM (benchmarks/run.py, perf: copy_folio_from_iter_atomic).
 BLOCK_BYTES = 4 << 20
 SMALL_READ_BYTES = 64 << 10  # reads up to this size go through a read-ahead window of their file
-WINDOW_BYTES, WINDOW_BUDGET = 1 << 20, 64 << 20  # one file's window, all windows together
+WINDOW_BYTES, WINDOW_BUDGET = 1 << 20, 16 << 20  # one file's window at most, all windows of one reader together
 
 
 class SourceFiles:
@@ -40,7 +40,8 @@ class SourceFiles:
         self._buffer: bytearray | None = None
         self._materialised: tuple[StoredArray, Any] | None = None
         self._prefetch: remote_read.Prefetch | None = None
-        self._windows: dict[str, tuple[int, bytes]] = {}  # path -> (offset, bytes read ahead there)
+        self._windows: dict[str, tuple[int, bytes]] = {}  # path -> (offset, bytes read ahead there), oldest first
+        self._window_bytes = 0
 
     def fd(self, path: str) -> int:
         if path not in self.fds:
@@ -55,6 +56,7 @@ class SourceFiles:
             os.close(fd)
         self.fds.clear()
         self._windows.clear()
+        self._window_bytes = 0
         if self._prefetch is not None:
             self._prefetch.close()
             self._prefetch = None
@@ -96,16 +98,27 @@ class SourceFiles:
     def _from_window(self, path: str, offset: int, view: memoryview) -> bool:
         """A small read served from a window read ahead in `path` (one window a file: a wide checkpoint's tensor
         gathers a few elements from each of hundreds of rank files, and the next tensor's lie right after them).
-        The windows share WINDOW_BUDGET, so more files get smaller windows. False at the end of the file."""
+        The windows share WINDOW_BUDGET: more files get smaller windows, and the least recently refilled go when a
+        new one would pass it (sized once each, 1,024 rank files' windows had reached 240 MB). False at the end of
+        the file."""
         start, data = self._windows.get(path, (0, b""))
         if not start <= offset or offset + len(view) > start + len(data):
-            size = max(SMALL_READ_BYTES, min(WINDOW_BYTES, WINDOW_BUDGET // max(1, len(self.fds))))
+            size = max(len(view), min(WINDOW_BYTES, WINDOW_BUDGET // max(1, len(self.fds))))
+            self._drop_window(path)
+            while self._windows and self._window_bytes + size > WINDOW_BUDGET:
+                self._drop_window(next(iter(self._windows)))
             start, data = offset, os.pread(self.fd(path), size, offset)
             self._windows[path] = (start, data)
+            self._window_bytes += len(data)
             if offset + len(view) > start + len(data):
                 return False
         view[:] = data[offset - start : offset - start + len(view)]
         return True
+
+    def _drop_window(self, path: str) -> None:
+        dropped = self._windows.pop(path, None)
+        if dropped is not None:
+            self._window_bytes -= len(dropped[1])
 
     def read_block(self, path: str, offset: int, nbytes: int) -> memoryview:
         """Bytes of `path` in a buffer reused from call to call (nbytes <= BLOCK_BYTES)."""
