@@ -219,14 +219,21 @@ def timed(ckpt):
     return run
 
 
+# The process's own peak: VmHWM of its address space. ru_maxrss would also count the test process it was forked
+# from (Linux carries the pre-exec high-water mark over exec), and a pytest worker may hold a GB after other tests.
 MEASURE = """
 import resource, sys
 from ckpt_cli.cli.app import main
 try:
     main(sys.argv[2:])
 finally:
+    try:
+        with open("/proc/self/status") as status:
+            peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(sys.argv[1], "w") as f:
-        f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        f.write(str(peak))
 """
 
 
