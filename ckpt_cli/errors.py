@@ -70,5 +70,18 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (how clusters preempt a job), raised in the main thread like Ctrl-C so the same cleanup runs."""
 
 
+def interrupt_inside(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM an exception carries as its cause or context: Python turns one raised inside
+    `__set_name__` (a dataclass being made while a module imports, at start-up) into a RuntimeError."""
+    seen: set[int] = set()
+    found: BaseException | None = exc
+    while found is not None and id(found) not in seen:
+        if isinstance(found, KeyboardInterrupt):
+            return found
+        seen.add(id(found))
+        found = found.__cause__ or found.__context__
+    return None
+
+
 # torch is optional: reading, verifying, merging and resharding stream bytes without it
 TORCH_INSTALL = "pip install torch (the CPU build: --index-url https://download.pytorch.org/whl/cpu)"

@@ -17,7 +17,7 @@ import torch
 from conftest import assert_fails
 
 import ckpt_cli
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import Terminated, UsageError
 
 BAD_DTYPES = ["int8", "uint8", "bool", "float8_e4m3fn", "float64", "int64", "nonsense", ""]
 
@@ -413,3 +413,20 @@ def test_nonfinite_quick_pass_misses_no_lone_special(dtype):
         lone[36] = special
         counter.update(lone.view(torch.uint8).numpy().tobytes())
         assert (counter.nan, counter.inf) == want
+
+
+WRAPPED_STOPS = [(KeyboardInterrupt, 130, "ckpt: error: interrupted"), (Terminated, 143, "terminated (SIGTERM)")]
+
+
+@pytest.mark.parametrize("stop,code,line", WRAPPED_STOPS)
+def test_a_signal_python_wrapped_is_still_the_signal(ckpt, mixed_files, monkeypatch, stop, code, line):
+    """Python turns a KeyboardInterrupt raised inside __set_name__ (a dataclass made while a module imports, as a
+    signal at start-up can land) into a RuntimeError: ckpt reports the signal and its exit code, not an internal error."""
+    from ckpt_cli.ops import inspect as inspect_op
+
+    def wrapped(*args, **kwargs):
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance 'required' in 'Policy'") from stop()
+
+    monkeypatch.setattr(inspect_op, "summary", wrapped)
+    res = ckpt("inspect", mixed_files["safetensors"])
+    assert res.code == code and line in res.err and "internal error" not in res.err, res

@@ -16,7 +16,7 @@ from ckpt_cli import __version__, interrupt
 from ckpt_cli.cli import completion_cmd, convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, parity_cmd, verify_cmd
 from ckpt_cli.cli.examples import epilog
 from ckpt_cli.cli.output import error
-from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated
+from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated, interrupt_inside
 
 try:  # typer >= 0.29 vendors click
     from typer._click import exceptions as click_errors
@@ -120,6 +120,10 @@ def _run(argv: list[str] | None) -> int:
         error(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
         code = 1
     except Exception as exc:  # a bug in ckpt: still one line, the traceback on request
+        stop = interrupt_inside(exc)
+        if stop is not None:  # a signal that landed where Python wraps it (an import at start-up)
+            error("terminated (SIGTERM)" if _terminated(stop) else "interrupted")
+            return 143 if _terminated(stop) else 130
         if debug:
             raise
         if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch":

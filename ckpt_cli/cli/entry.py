@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from ckpt_cli.errors import Terminated
+from ckpt_cli.errors import Terminated, interrupt_inside
 
 
 def _early_sigterm(signum: int, frame: object) -> None:
@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> None:
         app.main(argv)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM before (or after) the CLI's own handling
         sys.exit(_stopped(exc))
+    except Exception as exc:  # one wrapped by Python while the CLI's modules import (interrupt_inside)
+        stop = interrupt_inside(exc)
+        if stop is None:
+            raise
+        sys.exit(_stopped(stop))
 
 
 if __name__ == "__main__":
