@@ -86,6 +86,12 @@ def _terminated(exc: BaseException) -> bool:
     return isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated)
 
 
+def _stopped(exc: BaseException) -> int:
+    """Say which signal stopped the command; its exit code."""
+    error("terminated (SIGTERM)" if _terminated(exc) else "interrupted")
+    return 143 if _terminated(exc) else 130
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; exit 0 on success, 1 when the data is wrong, 2 when the call is wrong, 130 on Ctrl-C, 143 on SIGTERM."""
     with _sigterm_as_interrupt():
@@ -112,20 +118,18 @@ def _run(argv: list[str] | None) -> int:
         exc.show()
         code = exc.exit_code
     except (KeyboardInterrupt, typer.Abort) as exc:
-        error("terminated (SIGTERM)" if _terminated(exc) else "interrupted")
-        code = 143 if _terminated(exc) else 130
+        code = _stopped(exc)
     except OSError as exc:
         if debug:
             raise
         error(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": "))
         code = 1
     except Exception as exc:  # a bug in ckpt: still one line, the traceback on request
-        stop = interrupt_inside(exc)
-        if stop is not None:  # a signal that landed where Python wraps it (an import at start-up)
-            error("terminated (SIGTERM)" if _terminated(stop) else "interrupted")
-            return 143 if _terminated(stop) else 130
         if debug:
             raise
+        stop = interrupt_inside(exc)
+        if stop is not None:  # a signal that landed where Python wraps it (an import at start-up)
+            return _stopped(stop)
         if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch":
             error(f"this needs torch, which is not installed: {TORCH_INSTALL}")
             code = 2
