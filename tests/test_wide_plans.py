@@ -381,3 +381,40 @@ def test_storage_index_answers_as_the_dict_it_packs():
     a, b = index.by_fqn["a"], index.by_fqn["b"]
     index.get(("c", None))
     assert a[0] is b[0] and a[2] is b[2]  # stored alike: one tuple of offsets and one lookup table
+
+
+def test_tensors_stored_alike_share_their_chunk_records(fsdp2_saves):
+    """A DCP read keeps one chunk list and one properties record per layout (formats/dcp_metadata.SharedRecords): the
+    Adam moments of a parameter are stored as it is, so they share its chunks. A record with a field ckpt does not
+    know is kept as read, and the storage entries are taken out of `.metadata`'s dict as the index is built."""
+    from ckpt_cli.core.interface import ReadOptions
+    from ckpt_cli.formats.dcp import DCPReader
+    from ckpt_cli.formats.dcp_metadata import ChunkRec, SharedRecords, TensorPropertiesRec, TensorStorageRec, drained
+    from ckpt_cli.ops.source import open_checkpoint
+
+    folder = fsdp2_saves[2] / "ckpt"
+    ckpt = DCPReader().read(folder, ReadOptions(pieces_when_read=True))
+    items = ckpt.source.metadata.state_dict_metadata
+    weight = next(n for n in items if n.endswith("weight") and not n.startswith("optim"))
+    moments = [n for n in items if n.startswith("optim") and weight.removeprefix("model.") in n and "exp_avg" in n]
+    assert len(moments) == 2 and all(items[m].chunks is items[weight].chunks for m in moments)
+    assert all(items[m].properties is items[weight].properties for m in moments)
+    whole = open_checkpoint(folder)  # the pieces made at once: same boxes and bytes as made when read
+    assert [p.region for p in ckpt.tensors[weight].pieces] == [p.region for p in whole.tensors[weight].pieces]
+
+    def item(*chunks):
+        rec = TensorStorageRec(properties=TensorPropertiesRec(dtype=ckpt.tensors[weight].dtype), size=(4, 2))
+        object.__setattr__(rec, "chunks", list(chunks))
+        return rec
+
+    shared, newer = SharedRecords(), ChunkRec(offsets=(2, 0), sizes=(2, 2), newer_field=1)
+    a, b = item(ChunkRec(offsets=(0, 0), sizes=(2, 2))), item(ChunkRec(offsets=(0, 0), sizes=(2, 2)))
+    c, d = item(ChunkRec(offsets=(0, 0), sizes=(4, 2))), item(newer)
+    for rec in (a, b, c, d):
+        shared.share(rec)
+    assert a.chunks is b.chunks and c.chunks is not a.chunks and d.chunks == [newer] and a.properties is d.properties
+    entries = {"x": 1, "y": 2, "z": 3}
+    taken = []
+    for key, value in drained(entries):
+        taken.append((key, value, len(entries)))
+    assert taken == [("x", 1, 2), ("y", 2, 1), ("z", 3, 0)]

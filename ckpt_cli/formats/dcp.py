@@ -45,10 +45,12 @@ from ckpt_cli.formats.dcp_metadata import (
     BytesStorageRec,
     IndexRec,
     MetadataRec,
+    SharedRecords,
     StorageIndex,
     StorageInfoRec,
     TensorStorageRec,
     as_tuple,
+    drained,
     load_metadata,
 )
 from ckpt_cli.formats.dcp_safetensors import Blobs
@@ -298,7 +300,7 @@ class DCPReader:
         storage = StorageIndex()
         named: set[Any] = set()  # relative paths already found plain (a few files, named by every chunk)
         lengths: dict[int, int] = {}
-        for index, info in meta.storage_data.items():
+        for index, info in drained(meta.storage_data):
             if not isinstance(index, IndexRec) or not isinstance(info, StorageInfoRec):
                 raise DataError(f"{path / METADATA}: storage_data entry of an unknown kind")
             relative = getattr(info, "relative_path", None)
@@ -308,8 +310,9 @@ class DCPReader:
             object.__setattr__(info, "length", lengths.setdefault(info.length, info.length))  # a few distinct, one per chunk
             storage[index.key()] = info
         meta.storage_data = None  # its MetadataIndex records: one per chunk, no longer needed
+        storage.settle()
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
-        files, paths = _Files(path), dcp_chunks.Paths()
+        files, paths, shared = _Files(path), dcp_chunks.Paths(), SharedRecords()
         tensors: dict[str, TensorEntry] = {}
         objects: dict[str, ObjectEntry] = {}
         containers: dict[tuple[Any, ...], str] = {}
@@ -323,6 +326,7 @@ class DCPReader:
                         containers[key_path[:i]] = "list"
                 if isinstance(item, TensorStorageRec):
                     _check_tensor_metadata(path / METADATA, fqn, item)
+                    shared.share(item)
                     size = tuple(item.size)
                     pieces: list[Piece] | LazyPieces
                     if options.layout_only:  # made when asked for: inspect counts them, a check walks them
