@@ -41,8 +41,11 @@ class MoEStack(nn.Module):
         return x.sum() + total
 
 
-def train_and_save(out: str, model: nn.Module, width: int, stage: int, steps: int, lr: float, tokens: int = 1) -> None:
-    """`steps` AdamW steps of `model` under DeepSpeed ZeRO `stage` (gloo, CPU), then save_checkpoint(out)."""
+def train_and_save(
+    out: str, model: nn.Module, width: int, stage: int, steps: int, lr: float, tokens: int = 1, zero: dict[str, Any] | None = None
+) -> None:
+    """`steps` AdamW steps of `model` under DeepSpeed ZeRO `stage` (gloo, CPU), then save_checkpoint(out); `zero`: more
+    zero_optimization settings."""
     deepspeed.init_distributed(dist_backend="gloo")
     params: Any = model.parameters()
     if any(getattr(p, "allreduce", True) is False for p in model.parameters()):  # MoE experts: their own param groups
@@ -52,7 +55,7 @@ def train_and_save(out: str, model: nn.Module, width: int, stage: int, steps: in
     opt = torch.optim.AdamW(params, lr=lr)
     config = {
         "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero or {})},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1000,
     }

@@ -85,7 +85,12 @@ def build_dcp(out: str, model: nn.Sequential, width: int) -> None:
 def build_deepspeed(out: str, model: nn.Sequential, width: int, stage: int) -> None:
     from deepspeed_build import train_and_save  # benchmarks/: the 1-4 GB DeepSpeed builder
 
-    train_and_save(out, model, width, stage, steps=2, lr=1e-3)
+    # ZeRO-3 keeps a gathered parameter that is used again within stage3_max_reuse_distance elements of the trace, and
+    # looks that far ahead at every module's release: at 64 elements a parameter that is every remaining module of the
+    # model, so 30,000 modules made each step quadratic (the first forward took over 30 minutes here). Tiny, as the
+    # parameters are; the saved layout does not depend on it.
+    zero = {"stage3_max_reuse_distance": 1000} if stage == 3 else None
+    train_and_save(out, model, width, stage, steps=2, lr=1e-3, zero=zero)
 
 
 def main(out: str, producer: str, shape: str) -> None:
