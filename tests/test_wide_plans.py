@@ -418,3 +418,40 @@ def test_tensors_stored_alike_share_their_chunk_records(fsdp2_saves):
     for key, value in drained(entries):
         taken.append((key, value, len(entries)))
     assert taken == [("x", 1, 2), ("y", 2, 1), ("z", 3, 0)]
+
+
+def test_spans_of_a_tensor_made_by_range_follow_its_pieces(ds_saves, tmp_path, monkeypatch):
+    """A new ZeRO-3 rank's flat partition is streamed in spans sized from the last span's pieces (core/sinks.py
+    SPAN_PIECES): tiny slices make short spans, not a piece per element across a million elements at once. And a
+    check of every rank's model states keeps none of them parsed (LazyRanks.passing). The output is still what
+    zero_to_fp32 reads from the source."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from ckpt_cli.core import reading, sinks
+    from ckpt_cli.formats.deepspeed import LazyRanks
+    from ckpt_cli.ops.source import open_checkpoint
+    from ckpt_cli.ops.structure import format_check
+
+    wide = tmp_path / "w5"
+    writes.prepare(writes.reshard_request(ds_saves[2] / "stage3-fp32", wide, world_size=5)).write()
+    seen: list[tuple[int, int]] = []
+    real = reading.byte_runs_in
+
+    def counting(entry, dst, start, count):
+        runs = real(entry, dst, start, count)
+        seen.append((start, len(runs or ())))
+        return runs
+
+    monkeypatch.setattr(sinks, "byte_runs_in", counting)
+    monkeypatch.setattr(sinks, "SPAN_PIECES", 4)
+    monkeypatch.setattr(sinks, "FIRST_SPAN", 64)
+    dest = tmp_path / "w3"
+    writes.prepare(writes.reshard_request(wide, dest, world_size=3)).write()
+    later = [n for start, n in seen if start]  # spans after a tensor's first: none when one span takes it whole
+    assert len(later) >= 10 and max(later) <= 16  # partitions in several spans, each of a few pieces
+    want = get_fp32_state_dict_from_zero_checkpoint(str(ds_saves[2] / "stage3-fp32"))
+    got = get_fp32_state_dict_from_zero_checkpoint(str(dest))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    ckpt = open_checkpoint(wide)
+    assert isinstance(ckpt.source.models, LazyRanks) and format_check(ckpt, False) == []
+    assert len(ckpt.source.models._loaded) <= 1  # rank 0's, held by the read

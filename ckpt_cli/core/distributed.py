@@ -1,14 +1,15 @@
 """One conversion spread over many processes and hosts with torchrun (SPEC §6).
 
-Every rank plans the same output (plans are deterministic); rank r writes its contiguous block of the
-data files (`share`) into one temporary folder beside the destination (which all hosts must see:
-a shared filesystem); after all ranks report success, rank 0 writes the commit markers (DCP
-.metadata, hf index, DeepSpeed latest) and renames the folder into place. A failure on any rank
+Every rank plans the same output (plans are deterministic); the ranks take the data files one at a
+time from a counter in torchrun's key-value store (`_claims`), whoever is free first, and write them
+into one temporary folder beside the destination (which all hosts must see: a shared filesystem).
+Rank 0 writes the commit markers (DCP .metadata, hf index, DeepSpeed latest) into it first, while the
+others write data; after all ranks report success, it renames the folder into place. A failure on any rank
 removes the temporary folder on every rank's behalf and fails them all. The result is
 byte-identical to a single-process run.
 
-A destination in object storage needs no shared filesystem: each rank uploads its data objects,
-and rank 0 uploads the commit markers once every rank's uploads have completed. A failure on any
+A destination in object storage needs no shared filesystem: each rank uploads the data objects it
+takes, and rank 0 uploads the commit markers once every rank's uploads have completed. A failure on any
 rank makes every rank delete the objects it completed (in-flight uploads are aborted), so no
 marker is written and nothing is left.
 """
@@ -16,10 +17,12 @@ marker is written and nothing is left.
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 from typing import TypeVar
 
 from ckpt_cli import interrupt, store
-from ckpt_cli.core.executor import default_guard, targets, worker_count, write_files
+from ckpt_cli.core.executor import Take, default_guard, targets, worker_count, write_files
 from ckpt_cli.core.plan import FileSizes, OutputFile, WritePlan
 from ckpt_cli.core.sinks import Progress
 from ckpt_cli.errors import CkptError, DataError
@@ -101,15 +104,26 @@ def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, worker
     if write is None:
         write = store.join(plan.dest, RANKS)
     data, markers = targets(plan, write.root)
+    take = _claims(world)
+    # Where the commit is a rename, rank 0 writes the markers first, into the temporary folder nobody reads before
+    # the rename, while the other ranks take data files; in object storage they stay the last objects written.
+    early = rank == 0 and store.renames(plan.dest)
+    mine: list[tuple[Path, OutputFile]] = []
     with interrupt.writing():
         try:
-            write_files(write, share(data, rank, world), workers, progress)
+            if early:
+                write_files(write, markers, 1, progress)
+            mine = write_files(write, data if take else share(data, rank, world), workers, progress, take)
             interrupt.check()
         except BaseException as exc:  # report to the other ranks before failing
             error = exc
         if _all_ok(error is None) and rank == 0:
             try:
-                write_files(write, markers, 1, progress)
+                if early:  # still the newest files, as a one-process write leaves them
+                    for target, _ in markers:
+                        os.utime(target)
+                else:
+                    write_files(write, markers, 1, progress)
             except BaseException as exc:
                 error = exc
         if not _all_ok(error is None):  # the temporary removed, every rank's completed objects deleted
@@ -119,7 +133,30 @@ def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, worker
         write.commit()
     # Also the barrier: no rank returns before the destination exists. The markers' sizes too: a built marker (DCP
     # .metadata) is made by rank 0 alone.
-    _share_sizes(plan, [out for _, out in share(data, rank, world) + (markers if rank == 0 else [])])
+    _share_sizes(plan, [out for _, out in mine + (markers if rank == 0 else [])])
+
+
+_ROUNDS = [0]  # writes this process has made under torchrun: every rank makes the same, so the counters' keys agree
+
+
+def _claims(world: int) -> Take | None:
+    """The next data file for whichever rank is free first: a counter in torchrun's own key-value store, shared by
+    the ranks' threads. A fixed split left one rank idle while rank 0 wrote `.metadata` (2 processes 1.4x as fast as
+    one on a 1,024-rank DCP reshard). None where the store cannot be reached (each rank then takes a fixed block)."""
+    import torch.distributed as dist
+
+    _ROUNDS[0] += 1
+    try:
+        kv = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    key, lock = f"ckpt/files/{_ROUNDS[0]}", threading.Lock()
+
+    def take() -> int:
+        with lock:
+            return int(kv.add(key, 1)) - 1
+
+    return take
 
 
 def is_main_process() -> bool:

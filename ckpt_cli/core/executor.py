@@ -213,11 +213,15 @@ def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
     return segments
 
 
-def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None) -> None:
+def write_files(
+    write: Write, files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None, take: Take | None = None
+) -> list[tuple[Path, OutputFile]]:
     """Create `files` through the write transaction, up to `workers` at once, then sync them. A local file takes
     positional writes, and with fewer files than workers the spare workers share its large CRC-bearing tensors (one
     big DeepSpeed optimizer file, say); an object takes its bytes in order. Every source zip record read is checked
-    against its CRC32 (DataError before anything is committed)."""
+    against its CRC32 (DataError before anything is committed). `take` gives the position of the next file to
+    write, shared with other processes under torchrun (each writes the files it takes); the files written here
+    are returned."""
 
     def write_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
         if out.stream is not None:  # its parts as batches of one literal each
@@ -240,8 +244,9 @@ def write_files(write: Write, files: list[tuple[Path, OutputFile]], workers: int
             sink.abort()
             raise
 
-    _write_all(files, workers, progress, write_one)
+    written = _write_all(files, workers, progress, write_one, take)
     write.sync()  # once all are written (the kernel wrote back while the next file was made), before the commit
+    return written
 
 
 def write_batches(
@@ -290,11 +295,16 @@ STREAM_HINT = 1 << 30  # what an object store's part size is chosen for when a s
 WriteOne = Callable[[Path, OutputFile, Progress, int, threading.Event, RecordCheck], None]
 
 
-def _write_all(files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None, write_one: WriteOne) -> None:
-    """Run `write_one` on every file, up to `workers` at once; the first failure cancels the rest."""
+def _write_all(
+    files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None, write_one: WriteOne, take: Take | None
+) -> list[tuple[Path, OutputFile]]:
+    """Run `write_one` on the files `take` gives (by default each in turn), up to `workers` at once; the first
+    failure cancels the rest. Returns the files taken."""
     check = source_records(files)
     cancel = threading.Event()
     lock = threading.Lock()
+    next_file = take or _in_turn()
+    taken: list[tuple[Path, OutputFile]] = []
 
     def tick(nbytes: int) -> None:  # called once per block: lets a failing sibling or a SIGTERM stop the others
         if cancel.is_set():
@@ -306,23 +316,49 @@ def _write_all(files: list[tuple[Path, OutputFile]], workers: int, progress: Pro
 
     threads = max(1, workers // max(1, len(files)))
 
-    if workers == 1 or len(files) <= 1:
-        try:
-            for target, out in files:
-                write_one(target, out, tick, threads, cancel, check)
-        except BaseException:
-            cancel.set()
-            raise
-    else:
-        with ThreadPoolExecutor(min(workers, len(files))) as pool:
-            futures = [pool.submit(write_one, target, out, tick, threads, cancel, check) for target, out in files]
+    def write_taken() -> None:
+        while not cancel.is_set():
+            i = next_file()
+            if i >= len(files):
+                return
+            taken.append(files[i])
             try:
-                for future in futures:
-                    future.result()
+                write_one(*files[i], tick, threads, cancel, check)
             except BaseException:
                 cancel.set()
                 raise
+
+    if workers == 1 or len(files) <= 1:
+        write_taken()
+    else:
+        with ThreadPoolExecutor(min(workers, len(files))) as pool:
+            futures = [pool.submit(write_taken) for _ in range(min(workers, len(files)))]
+            failures: list[BaseException] = []
+            for future in futures:
+                try:
+                    future.result()
+                except BaseException as exc:  # the others stop at their next block; the cause is raised, not a _Cancelled
+                    cancel.set()
+                    failures.append(exc)
+            if failures:
+                raise next((e for e in failures if not isinstance(e, _Cancelled)), failures[0])
     check.finish()  # records copied only in part: read the rest and compare
+    return taken
+
+
+Take = Callable[[], int]  # the position of the next file to write (past the end: none left)
+
+
+def _in_turn() -> Take:
+    """Positions 0, 1, 2, ... to the threads of one process (a lock: two threads never take the same)."""
+    lock, count = threading.Lock(), [0]
+
+    def take() -> int:
+        with lock:
+            count[0] += 1
+            return count[0] - 1
+
+    return take
 
 
 def targets(plan: WritePlan, tmp: Path) -> tuple[list[tuple[Path, OutputFile]], list[tuple[Path, OutputFile]]]:

@@ -11,6 +11,7 @@ once in deepspeed_layout.py; deepspeed_partitions.py turns the saved partitions 
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -215,11 +216,27 @@ class LazyRanks(Mapping[int, RankFile]):
 
     def __init__(self, paths: Mapping[int, Path], load: Callable[[Path], RankFile], loaded: dict[int, RankFile]) -> None:
         self.paths, self._load, self._loaded = dict(paths), load, loaded
+        self._last: tuple[int, RankFile] | None = None
 
     def __getitem__(self, rank: int) -> RankFile:
         if rank not in self._loaded:
             self._loaded[rank] = self._load(self.paths[rank])
         return self._loaded[rank]
+
+    def passing(self) -> Iterator[RankFile]:
+        """Every rank's file in turn, each parsed (unless held already) and let go when the caller moves on: a check
+        that reads a field of each held all 64 of a wide MoE's (5 MB each parsed) to the end."""
+        for rank in self:
+            yield self.unkept(rank)
+
+    def unkept(self, rank: int) -> RankFile:
+        """The rank's file, parsed now unless held already, and not kept beyond the last one asked for (a writer
+        reads each old rank's once, or with 'wrap' the few it cycles through, rank 0's being held)."""
+        held = self._loaded.get(rank) or (self._last[1] if self._last and self._last[0] == rank else None)
+        if held is None:
+            held = self._load(self.paths[rank])
+            self._last = (rank, held)
+        return held
 
     def __contains__(self, rank: object) -> bool:  # without parsing the file (Mapping's own would)
         return rank in self.paths
@@ -455,7 +472,8 @@ class DeepSpeedReader:
             problems += deepspeed_stage0.problems(ckpt.source.files)
         if isinstance(ckpt.source, Source):
             src = ckpt.source
-            models = {m.path: m for m in (src.model, *src.models.values())}.values()
+            others = src.models.passing() if isinstance(src.models, LazyRanks) else iter(src.models.values())
+            models = itertools.chain([src.model], (m for m in others if m.path != src.model.path))
             problems += world_problems(src.folder, src.world, models, OPTIM_STATES, src.pipeline_stage)
             if isinstance(ckpt.source.layout, Stage3Partitions):
                 problems += ckpt.source.layout.flat_problems()

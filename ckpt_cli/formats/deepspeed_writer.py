@@ -27,7 +27,7 @@ from ckpt_cli.core.safe_pickle import TorchSize
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
 from ckpt_cli.formats import deepspeed_pipeline, deepspeed_regroup, deepspeed_stage0
-from ckpt_cli.formats.deepspeed import LATEST, Source, ZeroSource, fragment_address
+from ckpt_cli.formats.deepspeed import LATEST, LazyRanks, Source, ZeroSource, fragment_address
 from ckpt_cli.formats.deepspeed_files import built, file_segments, outline, own, rekey_client_state, tensorize
 from ckpt_cli.formats.deepspeed_layout import Slot, ZeroLayout
 from ckpt_cli.formats.deepspeed_template import BuiltSource
@@ -339,7 +339,8 @@ class Stage3Reshard:
         # Every rank saves its own model states at stage 3, client state included (a per-rank RNG, say), and loads
         # its own: new rank r starts from old rank r mod W ('wrap', as the per-rank rule), else from rank 0.
         old = len(self.src.models)
-        tree = tensorize(self.src.models[rank % old if self.per_rank_rule == "wrap" else 0])
+        models, which = self.src.models, rank % old if self.per_rank_rule == "wrap" else 0
+        tree = tensorize(models.unkept(which) if isinstance(models, LazyRanks) else models[which])
         tree["dp_world_size"] = self.world
         self.per_rank_note = rekey_client_state(tree, self.world, self.per_rank_rule)
         tree["param_shapes"] = [OrderedDict((n, TorchSize(shape)) for n, shape in sub) for sub in self.subs]
