@@ -141,8 +141,8 @@ _ROUNDS = [0]  # writes this process has made under torchrun: every rank makes t
 
 def _claims(world: int) -> Take | None:
     """The next data file for whichever rank is free first: a counter in torchrun's own key-value store, shared by
-    the ranks' threads. A fixed split left one rank idle while rank 0 wrote `.metadata` (2 processes 1.4x as fast as
-    one on a 1,024-rank DCP reshard). None where the store cannot be reached (each rank then takes a fixed block)."""
+    the ranks' threads. A fixed split left rank 1 idle while rank 0 pickled a wide `.metadata` alone (docs/scale.md).
+    None where the store cannot be reached (each rank then takes a fixed block)."""
     import torch.distributed as dist
 
     _ROUNDS[0] += 1

@@ -158,14 +158,13 @@ def _stream_by_range(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     while start < entry.numel:
         count = min(span, entry.numel - start)
         runs = byte_runs_in(entry, dst, start, count)
-        if runs is not None:  # (a cast span is read through torch: its pieces are not counted, its size kept)
-            span = min(SPAN_ELEMENTS, max(1, count * SPAN_PIECES // max(1, len(runs))))
-        if runs is None:
+        if runs is None:  # a cast, read through torch: its pieces are not counted and the span keeps its size
             data = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
             part = zlib.crc32(data) if seg.crc_key is not None else 0
             out.write(data)
         else:
             part = copy_runs(runs, out, sources, seg.crc_key is not None)
+            span = min(SPAN_ELEMENTS, max(1, count * SPAN_PIECES // max(1, len(runs))))
         if seg.crc_key is not None:
             crc = part if not start else crc32_combine(crc, part, count * dst.itemsize)
         start += count
