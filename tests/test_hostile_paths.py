@@ -410,3 +410,31 @@ def test_sigterm_mid_write_stops_at_the_next_block_even_where_a_raise_would_be_l
     res = ckpt("convert", project / "weights" / "model.safetensors", tmp_path / "out.pt", "--to", "torch", "--workers", "1")
     refused(res, 143, "terminated (SIGTERM)")
     assert snapshot(tmp_path) == before
+
+
+def test_a_sigterm_while_the_temporary_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """The CLI's SIGTERM handler raises at once unless a write is running, and the temporary exists before the write's
+    cleanup does: a signal landing just after it was made left it behind (seen once in CI under load). The write is
+    marked as running from before the temporary is made, so the signal is honoured inside the cleanup's reach."""
+    from ckpt_cli import interrupt, store
+    from ckpt_cli.cli.app import _on_sigterm
+    from ckpt_cli.core import executor
+    from ckpt_cli.errors import Terminated
+
+    real = store.begin
+
+    def begin_then_signal(*args, **kwargs):
+        write = real(*args, **kwargs)
+        _on_sigterm(signal.SIGTERM, None)  # what the handler does when the signal lands here
+        return write
+
+    monkeypatch.setattr(store, "begin", begin_then_signal)
+    plan = WritePlan("x", tmp_path / "out", True, [OutputFile("a", [Literal(b"1")])])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(Terminated):
+            executor.execute(plan)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        interrupt.reset()
+    assert list(tmp_path.iterdir()) == []

@@ -92,25 +92,28 @@ def execute(
 
 def _execute(plan: WritePlan, overwrite: bool, progress: Progress | None, workers: int, rank: int, world: int, guard: Guard) -> None:
     targets(plan, plan.dest)  # every rank refuses a file name that leaves the destination, before anything is created
-    write: store.Write | None = None
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            write = store.begin(plan.dest, plan.dest_is_dir, overwrite, guard, owner=RANKS)
-        except CkptError as exc:
-            error = exc
-    if not _all_ok(error is None):
-        raise error or DataError(f"{plan.dest}: rank 0 could not prepare the destination")
-    if write is None:
-        write = store.join(plan.dest, RANKS)
-    data, markers = targets(plan, write.root)
-    take = _claims(world)
-    # Where the commit is a rename, rank 0 writes the markers first, into the temporary folder nobody reads before
-    # the rename, while the other ranks take data files; in object storage they stay the last objects written.
-    early = rank == 0 and store.renames(plan.dest)
-    mine: list[tuple[Path, OutputFile]] = []
+    # Marked as a write from before rank 0 makes the temporary: a SIGTERM that lands meanwhile is honoured inside
+    # the `try` below, which removes it
     with interrupt.writing():
+        write: store.Write | None = None
+        error: BaseException | None = None
+        if rank == 0:
+            try:
+                write = store.begin(plan.dest, plan.dest_is_dir, overwrite, guard, owner=RANKS)
+            except CkptError as exc:
+                error = exc
+        if not _all_ok(error is None):
+            raise error or DataError(f"{plan.dest}: rank 0 could not prepare the destination")
+        if write is None:
+            write = store.join(plan.dest, RANKS)
+        data, markers = targets(plan, write.root)
+        take = _claims(world)
+        # Where the commit is a rename, rank 0 writes the markers first, into the temporary folder nobody reads before
+        # the rename, while the other ranks take data files; in object storage they stay the last objects written.
+        early = rank == 0 and store.renames(plan.dest)
+        mine: list[tuple[Path, OutputFile]] = []
         try:
+            interrupt.check()
             if early:
                 write_files(write, markers, 1, progress)
             mine = write_files(write, data if take else share(data, rank, world), workers, progress, take)

@@ -390,9 +390,12 @@ def execute(
     One process only: under torchrun (WORLD_SIZE > 1) the caller uses ckpt_cli.core.distributed.execute.
     """
     targets(plan, plan.dest)  # refuse a file name that leaves the destination before anything is created
-    write = store.begin(plan.dest, plan.dest_is_dir, overwrite, default_guard(plan, guard))
+    # Marked as a write from before the temporary exists: a SIGTERM that lands while it is made is honoured at the
+    # first safe point, inside the `try` that removes it (raised at once, it left the temporary behind)
     with interrupt.writing():
+        write = store.begin(plan.dest, plan.dest_is_dir, overwrite, default_guard(plan, guard))
         try:
+            interrupt.check()
             data, markers = targets(plan, write.root)
             write_files(write, data, worker_count(workers), progress)
             interrupt.check()
