@@ -455,3 +455,29 @@ def test_spans_of_a_tensor_made_by_range_follow_its_pieces(ds_saves, tmp_path, m
     ckpt = open_checkpoint(wide)
     assert isinstance(ckpt.source.models, LazyRanks) and format_check(ckpt, False) == []
     assert len(ckpt.source.models._loaded) <= 1  # rank 0's, held by the read
+
+
+def test_a_new_stage3_rank_holds_no_object_per_parameter(ds_saves, tmp_path):
+    """A new ZeRO-3 rank's model-states file streams only its non-empty tensors: its params' placeholder records are
+    empty, so their bytes and CRCs are known (an MoE model's 20,000 params made 60,000 segments, held while the
+    file was written). Its flat partitions' parts follow from the rank's number (Stage3RankParts),
+    not a tuple per param per rank. torch loads the file as DeepSpeed does, the source's placeholders in it."""
+    from ckpt_cli.core.plan import TensorData
+    from ckpt_cli.formats.deepspeed_writer import Stage3RankParts
+
+    src = ds_saves[2] / "stage3-fp32"
+    dest = tmp_path / "w3"
+    prepared = writes.prepare(writes.reshard_request(src, dest, world_size=3))
+    files = {f.relpath.rsplit("/", 1)[-1]: f for f in prepared.job.plan.files}
+    segments = files["zero_pp_rank_1_mp_rank_00_model_states.pt"].parts()
+    stored = [s for s in segments if isinstance(s, TensorData)]  # buffers: only non-empty tensors are streamed
+    assert all(s.tensor.numel for s in stored) and len(segments) <= 3 * len(stored) + 2
+    optimizer = files["zero_pp_rank_1_mp_rank_00_optim_states.pt"].parts()
+    flats = [s.tensor for s in optimizer if isinstance(s, TensorData) and "fp32_flat_groups" in s.tensor.name]
+    assert flats and all(isinstance(t.pieces._layout.parts, Stage3RankParts) for t in flats)
+    prepared.write()
+    [source_file] = src.glob("*/zero_pp_rank_1_mp_rank_00_model_states.pt")
+    want = torch.load(source_file, map_location="cpu", weights_only=False)["module"]
+    got = torch.load(dest / source_file.parent.name / source_file.name, map_location="cpu", weights_only=False)["module"]
+    assert list(got) == list(want) and all(torch.equal(v, w) for v, w in zip(got.values(), want.values()))
+    assert sum(v.numel() == 0 for v in got.values()) >= len(stored) + 4  # placeholders outnumber what is stored

@@ -159,6 +159,17 @@ def _box_runs(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int
 Run = tuple[int, int, Piece, int]  # a tensor's contiguous run: (global flat start, length, piece, local flat start)
 
 
+class RangeLayout(Protocol):
+    """A tensor's pieces by a layout's arithmetic (one slotted object per tensor, not three closures: a ZeRO-3 MoE
+    checkpoint holds 82,000): all of them when called, those meeting a flat range, the stored arrays they lie in."""
+
+    def __call__(self) -> list[Piece]: ...
+
+    def span(self, start: int, count: int) -> list[Piece]: ...
+
+    def arrays(self) -> Sequence[StoredArray]: ...
+
+
 class LazyPieces(Sequence["Piece"]):
     """A tensor's pieces, made when first asked for: `inspect` of a ZeRO-3 checkpoint of 64 ranks reports 6,000
     tensors and needs none of their 384,000 pieces. Tensors that share one (tied weights) are tied.
@@ -170,9 +181,11 @@ class LazyPieces(Sequence["Piece"]):
     With `keep=False` they are made again whenever asked for (a few partitions' arithmetic): a ZeRO-2 checkpoint of
     82,000 tensors would otherwise hold every piece that its structural check made, through the whole write.
 
+    With `layout` (a RangeLayout), it makes them, those of a range and the arrays, as `make`, `span` and `arrays`.
+
     Slotted, and empty as a shared tuple: an MoE checkpoint of 82,000 tensors holds one per tensor."""
 
-    __slots__ = ("_make", "_remake", "_pieces", "_count", "_keep", "by_layout", "span", "arrays")
+    __slots__ = ("_make", "_remake", "_pieces", "_count", "_keep", "by_layout", "_span", "_arrays", "_layout")
 
     def __init__(
         self,
@@ -182,17 +195,32 @@ class LazyPieces(Sequence["Piece"]):
         span: Callable[[int, int], list[Piece]] | None = None,
         arrays: Callable[[], Sequence[StoredArray]] | None = None,
         keep: bool = True,
+        layout: RangeLayout | None = None,
     ) -> None:
         self._make: Callable[[], list[Piece]] | None = make
         self._remake = make
         self._pieces: Sequence[Piece] = ()
         self._count = count  # how many `make` will return, when the layout tells without making them
-        self._keep = keep and span is None
+        self._keep = keep and span is None and layout is None
         # Made by a layout's arithmetic over arrays whose sizes the reader checked: they tile the tensor and stay
         # inside their arrays by construction, so the structural check need not make and walk them.
         self.by_layout = by_layout
-        self.span = span
-        self.arrays = arrays  # with `span`: the stored arrays its pieces lie in (each rank's flat), without making them
+        self._span, self._arrays, self._layout = span, arrays, layout
+
+    @classmethod
+    def of(cls, layout: RangeLayout, count: int) -> LazyPieces:
+        """The pieces `layout` makes (by its arithmetic: `by_layout`), never kept."""
+        return cls(layout, count, by_layout=True, layout=layout)
+
+    @property
+    def span(self) -> Callable[[int, int], list[Piece]] | None:
+        """The pieces overlapping a flat range, when the layout can tell them without making the rest."""
+        return self._layout.span if self._layout is not None else self._span
+
+    @property
+    def arrays(self) -> Callable[[], Sequence[StoredArray]] | None:
+        """With `span`: the stored arrays its pieces lie in (each rank's flat), without making them."""
+        return self._layout.arrays if self._layout is not None else self._arrays
 
     def _all(self) -> Sequence[Piece]:
         if not self._keep and self._make is not None:
@@ -391,12 +419,32 @@ def lazy_flat(name: str, dtype: DType, length: int, parts: list[FlatPart], role:
     its pieces made for the range a read asks for (a ZeRO-3 flat partition resharded from 1,024 ranks is a million
     one-element slivers: made a window at a time, never all at once). Parts must not overlap."""
     parts = sorted((p for p in parts if p[3] > 0), key=lambda p: p[0])
-    starts = [p[0] for p in parts]
-    zero = zeros(dtype, length)
+    return flat_entry(name, FlatLayout(dtype, length, parts, [p[0] for p in parts]), role)
 
-    def span(start: int, count: int) -> list[Piece]:
+
+def flat_entry(name: str, layout: FlatLayout, role: str = "other") -> TensorEntry:
+    """The 1-d tensor a FlatLayout places (its pieces made for the range a read asks for)."""
+    return TensorEntry(name, layout.dtype, (layout.length,), role, LazyPieces(layout, layout=layout))
+
+
+class FlatLayout:
+    """The RangeLayout of a lazy_flat: `parts` in order of their starts (`starts`); either may be a sequence made
+    as it is indexed (a ZeRO-3 rank's flat partition of 20,000 params: its parts follow from the rank's number)."""
+
+    __slots__ = ("dtype", "length", "parts", "starts", "zero")
+
+    def __init__(self, dtype: DType, length: int, parts: Sequence[FlatPart], starts: Sequence[int]) -> None:
+        self.dtype, self.length, self.parts, self.starts = dtype, length, parts, starts
+        self.zero = zeros(dtype, length)
+
+    def __call__(self) -> list[Piece]:
+        return self.span(0, self.length)
+
+    def span(self, start: int, count: int) -> list[Piece]:
+        parts, dtype = self.parts, self.dtype
         end, pieces, pos = start + count, [], start
-        for at, source, src_start, n in parts[max(0, bisect.bisect_right(starts, start) - 1) :]:
+        for i in range(max(0, bisect.bisect_right(self.starts, start) - 1), len(parts)):
+            at, source, src_start, n = parts[i]
             if at >= end:
                 break
             lo, hi = max(at, start), min(at + n, end)
@@ -412,15 +460,13 @@ def lazy_flat(name: str, dtype: DType, length: int, parts: list[FlatPart], role:
             pieces.append(Piece(FlatRange(pos, end - pos), zeros(dtype, end - pos)))
         return pieces
 
-    def arrays() -> list[StoredArray]:
+    def arrays(self) -> list[StoredArray]:
         lists: dict[int, Sequence[StoredArray]] = {}  # the parts of one sub-group share their ranks' list of flats
-        for _, source, _, _ in parts:
-            found = source.stored_arrays()
-            lists.setdefault(id(found), found)
-        return [zero, *{id(a): a for found in lists.values() for a in found}.values()]
-
-    lazy = LazyPieces(lambda: span(0, length), span=span, arrays=arrays)
-    return TensorEntry(name, dtype, (length,), role, lazy)
+        for _, source, _, n in self.parts:
+            if n > 0:
+                found = source.stored_arrays()
+                lists.setdefault(id(found), found)
+        return [self.zero, *{id(a): a for found in lists.values() for a in found}.values()]
 
 
 def concat_flat(name: str, dtype: DType, length: int, parts: list[tuple[int, TensorEntry]], role: str = "other") -> TensorEntry:

@@ -204,6 +204,24 @@ class Stage12Partitions:
         return {"round_robin_gradients": bool(config.get("round_robin_gradients")), "alignment_padding": self.alignment_padding}
 
 
+class Stage3Pieces:
+    """One param's pieces over the ranks' stage 3 flat partitions (a RangeLayout)."""
+
+    __slots__ = ("layout", "s", "key", "slot")
+
+    def __init__(self, layout: Stage3Partitions, s: int, key: str | None, slot: Slot) -> None:
+        self.layout, self.s, self.key, self.slot = layout, s, key, slot
+
+    def __call__(self) -> list[Piece]:
+        return self.layout.slot_pieces(self.s, self.key, self.slot)
+
+    def span(self, start: int, count: int) -> list[Piece]:
+        return self.layout.slot_pieces_in(self.s, self.key, self.slot, start, count)
+
+    def arrays(self) -> list[StoredArray]:
+        return self.layout.flats(self.s, self.key)
+
+
 class Stage3Partitions:
     """Stage 3: every parameter partitioned on its own (ceil(n/W) per rank), concatenated per sub-group."""
 
@@ -222,7 +240,7 @@ class Stage3Partitions:
         """Sub-group s's params in every rank's flat partition."""
         return zl.stage3_slots(list(self.shapes[s].items()), self.world)
 
-    def _arrays(self, s: int, key: str | None) -> list[StoredArray]:
+    def flats(self, s: int, key: str | None) -> list[StoredArray]:
         """Each rank's flat partition of sub-group s: fp32 weights (key None) or a moment, of exactly the elements
         its parameters take (DeepSpeed copies it into a buffer of that size; zero_to_fp32 refuses any other)."""
         if (s, key) in self._flats:
@@ -246,28 +264,28 @@ class Stage3Partitions:
         """Every rank's flats read and their sizes checked (what the lazily made pieces rely on): the first problem."""
         try:
             for s in range(len(self.shapes)):
-                self._arrays(s, None)
+                self.flats(s, None)
                 for key, ref in self.state.get(s, {}).items():
                     if isinstance(ref, TensorRef) and ref.shape:
-                        self._arrays(s, key)
+                        self.flats(s, key)
         except DataError as exc:
             return [str(exc)]
         return []
 
-    def _pieces(self, s: int, key: str | None, slot: Slot) -> list[Piece]:
+    def slot_pieces(self, s: int, key: str | None, slot: Slot) -> list[Piece]:
         pieces = []
-        for r, array in enumerate(self._arrays(s, key)):
+        for r, array in enumerate(self.flats(s, key)):
             start, end = zl.stage3_rank_range(slot.numel, self.world, r)
             if start < end:
                 pieces.append(Piece(FlatRange(start, end - start), array, slot.offset))
         return pieces
 
-    def _pieces_in(self, s: int, key: str | None, slot: Slot, start: int, count: int) -> list[Piece]:
+    def slot_pieces_in(self, s: int, key: str | None, slot: Slot, start: int, count: int) -> list[Piece]:
         """The pieces of elements [start, start + count): rank r holds [r * ceil(n / W), (r + 1) * ceil(n / W))."""
         if count <= 0 or slot.numel == 0:
             return []
         part = -(-slot.numel // self.world)
-        arrays = self._arrays(s, key)
+        arrays = self.flats(s, key)
         pieces = []
         for r in range(start // part, min(self.world, (start + count - 1) // part + 1)):
             lo, hi = zl.stage3_rank_range(slot.numel, self.world, r)
@@ -276,10 +294,7 @@ class Stage3Partitions:
         return pieces
 
     def _lazy_pieces(self, s: int, key: str | None, slot: Slot) -> LazyPieces:
-        count = zl.stage3_rank_count(slot.numel, self.world)
-        make = functools.partial(self._pieces, s, key, slot)
-        span = functools.partial(self._pieces_in, s, key, slot)
-        return LazyPieces(make, count, by_layout=True, span=span, arrays=functools.partial(self._arrays, s, key))
+        return LazyPieces.of(Stage3Pieces(self, s, key, slot), zl.stage3_rank_count(slot.numel, self.world))
 
     def model_tensors(self) -> dict[str, TensorEntry]:
         out = {}

@@ -212,6 +212,9 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
 
     `scope` keeps the CRC keys of several archives in one file apart (DCP files concatenate them).
     """
+    # An empty tensor's record is known bytes (its CRC is 0): a ZeRO-3 model-states file's 20,000 parameter placeholders
+    # are one literal, not 60,000 segments held until the file is written.
+    records = [(name, b"" if not isinstance(payload, bytes) and payload.size == 0 else payload) for name, payload in records]
     shape = tuple((name, payload if isinstance(payload, bytes) else payload.size) for name, payload in records)
     small = sum(len(p) for _, p in shape if isinstance(p, bytes)) <= TEMPLATE_CACHE_BYTES
     template, layouts, crcs, directory = (_archive_template if small else _archive_template.__wrapped__)(shape, prefix)
@@ -228,7 +231,10 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
             return segments  # the directory is in it
         else:
             segments.append(Deferred(part.descriptor_size, _Descriptor(part, f"{scope}/{part.name}")))
-    segments.append(Deferred(directory, _Directory(layouts, crcs, scope)))
+    if not tensors:  # every CRC known: the directory now, not 20,000 entry layouts kept until the file is written
+        segments.append(Literal(zipio.central_directory(layouts, crcs)))
+    else:
+        segments.append(Deferred(directory, _Directory(layouts, crcs, scope)))
     return segments
 
 
@@ -335,11 +341,17 @@ def _archive_template(records: tuple[tuple[str, bytes | int], ...], prefix: str)
             tensors += 1
         pos = entry.end
     joined: list[Any] = []
+    run: list[bytes] = []
     for part in template:  # one write for the ~20 headers and small records around a chunk's data, not one each
-        if isinstance(part, Literal) and joined and isinstance(joined[-1], Literal):
-            joined[-1] = Literal(joined[-1].data + part.data)
-        else:
-            joined.append(part)
+        if isinstance(part, Literal):
+            run.append(part.data)
+            continue
+        if run:
+            joined.append(Literal(b"".join(run)))
+            run = []
+        joined.append(part)
+    if run:
+        joined.append(Literal(b"".join(run)))
     if tensors == 1 and isinstance(joined[1], _Slot):  # a chunk archive: what follows its data is one patched trailer
         return [*joined[:2], _trailer(joined, layouts, crcs)], layouts, crcs, 0
     return joined, layouts, crcs, zipio.central_directory_size(layouts)
