@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -194,6 +194,18 @@ def _check_stored(folder: Path, fqn: str, meta: TensorStorageRec, storage: Stora
         pass
 
 
+class _PiecesOf:
+    """A tensor's pieces made by `make(fqn, item)` when asked for (slotted: an MoE checkpoint holds 82,000)."""
+
+    __slots__ = ("make", "fqn", "item")
+
+    def __init__(self, make: Callable[[str, TensorStorageRec], list[Piece]], fqn: str, item: TensorStorageRec) -> None:
+        self.make, self.fqn, self.item = make, fqn, item
+
+    def __call__(self) -> list[Piece]:
+        return self.make(self.fqn, self.item)
+
+
 def _layout_pieces(folder: Path, fqn: str, meta: TensorStorageRec, storage: StorageIndex) -> list[Piece]:
     """The chunks as boxes of the tensor, each over its stored item's byte range, unread (ReadOptions.layout_only:
     inspect reports names, shapes, dtypes and files; where the bytes lie inside each item is left to the commands
@@ -319,6 +331,8 @@ class DCPReader:
         try:
             if not store.mappable(path) and not options.layout_only:
                 _prefetch_edges(files, storage.values())
+            layout_of = lambda fqn, item: _layout_pieces(path, fqn, item, storage)  # noqa: E731
+            read_of = lambda fqn, item: _tensor_pieces(files, fqn, item, storage, options)  # noqa: E731
             for fqn, item in meta.state_dict_metadata.items():
                 key_path = tuple(planner.get(fqn, (fqn,)))
                 for i, part in enumerate(key_path):
@@ -331,10 +345,10 @@ class DCPReader:
                     pieces: list[Piece] | LazyPieces
                     if options.layout_only:  # made when asked for: inspect counts them, a check walks them
                         _check_stored(path, fqn, item, storage)
-                        pieces = LazyPieces(functools.partial(_layout_pieces, path, fqn, item, storage), len(item.chunks))
+                        pieces = LazyPieces(_PiecesOf(layout_of, fqn, item), len(item.chunks))
                     elif options.pieces_when_read:  # each chunk's archive parsed when the tensor is read (files kept open)
                         _check_stored(path, fqn, item, storage)
-                        pieces = LazyPieces(functools.partial(_tensor_pieces, files, fqn, item, storage, options), len(item.chunks))
+                        pieces = LazyPieces(_PiecesOf(read_of, fqn, item), len(item.chunks))
                     else:
                         pieces = _tensor_pieces(files, fqn, item, storage, options)
                         pieces = dcp_chunks.pack(pieces, item.properties.dtype, size, paths)

@@ -20,7 +20,7 @@ from ckpt_cli.core.reading import BLOCK_BYTES, ByteRun, SourceFiles, byte_runs, 
 WIDE = 8  # bytes per element of the arithmetic (float64)
 
 
-@dataclass
+@dataclass(slots=True)  # one per tensor compared: a diff of 82,000 tensors holds them all
 class ValueDiff:
     """How two tensors of one shape differ. Norms and the dot product run over the elements finite on both
     sides; `mismatched` counts the elements outside atol + rtol * |b| (as torch.isclose: NaN equals NaN)."""
