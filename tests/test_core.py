@@ -212,10 +212,12 @@ def test_a_large_pickle_is_read_in_pieces_let_go_as_read():
     assert stream.read() == data[3 << 20 :] and not pieces
 
 
-def test_read_ahead_windows_stay_within_their_budget_over_many_files(tmp_path, monkeypatch):
+@pytest.mark.parametrize("budget", [None, 300 << 10])
+def test_read_ahead_windows_stay_within_their_budget_over_many_files(tmp_path, monkeypatch, budget):
     """Small reads from many rank files in turn (a wide reshard or merge) go through one read-ahead window a file; the
     windows together stay within WINDOW_BUDGET (sized once each, 1,024 files' windows had reached 240 MB of a 64 MB
-    budget), and every read returns the file's bytes, at a window's edge and at the end of a file too."""
+    budget), or the reader's own smaller budget (diff's two readers share one), and every read returns the file's
+    bytes, at a window's edge and at the end of a file too."""
     from ckpt_cli.core import reading
 
     monkeypatch.setattr(reading, "WINDOW_BYTES", 256 << 10)
@@ -226,7 +228,8 @@ def test_read_ahead_windows_stay_within_their_budget_over_many_files(tmp_path, m
         path = tmp_path / f"__{i}_0.distcp"
         path.write_bytes(rng.integers(0, 256, 512 << 10, dtype=np.uint8).tobytes())
         files.append((str(path), path.read_bytes()))
-    sources = reading.SourceFiles()
+    sources = reading.SourceFiles(window_budget=budget)
+    limit = reading.WINDOW_BUDGET if budget is None else budget
     try:
         for offset in [*range(0, 300_000, 7_000), (512 << 10) - 100]:
             for path, data in files:
@@ -234,7 +237,7 @@ def test_read_ahead_windows_stay_within_their_budget_over_many_files(tmp_path, m
                 sources.pread_into(path, offset, buf)
                 assert bytes(buf) == data[offset : offset + 100], (path, offset)
                 held = sum(len(window) for _, window in sources._windows.values())
-                assert held <= reading.WINDOW_BUDGET, (held, path, offset)
+                assert held <= limit, (held, path, offset)
         assert held == sources._window_bytes  # the running count the budget is checked against
     finally:
         sources.close()

@@ -34,8 +34,10 @@ class SourceFiles:
     """Open file descriptors of the sources, and the one materialised non-contiguous piece. With `check`
     (a write), the source zip records read here are checked against their CRC32."""
 
-    def __init__(self, check: RecordCheck | None = None) -> None:
+    def __init__(self, check: RecordCheck | None = None, window_budget: int | None = None) -> None:
         self.check = check
+        # All its windows together: WINDOW_BUDGET, or less (diff's two readers share one budget).
+        self.window_budget = WINDOW_BUDGET if window_budget is None else window_budget
         self.fds: dict[str, int] = {}
         self._buffer: bytearray | None = None
         self._materialised: tuple[StoredArray, Any] | None = None
@@ -98,14 +100,14 @@ class SourceFiles:
     def _from_window(self, path: str, offset: int, view: memoryview) -> bool:
         """A small read served from a window read ahead in `path` (one window a file: a wide checkpoint's tensor
         gathers a few elements from each of hundreds of rank files, and the next tensor's lie right after them).
-        The windows share WINDOW_BUDGET: more files get smaller windows, and the least recently refilled go when a
+        The windows share the reader's budget: more files get smaller windows, and the least recently refilled go when a
         new one would pass it (sized once each, 1,024 rank files' windows had reached 240 MB). False at the end of
         the file."""
         start, data = self._windows.get(path, (0, b""))
         if not start <= offset or offset + len(view) > start + len(data):
-            size = max(len(view), min(WINDOW_BYTES, WINDOW_BUDGET // max(1, len(self.fds))))
+            size = max(len(view), min(WINDOW_BYTES, self.window_budget // max(1, len(self.fds))))
             self._drop_window(path)
-            while self._windows and self._window_bytes + size > WINDOW_BUDGET:
+            while self._windows and self._window_bytes + size > self.window_budget:
                 self._drop_window(next(iter(self._windows)))
             start, data = offset, os.pread(self.fd(path), size, offset)
             self._windows[path] = (start, data)

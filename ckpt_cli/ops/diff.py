@@ -18,7 +18,7 @@ from typing import Any
 
 from ckpt_cli.core import meter, roles
 from ckpt_cli.core.model import Checkpoint, LazyPieces, TensorEntry
-from ckpt_cli.core.reading import SourceFiles
+from ckpt_cli.core.reading import WINDOW_BUDGET, SourceFiles
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.ops import crossframework
 from ckpt_cli.ops.digests import tensor_digest
@@ -245,7 +245,8 @@ def diff(path_a: str | Path, path_b: str | Path, options: DiffOptions) -> DiffRe
     names_b = [n for n in theirs.tensors if matches(n, options.filters)]
     if options.filters and not names_a and not names_b:  # as inspect and the writers: an empty selection is a wrong call
         raise UsageError(f"--filter {' '.join(options.filters)} matches no tensor of {a.path} or {b.path}")
-    sources_a, sources_b = SourceFiles(), SourceFiles()
+    half = WINDOW_BUDGET // 2  # the two sides' read-ahead windows together hold what one reader's may
+    sources_a, sources_b = SourceFiles(window_budget=half), SourceFiles(window_budget=half)
     try:
         _compare(report, mine, theirs, names_a, names_b, options, sources_a, sources_b)
     finally:
