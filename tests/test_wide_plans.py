@@ -481,3 +481,21 @@ def test_a_new_stage3_rank_holds_no_object_per_parameter(ds_saves, tmp_path):
     got = torch.load(dest / source_file.parent.name / source_file.name, map_location="cpu", weights_only=False)["module"]
     assert list(got) == list(want) and all(torch.equal(v, w) for v, w in zip(got.values(), want.values()))
     assert sum(v.numel() == 0 for v in got.values()) >= len(stored) + 4  # placeholders outnumber what is stored
+
+
+def test_a_zero3_reshard_of_slivers_is_written_by_one_thread_unless_asked(ds_saves, tmp_path, monkeypatch):
+    """A ZeRO-3 reshard whose params are small next to the world size (each rank file thousands of slivers, made by
+    Python arithmetic under the GIL) asks for one writing thread by default (WritePlan.threads); --workers still
+    decides when given, and a plan without the limit gets the usual default."""
+    from ckpt_cli.core import executor
+    from ckpt_cli.core.plan import WritePlan
+    from ckpt_cli.formats import deepspeed_writer
+
+    src = ds_saves[2] / "stage3-fp32"
+    plan = writes.prepare(writes.reshard_request(src, tmp_path / "w3", world_size=3)).job.plan
+    assert plan.threads == 1
+    monkeypatch.setattr(executor.os, "cpu_count", lambda: 8)
+    assert executor.worker_count(None, plan.threads) == 1 and executor.worker_count(3, plan.threads) == 3
+    assert executor.worker_count(None, WritePlan("x", tmp_path, True, []).threads) == 4
+    monkeypatch.setattr(deepspeed_writer, "SLIVER", 1)  # every share "large": the plan leaves the default alone
+    assert writes.prepare(writes.reshard_request(src, tmp_path / "w3b", world_size=3)).job.plan.threads is None

@@ -84,7 +84,7 @@ def execute(
     if owned:
         dist.init_process_group("gloo")
     try:
-        _execute(plan, overwrite, progress, worker_count(workers), rank, world, default_guard(plan, guard))
+        _execute(plan, overwrite, progress, worker_count(workers, plan.threads), rank, world, default_guard(plan, guard))
     finally:
         if owned:
             dist.destroy_process_group()

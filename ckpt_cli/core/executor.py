@@ -177,12 +177,12 @@ def _run_jobs(
     return crcs
 
 
-def worker_count(workers: int | None) -> int:
+def worker_count(workers: int | None, threads: int | None = None) -> int:
     """Files written at once (the default when None): reads, CRCs and writes release the GIL, so threads overlap them.
     The default shares the host's CPUs among the processes torchrun started on it (LOCAL_WORLD_SIZE): a process's
-    threads past its share only queue for its GIL."""
+    threads past its share only queue for its GIL. `threads`: the plan's own limit on the default (WritePlan.threads)."""
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, workers or min(4, (os.cpu_count() or 1) // local))
+    return max(1, workers or min(4, (os.cpu_count() or 1) // local, threads or 4))
 
 
 class _Cancelled(Exception):
@@ -397,7 +397,7 @@ def execute(
         try:
             interrupt.check()
             data, markers = targets(plan, write.root)
-            write_files(write, data, worker_count(workers), progress)
+            write_files(write, data, worker_count(workers, plan.threads), progress)
             interrupt.check()
             write_files(write, markers, 1, progress)  # last, so they are the newest files
             interrupt.check()  # a SIGTERM during the last blocks: commit nothing

@@ -121,6 +121,9 @@ class WritePlan:
     dest_is_dir: bool
     files: list[OutputFile]
     notes: list[str] = field(default_factory=list)  # what was dropped, tied, cast: told to the user
+    # The most files worth writing at once by default (None: as many as the workers): 1 where making a file is Python
+    # arithmetic under the GIL (a ZeRO-3 flat of thousands of slivers), which a second thread slows and grows.
+    threads: int | None = None
 
     @property
     def total_bytes(self) -> int:

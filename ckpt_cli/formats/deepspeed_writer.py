@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -85,7 +86,8 @@ class DeepSpeedWriter:
             notes.append(reshard.per_rank_note)
         if experts_note:
             notes.append(experts_note)
-        return WritePlan(self.name, dest, True, files, notes)
+        threads = 1 if isinstance(reshard, Stage3Reshard) and reshard.slivers() else None
+        return WritePlan(self.name, dest, True, files, notes, threads)
 
     def _pipeline(self, ckpt: Checkpoint, src: deepspeed_pipeline.PipelineSource, dest: Path, options: WriteOptions) -> WritePlan:
         """Each pipeline stage resharded to the new data-parallel size (world size / stages), the layer files copied."""
@@ -293,6 +295,9 @@ class Stage12Reshard:
         return lazy_flat(name, like.dtype, length, parts)
 
 
+SLIVER = 1 << 16  # elements: a rank's share of a param below which making its file is Python work, not copying bytes
+
+
 class Stage3Reshard:
     """ZeRO-3 at a new world size: per-parameter partitions of ceil(n/W) elements, sub-groups re-formed
     (their number depends on W through the partition sizes), frozen fragments re-cut (docs/formats.md §2.7-2.9)."""
@@ -307,6 +312,13 @@ class Stage3Reshard:
         shapes = src.layout.shapes
         groups = [[(name, tuple(shape)) for s in group["params"] for name, shape in shapes[s].items()] for group in src.layout.groups]
         self.subs, self.group_subs = zl.stage3_group_sub_groups(groups, world, sub_group_size)
+
+    def slivers(self) -> bool:
+        """Whether a rank's share of a param is small on average (< SLIVER elements): each rank file is then thousands
+        of slivers gathered by Python arithmetic, and one writing thread is faster and smaller than two (measured:
+        MoE ZeRO-3 2 -> 64 ranks 106 s / 174 MB on one, 113 s / 201 MB on two)."""
+        params = [math.prod(shape) for sub in self.subs for _, shape in sub]
+        return bool(params) and sum(params) < SLIVER * len(params) * self.world
 
     def partition(self, entry: TensorEntry, rank: int, name: str) -> TensorEntry:
         """Rank's ceil(n/W) elements of a parameter, zero-padded past its end."""
