@@ -104,7 +104,13 @@ WriteManifest = Annotated[
     ),
 ]
 Workers = Annotated[
-    Optional[int], typer.Option("--workers", metavar="K", help="Files written at once (default: CPU count, at most 4).", min=1)
+    Optional[int],
+    typer.Option(
+        "--workers",
+        metavar="K",
+        help="Files written at once (default: CPU count, at most 4; 1 for a ZeRO-3 reshard of small params).",
+        min=1,
+    ),
 ]
 Layout = Annotated[
     Optional[str],
