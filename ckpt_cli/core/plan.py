@@ -73,7 +73,7 @@ class OutputFile:
     build: Callable[[], list[Segment]] | None = None
     sizes: FileSizes | None = None  # given with `build` when known without building (else measured once)
     reads: Sequence[str] = ()  # with `build`: the files its tensor data is read from
-    names: list[str] | None = None  # with `build`: its tensors' names, once known
+    names: Sequence[str] | None = None  # with `build`: its tensors' names, once known
     # Literal bytes made as they are written, in order, and let go (a wide DCP `.metadata`: 100 MB held whole else);
     # its size is known once written (or measured by making them, then dropping them)
     stream: Callable[[], Iterable[bytes | memoryview]] | None = None
@@ -101,7 +101,7 @@ class OutputFile:
         """The tensors the file's segments hold (none listed for a built file: see `reads`)."""
         return (s.tensor for s in self.segments if isinstance(s, TensorData))
 
-    def tensor_names(self) -> list[str]:
+    def tensor_names(self) -> Sequence[str]:
         if self.stream is not None:
             return []
         if self.build is None:
