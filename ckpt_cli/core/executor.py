@@ -200,17 +200,19 @@ def source_records(files: list[tuple[Path, OutputFile]]) -> RecordCheck:
 
 
 _NAME_LISTS: dict[tuple[str, ...], tuple[str, ...]] = {}  # the last few distinct lists of names
+_NAME_LOCK = threading.Lock()  # the writing threads make files at once
 
 
 def shared_names(names: list[str]) -> tuple[str, ...]:
     """`names` as one tuple shared by the files that name the same tensors, of interned strings: 512 ZeRO-3 rank
     files each name the same 20,000 placeholders (84 MB as lists of their own), 1,024 ranks the same 2,000 tensors."""
     key = tuple(sys.intern(n) for n in names)
-    found = _NAME_LISTS.get(key)
-    if found is None:
-        if len(_NAME_LISTS) >= 16:
-            _NAME_LISTS.pop(next(iter(_NAME_LISTS)))
-        found = _NAME_LISTS[key] = key
+    with _NAME_LOCK:
+        found = _NAME_LISTS.get(key)
+        if found is None:
+            if len(_NAME_LISTS) >= 16:
+                _NAME_LISTS.pop(next(iter(_NAME_LISTS)))
+            found = _NAME_LISTS[key] = key
     return found
 
 
