@@ -215,7 +215,7 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
     # An empty tensor's record is known bytes (its CRC is 0): a ZeRO-3 model-states file's 20,000 parameter placeholders
     # are one literal, not 60,000 segments held until the file is written. Its TensorData, 0 bytes, goes after the
     # rest, so that the write report still names it (as the file holds it).
-    empty = [payload for _, payload in records if not isinstance(payload, bytes) and payload.size == 0]
+    empty = [TensorData(p.tensor, p.dtype) for _, p in records if not isinstance(p, bytes) and p.size == 0]
     if empty:
         records = [(name, b"" if not isinstance(payload, bytes) and payload.size == 0 else payload) for name, payload in records]
     shape = tuple((name, payload if isinstance(payload, bytes) else payload.size) for name, payload in records)
@@ -231,14 +231,14 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
             segments.append(TensorData(data.tensor, data.dtype, crc_key=f"{scope}/{part.name}"))
         elif isinstance(part, _Trailer):
             segments.append(Deferred(len(part.blank), _Patched(part, f"{scope}/{part.name}")))
-            return segments + [TensorData(data.tensor, data.dtype) for data in empty]  # the directory is in it
+            return segments + empty  # the directory is in it
         else:
             segments.append(Deferred(part.descriptor_size, _Descriptor(part, f"{scope}/{part.name}")))
     if not tensors:  # every CRC known: the directory now, not 20,000 entry layouts kept until the file is written
         segments.append(Literal(zipio.central_directory(layouts, crcs)))
     else:
         segments.append(Deferred(directory, _Directory(layouts, crcs, scope)))
-    return segments + [TensorData(data.tensor, data.dtype) for data in empty]
+    return segments + empty
 
 
 class _Descriptor:
