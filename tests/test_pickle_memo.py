@@ -15,8 +15,15 @@ from test_hostile_pickles import HOSTILE
 
 from ckpt_cli.core import pickle_guard
 from ckpt_cli.core.safe_pickle import safe_loads
-from ckpt_cli.errors import DataError
-from ckpt_cli.formats.dcp_metadata import METADATA_GLOBALS, load_metadata
+from ckpt_cli.errors import DataError, UnsafePickleError
+from ckpt_cli.formats.dcp_metadata import (
+    METADATA_GLOBALS,
+    SharedTensors,
+    StorageFiller,
+    as_tuple,
+    load_metadata,
+    storage_index,
+)
 
 pytestmark = pytest.mark.skipif(pickle_guard._pickle_memo is None, reason="the C extension is not built")
 
@@ -137,7 +144,55 @@ def test_real_dcp_metadata_loads_the_same(fsdp2_saves, tmp_path):
         plain = safe_loads(data, "x", METADATA_GLOBALS)
         leaner = safe_loads(out, "x", METADATA_GLOBALS)
         assert shape_of(leaner) == shape_of(plain)
-        assert shape_of(load_metadata(Path(folder) / ".metadata", False)) == shape_of(plain)
+        meta = load_metadata(Path(folder) / ".metadata", False)
+        assert type(meta.storage_data) is StorageFiller and type(meta.state_dict_metadata) is SharedTensors  # filled
+        assert shape_of(meta.state_dict_metadata) == shape_of(plain.state_dict_metadata)
+        expected = [((k.fqn, as_tuple(k.offset)), (v.relative_path, v.offset, v.length)) for k, v in plain.storage_data.items()]
+        got = [(k, (v.relative_path, v.offset, v.length)) for k, v in storage_index(folder / ".metadata", meta).items()]
+        assert sorted(got) == sorted(expected) and len(expected) > 10
+
+
+class Filled(dict):
+    """A filler that records what the unpickler gave it."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        super().__setitem__(key, value)
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_a_filler_gets_the_items_of_the_dict_it_replaces(protocol):
+    """The dict right after the key's text (and only that one) is the filler, holding the same items, at every
+    protocol the rewrite handles; protocol 0 (text memo) is loaded as written, with a plain dict."""
+    shared = ["s"]
+    value = {
+        "a": {"storage_data": 1},  # the key's text followed by something else
+        "storage_data": {f"k{i}": (i, shared) for i in range(2500)},  # more than two SETITEMS batches
+        "b": ["storage_data", [{}]],
+        "c": shared,
+    }
+    data = pickle.dumps(value, protocol=protocol)
+    loaded = safe_loads(data, "x", fillers={"storage_data": Filled})
+    assert loaded == value
+    kinds = {k: type(v) for k, v in loaded.items()}
+    assert kinds == {"a": dict, "storage_data": dict if protocol == 0 else Filled, "b": list, "c": list}
+    assert loaded["storage_data"]["k7"][1] is loaded["c"]  # sharing kept
+
+
+def test_a_filler_past_frames_and_memo_stores():
+    """FRAME and MEMOIZE may stand between the key and its dict; the frame hint is dropped with the rest."""
+    body = b"\x8c\x0cstorage_data\x94" + b"\x95" + (8).to_bytes(8, "little") + b"}\x94\x8c\x01kK\x01s" + b"s."
+    data = b"\x80\x04}" + body
+    assert pickle.loads(data) == {"storage_data": {"k": 1}}
+    loaded = safe_loads(data, "x", fillers={"storage_data": Filled})
+    assert type(loaded["storage_data"]) is Filled and loaded == {"storage_data": {"k": 1}}
+
+
+def test_no_pickle_can_name_a_filler():
+    """The rewrite names each load's fillers by a new random name; a pickle naming one of ckpt's own is refused."""
+    for name in ("filler_0", "StorageFiller", f"filler_{'0' * 32}"):
+        data = b"\x80\x02cckpt_cli.own\n" + name.encode() + b"\n)R."
+        with pytest.raises(UnsafePickleError):
+            safe_loads(data, "x", fillers={"storage_data": Filled})
 
 
 def test_pickler_without_memo_still_shares_globals_and_named_strings():
@@ -190,3 +245,61 @@ def test_spliced_dict_is_the_bytes_of_the_whole_dict(count: int):
     parts = pickler.dump_parts(value, expected=[size], shared=False, strings=names, spliced=spliced[::-1])  # found by position
     assert b"".join(parts) == whole
     assert pickle.loads(whole)["data"] == {n: (torch.Size((i, 0)), i * 7) for i, n in enumerate(names)}
+
+
+def _bad_offset(meta) -> None:
+    meta.storage_data[next(k for k in meta.storage_data if k.fqn == "model.head.bias")].offset = -64
+
+
+def _bad_path(meta) -> None:
+    meta.storage_data[next(k for k in meta.storage_data if k.fqn == "model.head.bias")].relative_path = "../x.distcp"
+
+
+def _bad_key(meta) -> None:
+    key = next(k for k in meta.storage_data if k.fqn == "model.head.bias")
+    meta.storage_data[("model.head.bias", (0,))] = meta.storage_data.pop(key)
+
+
+def _bad_offsets(meta) -> None:
+    key = next(k for k in meta.storage_data if k.fqn == "model.head.bias")
+    object.__setattr__(key, "offset", [[0]])  # unhashable once made a tuple
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (None, None),
+        (_bad_offset, "offset -64"),
+        (_bad_path, "relative_path"),
+        (_bad_key, "entry of an unknown kind"),
+        (_bad_offsets, "chunk offsets that are not numbers"),
+    ],
+)
+def test_storage_data_is_the_same_filled_or_as_a_dict(fsdp2_saves, tmp_path, monkeypatch, change, needle):
+    """Where the C rewrite is not built, storage_data is a dict put through the same checks afterwards: the same
+    entries, the same one-line errors."""
+    import torch  # noqa: F401 - torch's own classes, to change a real `.metadata` as torch would write it
+
+    path = tmp_path / ".metadata"
+    meta = pickle.loads((fsdp2_saves[2] / "ckpt" / ".metadata").read_bytes())
+    if change:
+        change(meta)
+    path.write_bytes(pickle.dumps(meta))
+
+    def outcome():
+        try:
+            loaded = load_metadata(path, False)
+            kind = type(loaded.storage_data)
+            entries = [(k, (v.relative_path, v.offset, v.length)) for k, v in storage_index(path, loaded).items()]
+            return kind, shape_of(loaded.state_dict_metadata), entries
+        except DataError as exc:
+            return "error", str(exc)
+
+    filled = outcome()
+    monkeypatch.setattr(pickle_guard, "_pickle_memo", None)
+    as_dict = outcome()
+    if needle is None:
+        assert filled[0] is StorageFiller and as_dict[0] is dict
+        assert filled[1:] == as_dict[1:] and len(filled[2]) > 10
+    else:
+        assert filled == as_dict and filled[0] == "error" and needle in filled[1] and str(path) in filled[1]

@@ -5,8 +5,13 @@
    though only shared values are ever fetched again, so a large pickle's load peaks at several times the value it
    builds. `lean` drops the stores (PUT, BINPUT, LONG_BINPUT, MEMOIZE) whose index no GET names, numbers the
    ones that remain 0, 1, 2, ... (the unpickler's memo is an array as long as the largest index) and drops FRAME
-   hints (optional; their lengths would no longer hold). Nothing else changes: every other opcode is copied byte for byte, so the value is the
-   one the original builds, through the same allow list.
+   hints (optional; their lengths would no longer hold). Nothing else changes: every other opcode is copied byte
+   for byte, so the value is the one the original builds, through the same allow list.
+
+   One change on request: an EMPTY_DICT that follows a binary text equal to one of the `replacements` keys, or a
+   GET of a store of it (memo stores and FRAMEs may stand between), is replaced by that key's opcodes, which push an object whose __setitem__
+   the unpickler then calls for each of the dict's items (a DCP `.metadata`'s storage_data: two records a chunk,
+   packed as they come instead of held in a dict of 581,160 entries until the load ends).
 
    Called only on a pickle the guard's scan (core/_pickle_scan.c, pickle_guard.py) accepted; it still checks every
    bound and answers None, "load the original", for anything it does not handle: text-form memo opcodes (protocol
@@ -32,9 +37,23 @@ enum {
 #define BINPUT 'q'
 #define LONG_BINPUT 'r'
 
+#define EMPTY_DICT '}'
+#define SHORT_BINUNICODE 0x8c
+#define BINUNICODE 'X'
+#define BINUNICODE8 0x8d
+
+#define MAX_KEYS 8
+
+typedef struct {
+    const unsigned char *bytes;
+    Py_ssize_t len;
+} Text;
+
 typedef struct {
     const unsigned char *data, *kinds, *ns;
     Py_ssize_t end;
+    int keys; /* the empty dict right after the text key[i] becomes the opcodes replacement[i] */
+    Text key[MAX_KEYS], replacement[MAX_KEYS];
 } Ops;
 
 /* Little-endian integer of n bytes at pos (the caller checked they are there). */
@@ -87,12 +106,72 @@ static Py_ssize_t next_op(const Ops *o, Py_ssize_t pos) {
     return pos > o->end ? -1 : pos;
 }
 
+/* 1 + which key the opcode at pos (whole: next_op found its end) is a binary text equal to; 0 for none. */
+static int is_key(const Ops *o, Py_ssize_t pos) {
+    unsigned char op = o->data[pos];
+    if (!o->keys || (op != SHORT_BINUNICODE && op != BINUNICODE && op != BINUNICODE8)) return 0;
+    int n = (int)o->ns[op];
+    int64_t len = le(o->data + pos + 1, n, 0);
+    for (int k = 0; k < o->keys; k++) {
+        if (len == (int64_t)o->key[k].len && memcmp(o->data + pos + 1 + n, o->key[k].bytes, (size_t)len) == 0) return k + 1;
+    }
+    return 0;
+}
+
+/* Where a key's dict may come: after the key's text, pushed or fetched from the memo, only memo stores and FRAMEs
+   stand before its EMPTY_DICT. The stores made of a key's text are remembered (the first few), for the GETs. */
+#define MAX_KEY_STORES 64
+
+typedef struct {
+    int after_key; /* 1 + the key whose text is on top of the stack, 0 for none */
+    int64_t memoized; /* MEMOIZEs so far: the index the next one makes */
+    int stores;
+    int64_t store_index[MAX_KEY_STORES];
+    int store_key[MAX_KEY_STORES];
+} KeyTrack;
+
+static int stored_key(const KeyTrack *t, int64_t index) {
+    for (int i = 0; i < t->stores; i++)
+        if (t->store_index[i] == index) return t->store_key[i];
+    return 0;
+}
+
+static void store(KeyTrack *t, int64_t index, int key) {
+    for (int i = 0; i < t->stores; i++) {
+        if (t->store_index[i] == index) { /* a store over an earlier one: it holds this value now */
+            t->store_key[i] = key;
+            return;
+        }
+    }
+    if (key && t->stores < MAX_KEY_STORES) {
+        t->store_index[t->stores] = index;
+        t->store_key[t->stores++] = key;
+    }
+}
+
+/* The state after the opcode at pos (whole: next_op found its end). */
+static void track(const Ops *o, KeyTrack *t, Py_ssize_t pos) {
+    if (!o->keys) return;
+    unsigned char op = o->data[pos], kind = o->kinds[op];
+    int64_t n = o->ns[op];
+    if (kind == K_MEMOIZE || kind == K_PUT1 || kind == K_PUT4) {
+        store(t, kind == K_MEMOIZE ? t->memoized : le(o->data + pos + 1, (int)n, 0), t->after_key);
+        if (kind == K_MEMOIZE) t->memoized++;
+    } else if (kind == K_GET1 || kind == K_GET4) {
+        t->after_key = stored_key(t, le(o->data + pos + 1, (int)n, 0));
+    } else if (op != FRAME) {
+        t->after_key = is_key(o, pos);
+    }
+}
+
 /* First pass: which memo indices a GET names (bit per index), and whether the pickle is one the rewrite handles. */
 typedef struct {
     uint64_t *wanted; /* bitmap over [0, limit) */
     int64_t limit;
     int64_t memoizes, puts;
     int64_t frames; /* dropped whatever else happens */
+    int64_t replaced; /* keys' dicts made by their replacements */
+    int64_t growth; /* bytes the replacements add */
 } Uses;
 
 static int mark(Uses *u, int64_t index) {
@@ -107,6 +186,7 @@ static int is_wanted(const Uses *u, int64_t index) {
 
 static int survey(const Ops *o, Uses *u) {
     Py_ssize_t pos = 0;
+    KeyTrack t = {0};
     while (pos < o->end) {
         unsigned char kind = o->kinds[o->data[pos]];
         int64_t n = o->ns[o->data[pos]];
@@ -125,6 +205,11 @@ static int survey(const Ops *o, Uses *u) {
             int64_t index = le(o->data + pos + 1, (int)n, 0);
             if (mark(u, index)) return -1;
         }
+        if (t.after_key && o->data[pos] == EMPTY_DICT) {
+            u->replaced++;
+            u->growth += o->replacement[t.after_key - 1].len - 1;
+        }
+        track(o, &t, pos);
         if (kind == K_STOP) return 0;
         pos = next;
     }
@@ -149,10 +234,12 @@ static Py_ssize_t emit_index(unsigned char *out, Py_ssize_t w, unsigned char sho
 }
 
 /* Second pass: copy every opcode except the unread stores and FRAMEs; the kept stores and their GETs numbered
-   0, 1, 2, ... in the order of their original indices (never larger, so never a longer opcode). */
+   0, 1, 2, ... in the order of their original indices (never larger, so never a longer opcode); the key's empty
+   dicts replaced. */
 static Py_ssize_t rewrite(const Ops *o, const Uses *u, const uint32_t *prefix, unsigned char *out) {
     Py_ssize_t pos = 0, w = 0;
     int64_t memoized = 0;
+    KeyTrack t = {0};
     while (pos < o->end) {
         unsigned char op = o->data[pos], kind = o->kinds[op];
         int64_t n = o->ns[op];
@@ -160,6 +247,10 @@ static Py_ssize_t rewrite(const Ops *o, const Uses *u, const uint32_t *prefix, u
         if (next < 0) return -1;
         if (op == FRAME) {
             /* dropped */
+        } else if (t.after_key && op == EMPTY_DICT) {
+            const Text *r = &o->replacement[t.after_key - 1];
+            memcpy(out + w, r->bytes, (size_t)r->len);
+            w += r->len;
         } else if (kind == K_MEMOIZE) {
             if (is_wanted(u, memoized)) out[w++] = op; /* numbered by count: its rank */
             memoized++;
@@ -174,23 +265,47 @@ static Py_ssize_t rewrite(const Ops *o, const Uses *u, const uint32_t *prefix, u
             memcpy(out + w, o->data + pos, next - pos);
             w += next - pos;
         }
+        track(o, &t, pos);
         if (kind == K_STOP) return w;
         pos = next;
     }
     return -1;
 }
 
+/* The replacements dict's bytes keys and opcodes into o (the dict, holding them, outlives the call). */
+static int read_replacements(PyObject *replacements, Ops *o) {
+    if (!replacements) return 0;
+    if (PyDict_GET_SIZE(replacements) > MAX_KEYS) {
+        PyErr_SetString(PyExc_ValueError, "too many replacements");
+        return -1;
+    }
+    PyObject *key, *value;
+    Py_ssize_t i = 0;
+    while (PyDict_Next(replacements, &i, &key, &value)) {
+        if (!PyBytes_Check(key) || !PyBytes_Check(value) || !PyBytes_GET_SIZE(key) || !PyBytes_GET_SIZE(value)) {
+            PyErr_SetString(PyExc_ValueError, "a replacement is non-empty bytes for non-empty bytes");
+            return -1;
+        }
+        o->key[o->keys] = (Text){(const unsigned char *)PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)};
+        o->replacement[o->keys] = (Text){(const unsigned char *)PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value)};
+        o->keys++;
+    }
+    return 0;
+}
+
 static PyObject *lean(PyObject *self, PyObject *args) {
     Py_buffer data, kinds, ns;
-    if (!PyArg_ParseTuple(args, "y*y*y*", &data, &kinds, &ns)) return NULL;
+    PyObject *replacements = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*|O!", &data, &kinds, &ns, &PyDict_Type, &replacements)) return NULL;
     PyObject *result = NULL;
-    Uses u = {NULL, 0, 0, 0, 0};
+    Uses u = {NULL, 0, 0, 0, 0, 0, 0};
     uint32_t *prefix = NULL;
+    Ops o = {data.buf, kinds.buf, ns.buf, data.len, 0};
     if (kinds.len != 256 || ns.len != 256) {
         PyErr_SetString(PyExc_ValueError, "the opcode table has 256 entries");
         goto done;
     }
-    Ops o = {data.buf, kinds.buf, ns.buf, data.len};
+    if (read_replacements(replacements, &o)) goto done;
     /* Indices a store can make: at most one per opcode, so fewer than the pickle's bytes. */
     u.limit = data.len;
     Py_ssize_t words = (Py_ssize_t)(u.limit >> 6) + 1;
@@ -217,18 +332,23 @@ static PyObject *lean(PyObject *self, PyObject *args) {
         prefix[i] = wanted;
         wanted += (uint32_t)__builtin_popcountll(u.wanted[i]);
     }
-    if (!u.frames && wanted >= u.memoizes + u.puts) { /* every store is read back: nothing to drop */
+    if (!u.frames && !u.replaced && wanted >= u.memoizes + u.puts) { /* every store is read back: nothing to drop */
         result = Py_NewRef(Py_None);
         goto done;
     }
-    /* The rewrite never grows: stores and FRAMEs only go, a new index is at most the original. */
-    PyObject *out = PyBytes_FromStringAndSize(NULL, data.len);
+    /* Stores and FRAMEs only go and a new index is at most the original; each replaced dict grows by its
+       opcodes less its one byte. */
+    if (u.growth > PY_SSIZE_T_MAX - data.len) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, data.len + (Py_ssize_t)u.growth);
     if (!out) goto done;
     Py_ssize_t written;
     Py_BEGIN_ALLOW_THREADS
     written = rewrite(&o, &u, prefix, (unsigned char *)PyBytes_AS_STRING(out));
     Py_END_ALLOW_THREADS
-    if (written < 0 || written == data.len) { /* nothing dropped: the original is as lean */
+    if (written < 0 || (written == data.len && !u.replaced)) { /* nothing dropped: the original is as lean */
         Py_DECREF(out);
         result = Py_NewRef(Py_None);
         goto done;
@@ -244,7 +364,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"lean", lean, METH_VARARGS, "lean(data, kinds, ns) -> the pickle without unread memo stores, or None"},
+    {"lean", lean, METH_VARARGS, "lean(data, kinds, ns[, replacements]) -> the pickle without unread memo stores (the empty dict after a key text made by its opcodes), or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -203,14 +203,15 @@ def _walk(data: bytes) -> bool:
 LEAN_FROM = 1 << 20  # pickles this large are loaded without their unread memo stores
 
 
-def lean(data: bytes, at_least: int = LEAN_FROM) -> bytes:
+def lean(data: bytes, at_least: int = LEAN_FROM, replacements: dict[bytes, bytes] | None = None) -> bytes:
     """`data` without the memo stores no GET reads back (core/_pickle_memo.c): the same value, but the C
     unpickler no longer keeps every state dict and tuple of a large pickle alive until the load ends (a DCP
     `.metadata` of 200,000 chunks: 405 -> 128 MB). Only for a pickle `scan` accepted; `data` itself where the
-    extension is not built or the pickle is one it leaves alone."""
+    extension is not built or the pickle is one it leaves alone. `replacements` (key text -> opcodes): an empty
+    dict pickled right after a key's text is made by its opcodes instead (safe_pickle.safe_loads' `fillers`)."""
     if _pickle_memo is None or len(data) < at_least:
         return data
-    leaner = _pickle_memo.lean(data, _KIND_BYTES, _N_BYTES)
+    leaner = _pickle_memo.lean(data, _KIND_BYTES, _N_BYTES, *([replacements] if replacements else []))
     return data if leaner is None else leaner
 
 

@@ -24,6 +24,7 @@ import functools
 import gc
 import math
 import pickle
+import secrets
 import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -382,15 +383,23 @@ def _table(extra: dict[tuple[str, str], Any] | None) -> dict[tuple[str, str], An
 class SafeUnpickler(pickle.Unpickler):
     """Resolves globals through the allow list; `extra` adds format-specific stand-ins."""
 
-    def __init__(self, file: Any, where: str, extra: dict[tuple[str, str], Any] | None = None, trust: bool = False) -> None:
+    def __init__(
+        self,
+        file: Any,
+        where: str,
+        extra: dict[tuple[str, str], Any] | None = None,
+        trust: bool = False,
+        own: dict[tuple[str, str], Any] | None = None,
+    ) -> None:
         super().__init__(file)
         self.where = where
         self.trust = trust
         self.table = _table(extra)
+        self.own = own or {}  # names only ckpt's rewrite of this pickle holds (safe_loads' `filler`)
 
     def find_class(self, module: str, name: str) -> Any:
         module = _PY2_MODULES.get(module, module)  # protocol-2 pickles name Python 2 modules
-        value = self.table.get((module, name))
+        value = self.own.get((module, name)) or self.table.get((module, name))
         if value is not None:
             return value
         if self.trust:
@@ -406,6 +415,19 @@ class SafeUnpickler(pickle.Unpickler):
                 raise PickleRefused("a storage with a negative or non-integer size")
             return StorageRef(key, storage_type.dtype, numel)
         raise PickleRefused(f"unsupported persistent id (a {type(pid).__name__})")
+
+
+def _own_fillers(
+    fillers: Mapping[str, Callable[[], Any]] | None,
+) -> tuple[dict[tuple[str, str], Any], dict[bytes, bytes]]:
+    """The globals a rewritten pickle names to make the fillers (new random names each load: no pickle can hold
+    them beforehand) and the rewrite's key text -> opcodes (GLOBAL module/name, an empty tuple, REDUCE)."""
+    own, replacements = {}, {}
+    for key, factory in (fillers or {}).items():
+        module, name = "ckpt_cli.own", f"filler_{secrets.token_hex(16)}"
+        own[module, name] = Allowed(factory, f"{module}.{name}")
+        replacements[key.encode()] = f"c{module}\n{name}\n".encode() + b")R"
+    return own, replacements
 
 
 def _reason(exc: Exception) -> str:
@@ -435,22 +457,31 @@ def _collector_paused(pause: bool) -> Iterator[None]:
         gc.enable()
 
 
-def safe_loads(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None = None, trust: bool = False) -> Any:
+def safe_loads(
+    data: bytes,
+    where: str,
+    extra: dict[tuple[str, str], Any] | None = None,
+    trust: bool = False,
+    fillers: Mapping[str, Callable[[], Any]] | None = None,
+) -> Any:
     """Unpickle `data` with the allow list, within the bounds of core/pickle_guard.py; every failure becomes a
     one-line DataError naming `where`. A small pickle of one plain tensor (a DCP chunk's data.pkl: thousands per
-    file, a few distinct) is unpickled once and its TensorRef shared."""
+    file, a few distinct) is unpickled once and its TensorRef shared. `fillers` (key text -> factory): where the C
+    rewrite is built, a dict pickled right after a key's text is `factory()`, given the dict's items one by one
+    through its __setitem__ (so that they need never be held together); elsewhere it is a dict as usual."""
     key = (data, id(_table(extra))) if not trust and len(data) <= _TENSOR_PICKLE_BYTES else None
     if key is not None and key in _TENSOR_PICKLES:
         return _TENSOR_PICKLES[key]
     try:
         shared, size = pickle_guard.scan(data), len(data)
-        leaner = pickle_guard.lean(data)
+        own, replacements = _own_fillers(fillers)
+        leaner = pickle_guard.lean(data, 0, replacements) if fillers else pickle_guard.lean(data)
         if key is None:  # a caller that keeps no reference (dcp_metadata.load_metadata) frees a large pickle's bytes now
             del data
         stream = pickle_stream.reader(leaner)
         del leaner  # a large one now lives only in the stream's pieces
         with pickle_guard.budget(size), _collector_paused(size >= pickle_guard.LEAN_FROM):
-            value = SafeUnpickler(stream, where, extra, trust).load()
+            value = SafeUnpickler(stream, where, extra, trust, own).load()
         if shared or trust:
             pickle_guard.bound_tree(value)
         if key is not None and type(value) is TensorRef and not value.attrs:
@@ -458,7 +489,7 @@ def safe_loads(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None
                 _TENSOR_PICKLES.pop(next(iter(_TENSOR_PICKLES)))
             _TENSOR_PICKLES[key] = value
         return value
-    except UnsafePickleError:
+    except DataError:  # a refused global, or a filler's own words about an item
         raise
     except Exception as exc:  # a corrupt pickle raises anything from EOFError to UnicodeDecodeError
         raise DataError(f"{where}: unreadable pickle ({_reason(exc)})") from exc

@@ -43,15 +43,15 @@ from ckpt_cli.formats import dcp_chunks
 from ckpt_cli.formats.dcp_metadata import (
     METADATA_GLOBALS,
     BytesStorageRec,
-    IndexRec,
     MetadataRec,
-    SharedRecords,
     StorageIndex,
     StorageInfoRec,
     TensorStorageRec,
     as_tuple,
-    drained,
+    is_count,
     load_metadata,
+    shared_tensors,
+    storage_index,
 )
 from ckpt_cli.formats.dcp_safetensors import Blobs
 from ckpt_cli.formats.torch_save import load_archive, stored_array
@@ -251,23 +251,8 @@ def _object(files: _Files, fqn: str, info: StorageInfoRec, options: ReadOptions)
     return value, raw
 
 
-def _count(value: Any) -> bool:
-    """A size, offset or length as DCP writes them: a non-negative int (torch.Size items are ints; never a bool)."""
-    return type(value) is int and value >= 0
-
-
 def _counts(values: Any) -> bool:
-    return isinstance(values, tuple | list) and all(_count(v) for v in values)
-
-
-def _check_range(meta_path: Path, index: IndexRec, info: StorageInfoRec) -> None:
-    """A storage_data byte range: offset >= 0 and length > 0 (dcp.load would read elsewhere in the file)."""
-    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-    if not _count(offset) or not _count(length) or not length:
-        raise DataError(
-            f"{meta_path}: storage_data of {shown(getattr(index, 'fqn', None))} has offset {shown(offset)} and length {shown(length)}; "
-            "a byte range needs offset >= 0 and length > 0"
-        )
+    return isinstance(values, tuple | list) and all(is_count(v) for v in values)
 
 
 def _check_tensor_metadata(meta_path: Path, fqn: str, item: TensorStorageRec) -> None:
@@ -309,22 +294,9 @@ class DCPReader:
                 "use_collectives=False, which loads only at the same world size; ckpt does not read it yet"
             )
         meta = load_metadata(path / METADATA, options.trust_pickle, self.metadata_globals)
-        storage = StorageIndex()
-        named: set[Any] = set()  # relative paths already found plain (a few files, named by every chunk)
-        lengths: dict[int, int] = {}
-        for index, info in drained(meta.storage_data):
-            if not isinstance(index, IndexRec) or not isinstance(info, StorageInfoRec):
-                raise DataError(f"{path / METADATA}: storage_data entry of an unknown kind")
-            relative = getattr(info, "relative_path", None)
-            if type(relative) is not str or relative not in named:
-                named.add(plain_component(relative, f"{path / METADATA}: storage_data relative_path"))
-            _check_range(path / METADATA, index, info)
-            object.__setattr__(info, "length", lengths.setdefault(info.length, info.length))  # a few distinct, one per chunk
-            storage[index.key()] = info
-        meta.storage_data = None  # its MetadataIndex records: one per chunk, no longer needed
-        storage.settle()
+        storage = storage_index(path / METADATA, meta)
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
-        files, paths, shared = _Files(path), dcp_chunks.Paths(), SharedRecords()
+        files, paths = _Files(path), dcp_chunks.Paths()
         tensors: dict[str, TensorEntry] = {}
         objects: dict[str, ObjectEntry] = {}
         containers: dict[tuple[Any, ...], str] = {}
@@ -333,14 +305,13 @@ class DCPReader:
                 _prefetch_edges(files, storage.values())
             layout_of = lambda fqn, item: _layout_pieces(path, fqn, item, storage)  # noqa: E731
             read_of = lambda fqn, item: _tensor_pieces(files, fqn, item, storage, options)  # noqa: E731
-            for fqn, item in meta.state_dict_metadata.items():
+            for fqn, item in shared_tensors(meta).items():
                 key_path = tuple(planner.get(fqn, (fqn,)))
                 for i, part in enumerate(key_path):
                     if isinstance(part, int) and i:  # int path items are list positions in DCP
                         containers[key_path[:i]] = "list"
                 if isinstance(item, TensorStorageRec):
                     _check_tensor_metadata(path / METADATA, fqn, item)
-                    shared.share(item)
                     size = tuple(item.size)
                     pieces: list[Piece] | LazyPieces
                     if options.layout_only:  # made when asked for: inspect counts them, a check walks them

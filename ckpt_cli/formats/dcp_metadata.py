@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
 
 from ckpt_cli.core.dtypes import DType
-from ckpt_cli.core.paths import read_regular_bytes
+from ckpt_cli.core.paths import plain_component, read_regular_bytes, shown
 from ckpt_cli.core.pickle_guard import PickleRefused, charge
 from ckpt_cli.core.safe_pickle import Sealed, safe_loads
 from ckpt_cli.errors import DataError
@@ -237,6 +237,64 @@ class StorageIndex:
         found[0], found[1], found[2] = shared[0], numbers, shared[1]
 
 
+class StorageFiller:
+    """`.metadata`'s storage_data as the unpickler fills it (safe_loads' `filler`): each (MetadataIndex,
+    _StorageInfo) pair checked and packed into `index` as it comes. A dict of the 581,160 pairs of a 64-rank MoE
+    checkpoint held 1.7 million records to the end of the load (`inspect` peaked at 331 MB on it). Where the C
+    rewrite is not built the pickle makes a dict, which `storage_index` puts through the same checks."""
+
+    __slots__ = ("meta_path", "index", "named", "lengths", "offsets")
+
+    def __init__(self, meta_path: Path) -> None:
+        self.meta_path = meta_path
+        self.index = StorageIndex()
+        self.named: set[str] = set()  # relative paths already found plain (a few files, named by every chunk)
+        self.lengths: dict[int, int] = {}  # a few distinct lengths, one object each
+        self.offsets: dict[Any, Any] = {}  # chunk offsets, one tuple for each distinct (until the index is settled)
+
+    def __setitem__(self, key: Any, info: Any) -> None:
+        where = self.meta_path
+        if not isinstance(key, IndexRec) or not isinstance(info, StorageInfoRec):
+            raise DataError(f"{where}: storage_data entry of an unknown kind")
+        fqn, relative = getattr(key, "fqn", None), getattr(info, "relative_path", None)
+        if type(fqn) is not str:
+            raise DataError(f"{where}: storage_data entry named {shown(fqn)}; a name is text")
+        if type(relative) is not str or relative not in self.named:
+            self.named.add(plain_component(relative, f"{where}: storage_data relative_path"))
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not is_count(offset) or not is_count(length) or not length:
+            raise DataError(
+                f"{where}: storage_data of {shown(fqn)} has offset {shown(offset)} and length {shown(length)}; "
+                "a byte range needs offset >= 0 and length > 0"
+            )
+        object.__setattr__(info, "length", self.lengths.setdefault(length, length))
+        try:
+            offsets = as_tuple(getattr(key, "offset", None))
+            self.index[fqn, self.offsets.setdefault(offsets, offsets)] = info
+        except TypeError:  # offsets holding something unhashable
+            raise DataError(f"{where}: storage_data of {shown(fqn)} has chunk offsets that are not numbers") from None
+
+    def __setstate__(self, state: Any) -> None:
+        raise PickleRefused("a pickle may not set the state of storage_data")
+
+
+def storage_index(meta_path: Path, meta: MetadataRec) -> StorageIndex:
+    """The checked, packed storage_data of `meta` (taken off it: its records are no longer needed)."""
+    entries, meta.storage_data = meta.storage_data, None
+    if not isinstance(entries, StorageFiller):  # a dict: the pickle was loaded without the C rewrite
+        filler = StorageFiller(meta_path)
+        for index, info in drained(entries):
+            filler[index] = info
+        entries = filler
+    entries.index.settle()
+    return entries.index
+
+
+def is_count(value: Any) -> bool:
+    """A size, offset or length as DCP writes them: a non-negative int (torch.Size items are ints; never a bool)."""
+    return type(value) is int and value >= 0
+
+
 class SharedRecords:
     """A tensor's chunk list and properties as the objects every tensor stored alike shares. A 64-rank MoE
     checkpoint's 82,080 tensors have 3 distinct chunk lists, and as read they held 581,160 ChunkRecs (~45 MB a
@@ -249,12 +307,49 @@ class SharedRecords:
         self.properties: dict[DType, TensorPropertiesRec] = {}
 
     def share(self, item: TensorStorageRec) -> None:
-        chunks, props = item.chunks, item.properties
-        if _plain(props):
-            object.__setattr__(item, "properties", self.properties.setdefault(props.dtype, props))
-        if isinstance(chunks, list) and all(type(c) is ChunkRec and _plain(c) for c in chunks):
-            key = tuple(as_tuple(x) for c in chunks for x in (c.offsets, c.sizes))
-            object.__setattr__(item, "chunks", self.chunk_lists.setdefault(key, chunks))
+        """Before the record is checked (formats/dcp.py): a field that is missing, or that cannot be a key, is
+        left as read for the check to name."""
+        chunks, props = getattr(item, "chunks", None), getattr(item, "properties", None)
+        try:
+            if type(props) is TensorPropertiesRec and _plain(props):
+                object.__setattr__(item, "properties", self.properties.setdefault(props.dtype, props))
+            if isinstance(chunks, list) and all(type(c) is ChunkRec and _plain(c) for c in chunks):
+                key = tuple(as_tuple(x) for c in chunks for x in (c.offsets, c.sizes))
+                if all(type(n) is int for numbers in key for n in numbers):  # True is 1 to a dict, not to the check
+                    object.__setattr__(item, "chunks", self.chunk_lists.setdefault(key, chunks))
+        except (AttributeError, TypeError):  # a record without a field, offsets holding something unhashable
+            pass
+
+
+class SharedTensors(dict):  # type: ignore[type-arg]
+    """`.metadata`'s state_dict_metadata as the unpickler fills it (safe_loads' `fillers`): each tensor's chunk
+    list and properties shared as it comes (SharedRecords), so that the 581,160 ChunkRecs of a 64-rank MoE
+    checkpoint are freed a thousand at a time instead of held to the end of the load (~120 MB)."""
+
+    __slots__ = ("shared",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = SharedRecords()
+
+    def __setitem__(self, fqn: Any, item: Any) -> None:
+        if type(item) is TensorStorageRec:
+            self.shared.share(item)
+        super().__setitem__(fqn, item)
+
+    def __setstate__(self, state: Any) -> None:
+        raise PickleRefused("a pickle may not set the state of state_dict_metadata")
+
+
+def shared_tensors(meta: MetadataRec) -> dict[str, Any]:
+    """`meta`'s state_dict_metadata with its tensors' records shared (already, where the pickle filled it)."""
+    tensors = meta.state_dict_metadata
+    if not isinstance(tensors, SharedTensors):
+        shared = SharedRecords()
+        for item in tensors.values():
+            if type(item) is TensorStorageRec:
+                shared.share(item)
+    return tensors
 
 
 def drained(entries: dict[Any, Any]) -> Iterator[tuple[Any, Any]]:
@@ -345,9 +440,12 @@ def _read(path: Path) -> bytes:
 
 
 def load_metadata(path: Path, trust: bool, globals_table: dict[tuple[str, str], Any] = METADATA_GLOBALS) -> MetadataRec:
-    meta = safe_loads(_read(path), str(path), globals_table, trust)  # no name for the bytes: safe_loads frees them early
+    """`.metadata` as records; its storage_data a StorageFiller and state_dict_metadata a SharedTensors (without
+    the C rewrite, dicts): see `storage_index` and `shared_tensors`."""
+    fillers = {"storage_data": functools.partial(StorageFiller, path), "state_dict_metadata": SharedTensors}
+    meta = safe_loads(_read(path), str(path), globals_table, trust, fillers)  # no name for the bytes: freed early
     if not isinstance(meta, MetadataRec) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
         raise DataError(f"{path}: not a DCP Metadata pickle")
-    if not isinstance(getattr(meta, "storage_data", None), dict):
+    if not isinstance(getattr(meta, "storage_data", None), dict | StorageFiller):
         raise DataError(f"{path}: no storage_data; written by a storage writer ckpt does not know")
     return meta
