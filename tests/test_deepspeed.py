@@ -317,6 +317,13 @@ def test_rank_files_share_what_they_repeat(ds_saves):
     like["refs"] = values["refs"][:]
     share_equal(values, like)
     assert values["same"] is like["same"] and values["other"] == [0, 1] and values["refs"] is not like["refs"]
+    # equal is not enough: the same types too (True == 1 == 1.0), and no subclass of a plain type
+    size = type("Size", (tuple,), {})
+    values = {"bools": [True, 0], "floats": [1.0, 0], "sizes": [size((2, 3))], "nested": [[0, (1, "a")]], "nan": [float("nan")]}
+    like = {"bools": [1, 0], "floats": [1, 0], "sizes": [(2, 3)], "nested": [[0, (1, "a")]], "nan": [float("nan")]}
+    share_equal(values, like)
+    assert [k for k in values if values[k] is like[k]] == ["nested"]  # NaN != NaN: not equal, not shared
+    assert type(values["bools"][0]) is bool and type(values["floats"][0]) is float and type(values["sizes"][0]) is size
 
 
 @pytest.mark.parametrize("config", ["stage2-fp32", "stage3-fp32"])

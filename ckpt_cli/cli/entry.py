@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, _early_sigterm)
     try:
         from ckpt_cli.cli import app
+        from ckpt_cli.core import heap
 
+        heap.freeze_after_reads()  # one command a process: what it reads lives to its end (core/heap.py)
         app.main(argv)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM before (or after) the CLI's own handling
         sys.exit(_stopped(exc))

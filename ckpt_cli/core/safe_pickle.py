@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import codecs
 import collections
-import contextlib
 import dataclasses
 import functools
-import gc
 import math
 import pickle
 import secrets
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt_cli.core import pickle_guard, pickle_stream
+from ckpt_cli.core import heap, pickle_guard, pickle_stream
 from ckpt_cli.core.dtypes import BY_NAME, BY_STORAGE_CLASS, DType
 from ckpt_cli.core.pickle_guard import PickleRefused, charge, printable
 from ckpt_cli.errors import DataError, UnsafePickleError
@@ -443,20 +441,6 @@ _TENSOR_PICKLES: dict[tuple[bytes, int], TensorRef] = {}  # data.pkl of a DCP ch
 _TENSOR_PICKLE_BYTES, _TENSOR_PICKLE_ENTRIES = 4096, 4096
 
 
-@contextlib.contextmanager
-def _collector_paused(pause: bool) -> Iterator[None]:
-    """No cyclic garbage collection while a large pickle is built: each of its hundreds of thousands of new
-    objects would otherwise count toward collections that walk every one of them and find nothing to free."""
-    if not pause or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def safe_loads(
     data: bytes,
     where: str,
@@ -480,7 +464,7 @@ def safe_loads(
             del data
         stream = pickle_stream.reader(leaner)
         del leaner  # a large one now lives only in the stream's pieces
-        with pickle_guard.budget(size), _collector_paused(size >= pickle_guard.LEAN_FROM):
+        with pickle_guard.budget(size), heap.collector_paused(size >= pickle_guard.LEAN_FROM):
             value = SafeUnpickler(stream, where, extra, trust, own).load()
         if shared or trust:
             pickle_guard.bound_tree(value)

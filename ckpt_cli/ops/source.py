@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpt_cli import store
+from ckpt_cli.core import heap
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry, runs
@@ -22,6 +23,15 @@ def open_checkpoint(
 ) -> Checkpoint:
     """Read a checkpoint's metadata (no tensor data) from any supported format or framework run folder; `layout_only`:
     what inspect reports, no more, and `pieces_when_read` (ReadOptions), for a checkpoint named directly."""
+    with heap.collector_paused():  # the read's objects are not garbage: see heap.collector_paused
+        ckpt = _open(path, format, tag, trust_pickle, layout_only, pieces_when_read)
+    heap.read_done()
+    return ckpt
+
+
+def _open(
+    path: str | Path, format: str | None, tag: str | None, trust_pickle: bool, layout_only: bool, pieces_when_read: bool
+) -> Checkpoint:
     path = store.location(path)  # s3://bucket/prefix: a store.Location
     store.fresh()  # listings and blocks cached by an earlier command in this process may be stale
     if not store.renames(path):
