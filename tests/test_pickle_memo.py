@@ -5,6 +5,7 @@ alone what it does not handle; the allow list and the scan see the same opcodes 
 
 from __future__ import annotations
 
+import mmap
 import pickle
 import random
 from pathlib import Path
@@ -303,3 +304,81 @@ def test_storage_data_is_the_same_filled_or_as_a_dict(fsdp2_saves, tmp_path, mon
         assert filled[1:] == as_dict[1:] and len(filled[2]) > 10
     else:
         assert filled == as_dict and filled[0] == "error" and needle in filled[1] and str(path) in filled[1]
+
+
+def _in_place(data: bytes, headroom: int, replacements: dict[bytes, bytes] | None = None) -> tuple[bytes | None, bytes]:
+    """lean_in_place over `data` after `headroom` bytes of room: (the rewrite or None, the buffer's pickle part)."""
+    buffer = bytearray(b"\xee" * headroom + data)
+    written = pickle_guard.lean_in_place(buffer, headroom, replacements)
+    return (None if written is None else bytes(buffer[:written])), bytes(buffer[headroom:])
+
+
+@pytest.mark.parametrize("protocol", range(1, pickle.HIGHEST_PROTOCOL + 1))
+def test_the_rewrite_in_place_is_the_rewrite(protocol):
+    """Written over the pickle's own bytes (from the buffer's start, reading ahead of the writes), the rewrite is the
+    one `lean` makes, replacements included; without room for what they add, the buffer is left as it was."""
+    rng = random.Random(protocol)
+    replacements = {b"storage_data": b"cbuiltins\ndict\n)R"}  # 17 bytes for the dict's 1
+    for _ in range(150):
+        shared = random_value(rng)
+        value = {"storage_data": {"a": shared}, "b": [random_value(rng), shared, "storage_data", {}], "c": shared}
+        data = pickle.dumps(value, protocol=protocol)
+        for chosen in (None, replacements):
+            expected = pickle_guard._pickle_memo.lean(data, pickle_guard._KIND_BYTES, pickle_guard._N_BYTES, *([chosen] if chosen else []))
+            got, left = _in_place(data, 64, chosen)
+            if expected is None:  # nothing dropped, nothing replaced: untouched
+                assert got is None and left == data
+            else:
+                assert got == expected and pickle.loads(got) == value
+        got, left = _in_place(data, 0, replacements)  # no room for the replacement: untouched
+        assert got is None and left == data
+
+
+def test_the_rewrite_in_place_leaves_damaged_pickles_as_they_were():
+    rng = random.Random(11)
+    base = pickle.dumps([[i, str(i)] for i in range(300)] * 2, protocol=4)
+    for _ in range(2000):
+        data = bytearray(base)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        data = bytes(data[: rng.randint(1, len(data))])
+        try:
+            pickle_guard.scan(data)
+        except pickle.UnpicklingError:
+            continue
+        expected = pickle_guard._pickle_memo.lean(data, pickle_guard._KIND_BYTES, pickle_guard._N_BYTES)
+        got, left = _in_place(data, 16)
+        assert got == expected and (got is not None or left == data)
+
+
+def test_a_large_metadata_file_is_loaded_from_its_own_copy(fsdp2_saves, monkeypatch):
+    """Past LEAN_FROM, `.metadata` is read into ckpt's own memory once, scanned and rewritten there (pickle_stream.OwnCopy):
+    the same records as from its bytes, and a file that changes size while it is read is refused."""
+    from ckpt_cli.core import pickle_stream
+
+    path = fsdp2_saves[2] / "ckpt" / ".metadata"
+
+    def loaded():
+        meta = load_metadata(path, False)
+        return shape_of(meta.state_dict_metadata), sorted(storage_index(path, meta).spans())
+
+    as_bytes = loaded()
+    made = []
+    in_place = pickle_guard.lean_in_place
+    monkeypatch.setattr(pickle_guard, "LEAN_FROM", 0)
+    monkeypatch.setattr(pickle_guard, "lean_in_place", lambda buffer, *a: made.append(type(buffer)) or in_place(buffer, *a))
+    assert loaded() == as_bytes and made == [mmap.mmap]
+
+    class Changing:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+        def read(self, n: int) -> bytes:
+            out, self.data = self.data[:n], self.data[n:]
+            return out
+
+    data = path.read_bytes()
+    with pytest.raises(DataError, match="shrank"):
+        pickle_stream.OwnCopy(Changing(data[:-5]), len(data), "x")
+    with pytest.raises(DataError, match="grew"):
+        pickle_stream.OwnCopy(Changing(data + b"x"), len(data), "x")

@@ -171,6 +171,7 @@ typedef struct {
     int64_t memoizes, puts;
     int64_t frames; /* dropped whatever else happens */
     int64_t replaced; /* keys' dicts made by their replacements */
+    int early_get; /* a GET of an index past the MEMOIZEs so far (with MEMOIZE, a value not stored yet) */
     int64_t growth; /* bytes the replacements add */
 } Uses;
 
@@ -204,6 +205,7 @@ static int survey(const Ops *o, Uses *u) {
             /* an index past every store so far is one no store made (the scan refused it): not handled */
             int64_t index = le(o->data + pos + 1, (int)n, 0);
             if (mark(u, index)) return -1;
+            if (index >= u->memoizes) u->early_get = 1;
         }
         if (t.after_key && o->data[pos] == EMPTY_DICT) {
             u->replaced++;
@@ -245,11 +247,13 @@ static Py_ssize_t rewrite(const Ops *o, const Uses *u, const uint32_t *prefix, u
         int64_t n = o->ns[op];
         Py_ssize_t next = next_op(o, pos);
         if (next < 0) return -1;
+        int after_key = t.after_key;
+        track(o, &t, pos); /* before the write: in place, it may overwrite this opcode's bytes */
         if (op == FRAME) {
             /* dropped */
-        } else if (t.after_key && op == EMPTY_DICT) {
-            const Text *r = &o->replacement[t.after_key - 1];
-            memcpy(out + w, r->bytes, (size_t)r->len);
+        } else if (after_key && op == EMPTY_DICT) {
+            const Text *r = &o->replacement[after_key - 1];
+            memcpy(out + w, r->bytes, (size_t)r->len); /* in place, never past the next opcode: see lean_in_place */
             w += r->len;
         } else if (kind == K_MEMOIZE) {
             if (is_wanted(u, memoized)) out[w++] = op; /* numbered by count: its rank */
@@ -262,10 +266,9 @@ static Py_ssize_t rewrite(const Ops *o, const Uses *u, const uint32_t *prefix, u
             if (u->memoizes && index >= memoized) return -1; /* fetched before it was stored */
             w = emit_index(out, w, BINGET, LONG_BINGET, rank_of(u, prefix, index));
         } else {
-            memcpy(out + w, o->data + pos, next - pos);
+            memmove(out + w, o->data + pos, next - pos); /* in place, the two may overlap */
             w += next - pos;
         }
-        track(o, &t, pos);
         if (kind == K_STOP) return w;
         pos = next;
     }
@@ -293,47 +296,54 @@ static int read_replacements(PyObject *replacements, Ops *o) {
     return 0;
 }
 
+/* Survey the pickle in `o`: 1 to rewrite it (`u` and `prefix` made: the caller frees them), 0 to leave it as it is
+   (something it does not handle, or nothing to drop), -1 with an error set. */
+static int plan(Ops *o, Uses *u, uint32_t **prefix) {
+    /* Indices a store can make: at most one per opcode, so fewer than the pickle's bytes. */
+    u->limit = o->end;
+    Py_ssize_t words = (Py_ssize_t)(u->limit >> 6) + 1;
+    u->wanted = calloc((size_t)words, sizeof(uint64_t));
+    if (!u->wanted) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = survey(o, u) == 0 && !(u->memoizes && u->puts) && !(u->memoizes && u->early_get);
+    Py_END_ALLOW_THREADS
+    if (!ok) return 0;
+    *prefix = malloc((size_t)words * sizeof(uint32_t));
+    if (!*prefix) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint32_t wanted = 0; /* indices a GET names: before word i, prefix[i] of them */
+    for (Py_ssize_t i = 0; i < words; i++) {
+        (*prefix)[i] = wanted;
+        wanted += (uint32_t)__builtin_popcountll(u->wanted[i]);
+    }
+    /* every store is read back, no FRAME, no replacement: nothing to drop */
+    return u->frames || u->replaced || wanted < u->memoizes + u->puts;
+}
+
+static int parse_tables(Py_buffer *kinds, Py_buffer *ns) {
+    if (kinds->len == 256 && ns->len == 256) return 0;
+    PyErr_SetString(PyExc_ValueError, "the opcode table has 256 entries");
+    return -1;
+}
+
 static PyObject *lean(PyObject *self, PyObject *args) {
     Py_buffer data, kinds, ns;
     PyObject *replacements = NULL;
     if (!PyArg_ParseTuple(args, "y*y*y*|O!", &data, &kinds, &ns, &PyDict_Type, &replacements)) return NULL;
     PyObject *result = NULL;
-    Uses u = {NULL, 0, 0, 0, 0, 0, 0};
+    Uses u = {0};
     uint32_t *prefix = NULL;
     Ops o = {data.buf, kinds.buf, ns.buf, data.len, 0};
-    if (kinds.len != 256 || ns.len != 256) {
-        PyErr_SetString(PyExc_ValueError, "the opcode table has 256 entries");
-        goto done;
-    }
-    if (read_replacements(replacements, &o)) goto done;
-    /* Indices a store can make: at most one per opcode, so fewer than the pickle's bytes. */
-    u.limit = data.len;
-    Py_ssize_t words = (Py_ssize_t)(u.limit >> 6) + 1;
-    u.wanted = calloc((size_t)words, sizeof(uint64_t));
-    if (!u.wanted) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    int ok;
-    Py_BEGIN_ALLOW_THREADS
-    ok = survey(&o, &u) == 0 && !(u.memoizes && u.puts);
-    Py_END_ALLOW_THREADS
-    if (!ok) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    prefix = malloc((size_t)words * sizeof(uint32_t));
-    if (!prefix) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    uint32_t wanted = 0; /* indices a GET names: before word i, prefix[i] of them */
-    for (Py_ssize_t i = 0; i < words; i++) {
-        prefix[i] = wanted;
-        wanted += (uint32_t)__builtin_popcountll(u.wanted[i]);
-    }
-    if (!u.frames && !u.replaced && wanted >= u.memoizes + u.puts) { /* every store is read back: nothing to drop */
-        result = Py_NewRef(Py_None);
+    if (parse_tables(&kinds, &ns) || read_replacements(replacements, &o)) goto done;
+    int planned = plan(&o, &u, &prefix);
+    if (planned <= 0) {
+        result = planned < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }
     /* Stores and FRAMEs only go and a new index is at most the original; each replaced dict grows by its
@@ -363,7 +373,54 @@ done:
     return result;
 }
 
+/* The same rewrite, over the pickle's own bytes: `buffer` holds `headroom` free bytes, then the pickle; the rewrite
+   goes to the buffer's start, so that a large pickle is never held twice. Writing at w while reading at pos is safe
+   while w <= pos + headroom before each opcode: dropped stores and renumbered GETs only shrink, and each replaced
+   dict adds its opcodes less one byte, at most `growth` <= headroom in all, so no write reaches an opcode not yet
+   read. The survey (which changes nothing) has found every condition the rewrite could fail on, so a pickle it
+   starts on is never left half rewritten. Answers the new length, or None: the buffer unchanged (not handled,
+   nothing to drop, or more growth than headroom). */
+static PyObject *lean_in_place(PyObject *self, PyObject *args) {
+    Py_buffer buffer, kinds, ns;
+    Py_ssize_t headroom;
+    PyObject *replacements = NULL;
+    if (!PyArg_ParseTuple(args, "w*y*y*n|O!", &buffer, &kinds, &ns, &headroom, &PyDict_Type, &replacements)) return NULL;
+    PyObject *result = NULL;
+    Uses u = {0};
+    uint32_t *prefix = NULL;
+    if (headroom < 0 || headroom > buffer.len) {
+        PyErr_SetString(PyExc_ValueError, "headroom outside the buffer");
+        goto done;
+    }
+    unsigned char *start = buffer.buf;
+    Ops o = {start + headroom, kinds.buf, ns.buf, buffer.len - headroom, 0};
+    if (parse_tables(&kinds, &ns) || read_replacements(replacements, &o)) goto done;
+    int planned = plan(&o, &u, &prefix);
+    if (planned <= 0 || u.growth > headroom) {
+        result = planned < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t written;
+    Py_BEGIN_ALLOW_THREADS
+    written = rewrite(&o, &u, prefix, start);
+    Py_END_ALLOW_THREADS
+    if (written < 0) { /* the survey rules this out; never load what is left */
+        PyErr_SetString(PyExc_RuntimeError, "the rewrite in place stopped part way");
+        goto done;
+    }
+    result = PyLong_FromSsize_t(written);
+done:
+    free(u.wanted);
+    free(prefix);
+    PyBuffer_Release(&buffer);
+    PyBuffer_Release(&kinds);
+    PyBuffer_Release(&ns);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"lean_in_place", lean_in_place, METH_VARARGS,
+     "lean_in_place(buffer, kinds, ns, headroom[, replacements]) -> the rewrite's length at the buffer's start, or None"},
     {"lean", lean, METH_VARARGS, "lean(data, kinds, ns[, replacements]) -> the pickle without unread memo stores (the empty dict after a key text made by its opcodes), or None"},
     {NULL, NULL, 0, NULL},
 };

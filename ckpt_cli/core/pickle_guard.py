@@ -215,6 +215,17 @@ def lean(data: bytes, at_least: int = LEAN_FROM, replacements: dict[bytes, bytes
     return data if leaner is None else leaner
 
 
+def in_place() -> bool:
+    """Whether a large pickle can be scanned and rewritten in its own buffer (both C extensions built)."""
+    return _pickle_memo is not None and _pickle_scan is not None
+
+
+def lean_in_place(buffer: Any, headroom: int, replacements: dict[bytes, bytes] | None = None) -> int | None:
+    """`lean` within `buffer` (its pickle after `headroom` free bytes, rewritten to its start): the new length, or
+    None where the buffer is left as it was (core/_pickle_memo.c). Only for a pickle `scan` accepted."""
+    return _pickle_memo.lean_in_place(buffer, _KIND_BYTES, _N_BYTES, headroom, *([replacements] if replacements else []))
+
+
 _CACHED_SIZE = 4096  # DCP writes one small, often identical, pickle per tensor chunk
 _CACHE_ENTRIES = 4096
 _SCANNED: dict[bytes, bool] = {}

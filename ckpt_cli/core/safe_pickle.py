@@ -442,7 +442,7 @@ _TENSOR_PICKLE_BYTES, _TENSOR_PICKLE_ENTRIES = 4096, 4096
 
 
 def safe_loads(
-    data: bytes,
+    data: bytes | pickle_stream.OwnCopy,
     where: str,
     extra: dict[tuple[str, str], Any] | None = None,
     trust: bool = False,
@@ -453,17 +453,22 @@ def safe_loads(
     file, a few distinct) is unpickled once and its TensorRef shared. `fillers` (key text -> factory): where the C
     rewrite is built, a dict pickled right after a key's text is `factory()`, given the dict's items one by one
     through its __setitem__ (so that they need never be held together); elsewhere it is a dict as usual."""
-    key = (data, id(_table(extra))) if not trust and len(data) <= _TENSOR_PICKLE_BYTES else None
+    small = isinstance(data, bytes) and not trust and len(data) <= _TENSOR_PICKLE_BYTES
+    key = (data, id(_table(extra))) if small else None
     if key is not None and key in _TENSOR_PICKLES:
         return _TENSOR_PICKLES[key]
     try:
-        shared, size = pickle_guard.scan(data), len(data)
         own, replacements = _own_fillers(fillers)
-        leaner = pickle_guard.lean(data, 0, replacements) if fillers else pickle_guard.lean(data)
-        if key is None:  # a caller that keeps no reference (dcp_metadata.load_metadata) frees a large pickle's bytes now
-            del data
-        stream = pickle_stream.reader(leaner)
-        del leaner  # a large one now lives only in the stream's pieces
+        if isinstance(data, pickle_stream.OwnCopy):  # a large file's bytes, held once
+            shared, size = data.scan(), len(data)
+            stream = data.lean_stream(replacements)
+        else:
+            shared, size = pickle_guard.scan(data), len(data)
+            leaner = pickle_guard.lean(data, 0, replacements) if fillers else pickle_guard.lean(data)
+            if key is None:  # a caller that keeps no reference frees a large pickle's bytes now
+                del data
+            stream = pickle_stream.reader(leaner)
+            del leaner  # a large one now lives only in the stream's pieces
         with pickle_guard.budget(size), heap.collector_paused(size >= pickle_guard.LEAN_FROM):
             value = SafeUnpickler(stream, where, extra, trust, own).load()
         if shared or trust:

@@ -13,8 +13,9 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
 
 from ckpt_cli.core.dtypes import DType
-from ckpt_cli.core.paths import plain_component, read_regular_bytes, shown
+from ckpt_cli.core.paths import plain_component, shown
 from ckpt_cli.core.pickle_guard import PickleRefused, charge
+from ckpt_cli.core.pickle_stream import OwnCopy, read_pickle_file
 from ckpt_cli.core.safe_pickle import Sealed, safe_loads
 from ckpt_cli.errors import DataError
 
@@ -432,9 +433,9 @@ def _path_text(kind: type, *parts: Any) -> str:
 METADATA_GLOBALS = _metadata_globals()
 
 
-def _read(path: Path) -> bytes:
+def _read(path: Path) -> bytes | OwnCopy:
     try:
-        return read_regular_bytes(path)
+        return read_pickle_file(path, str(path))
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
 
@@ -443,7 +444,13 @@ def load_metadata(path: Path, trust: bool, globals_table: dict[tuple[str, str], 
     """`.metadata` as records; its storage_data a StorageFiller and state_dict_metadata a SharedTensors (without
     the C rewrite, dicts): see `storage_index` and `shared_tensors`."""
     fillers = {"storage_data": functools.partial(StorageFiller, path), "state_dict_metadata": SharedTensors}
-    meta = safe_loads(_read(path), str(path), globals_table, trust, fillers)  # no name for the bytes: freed early
+    data = _read(path)
+    try:
+        meta = safe_loads(data, str(path), globals_table, trust, fillers)
+    finally:
+        if isinstance(data, OwnCopy):
+            data.close()
+    del data
     if not isinstance(meta, MetadataRec) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
         raise DataError(f"{path}: not a DCP Metadata pickle")
     if not isinstance(getattr(meta, "storage_data", None), dict | StorageFiller):
