@@ -119,6 +119,6 @@ def read_pickle_file(path: Path, where: str) -> bytes | OwnCopy:
     """A pickle file's bytes: an OwnCopy when large and the C rewrite is built (safe_pickle.safe_loads takes both)."""
     with paths.open_regular(path) as f:
         size = paths.file_size(f)
-        if size < pickle_guard.LEAN_FROM or not pickle_guard.in_place():
+        if size < pickle_guard.LEAN_FROM or not pickle_guard.in_place() or not hasattr(mmap, "MAP_PRIVATE"):  # Windows
             return f.read()
         return OwnCopy(f, size, where)
