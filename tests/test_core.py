@@ -241,3 +241,23 @@ def test_read_ahead_windows_stay_within_their_budget_over_many_files(tmp_path, m
         assert held == sources._window_bytes  # the running count the budget is checked against
     finally:
         sources.close()
+
+
+def test_dtype_digest_tells_names_dtypes_and_order_apart():
+    """What a source keeps to refuse a reshard through a view (selected, renamed or cast tensors): the same names and
+    dtypes in the same order give the same digest, and anything else another, wherever the text boundaries fall."""
+    from types import SimpleNamespace as Entry
+
+    f32, bf16 = dtypes.FLOAT32, dtypes.BY_NAME["bfloat16"]
+    base = {"a.weight": Entry(dtype=f32), "a.bias": Entry(dtype=bf16)}
+    same = {"a.weight": Entry(dtype=f32), "a.bias": Entry(dtype=bf16)}
+    others = [
+        {"a.bias": Entry(dtype=bf16), "a.weight": Entry(dtype=f32)},  # order
+        {"a.weight": Entry(dtype=f32), "a.bias": Entry(dtype=f32)},  # a cast
+        {"a.weight": Entry(dtype=f32)},  # a filter
+        {"a.weightfloat32a.bias": Entry(dtype=bf16)},  # boundaries moved
+        {"x.weight": Entry(dtype=f32), "a.bias": Entry(dtype=bf16)},  # a rename
+    ]
+    digests = {dtypes.dtype_digest(t) for t in others}
+    assert dtypes.dtype_digest(base) == dtypes.dtype_digest(same) and len(digests) == len(others)
+    assert dtypes.dtype_digest(base) not in digests

@@ -324,6 +324,12 @@ def test_rank_files_share_what_they_repeat(ds_saves):
     share_equal(values, like)
     assert [k for k in values if values[k] is like[k]] == ["nested"]  # NaN != NaN: not equal, not shared
     assert type(values["bools"][0]) is bool and type(values["floats"][0]) is float and type(values["sizes"][0]) is size
+    # inside nested dicts too (base_optimizer_state's param_groups: a list of dicts), their own dicts left as they are
+    values = {"base": {"groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "state": {0: [1]}, "mine": [2.0]}}
+    like = {"base": {"groups": [{"lr": 0.1, "betas": (0.9, 0.99)}], "state": {0: [1]}, "mine": [2]}}
+    share_equal(values, like)
+    assert values["base"] is not like["base"] and values["base"]["groups"] is like["base"]["groups"]
+    assert values["base"]["state"][0] is like["base"]["state"][0] and values["base"]["mine"] is not like["base"]["mine"]
 
 
 @pytest.mark.parametrize("config", ["stage2-fp32", "stage3-fp32"])

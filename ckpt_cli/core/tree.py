@@ -32,22 +32,29 @@ PLAIN = frozenset({int, float, str, bool, type(None)})
 
 
 def is_plain(value: Any) -> bool:
-    """Whether `value` is a number, string, bool or None, or lists and tuples of them."""
+    """Whether `value` is a number, string, bool or None, or lists, tuples and dicts (plain keys) of them."""
     if isinstance(value, (list, tuple)):
         return PLAIN.issuperset(map(type, value)) or all(is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(type(k) in PLAIN and is_plain(v) for k, v in value.items())
     return type(value) in PLAIN
 
 
 def share_equal(values: Any, like: Any) -> None:
-    """Point the plain lists of dict `values` that equal those of dict `like` under the same key at `like`'s objects
-    (in place; equal, so nothing a reader sees changes). Every rank file of a ZeRO-1/2 checkpoint repeats one zero
-    per parameter (param_alignment_paddings): 160 KB a rank of a 20,000-param model, 1,024 ranks."""
+    """Point the plain lists of dict `values` (and of the dicts inside it) that equal those of dict `like` under the
+    same keys at `like`'s objects (in place; equal, so nothing a reader sees changes). Every rank file of a ZeRO-1/2
+    checkpoint repeats one zero per parameter (param_alignment_paddings: 160 KB a rank of a 20,000-param model, 1,024
+    ranks) and the optimizer's param_groups (~40 objects a rank)."""
     if not isinstance(values, dict) or not isinstance(like, dict) or values is like:
         return
     for key, value in list(values.items()):
         other = like.get(key)
-        if value is not other and isinstance(value, list) and value == other and _same_plain(value, other):
+        if value is other:
+            continue
+        if isinstance(value, list) and value == other and _same_plain(value, other):
             values[key] = other
+        elif isinstance(value, dict):
+            share_equal(value, other)
 
 
 def _same_plain(value: list[Any], other: list[Any]) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ckpt_cli.core import pickler, roles, zipio
+from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, LazyPieces, ObjectEntry, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
@@ -189,7 +190,7 @@ class Source:
     optims: Mapping[int, RankFile]
     layout: Stage12Partitions | Stage3Partitions
     optim_prefix: str
-    dtypes: dict[str, Any]
+    dtypes: bytes  # dtypes.dtype_digest of the tensors read
     copies: dict[str, ZeroFile] = field(default_factory=dict)
     pipeline_stage: int | None = None  # the stage's mp_rank in a pipeline-parallel checkpoint (deepspeed_pipeline.py)
 
@@ -387,7 +388,7 @@ class DeepSpeedReader:
         )
         ckpt.training_state = self._training_state(ckpt, wrapper)
         prefix = "bf16_" if any(OPTIM_STATES.match(p.name).group(1) for p in optim_paths.values()) else ""
-        dtypes_read = {n: t.dtype for n, t in tensors.items()}
+        dtypes_read = dtype_digest(tensors)
         ckpt.source = Source(
             folder, stage, world, first_model, models, optims, layout, prefix, dtypes_read, moe.copies if moe else {}, stage_of
         )
@@ -413,7 +414,7 @@ class DeepSpeedReader:
         ckpt.details["tag_from"] = "latest" if options.tag is None and (path / LATEST).is_file() else "request"
         ckpt.details |= deepspeed_moe.expert_details(files.layout, model["num_experts"], world)
         ckpt.training_state = self._training_state(ckpt, wrapper)
-        ckpt.source = deepspeed_stage0.Stage0Source(folder, world, files, {n: t.dtype for n, t in tensors.items()})
+        ckpt.source = deepspeed_stage0.Stage0Source(folder, world, files, dtype_digest(tensors))
         return ckpt
 
     def _client_state(self, first: RankFile, param_groups: list[dict[str, Any]]) -> tuple[dict[str, TensorEntry], dict[str, ObjectEntry]]:

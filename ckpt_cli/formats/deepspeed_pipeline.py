@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, TensorEntry
 from ckpt_cli.core.safe_pickle import TensorRef
@@ -41,7 +42,7 @@ class PipelineSource:
     folder: Path
     stages: list[Checkpoint]
     layers: dict[str, Any]  # file name -> its parsed file (a RankFile)
-    dtypes: dict[str, Any]
+    dtypes: bytes  # dtypes.dtype_digest of the tensors read
 
     @property
     def data_parallel(self) -> int:
@@ -111,7 +112,7 @@ def read(
     details["partition_count"] = dp
     ckpt = Checkpoint(reader.name, str(path), tensors, objects, files, tag, stages[0].step, dp * count, details=details, notes=notes)
     ckpt.training_state = reader._training_state(ckpt, details.get("optimizer_wrapper", ""))
-    ckpt.source = PipelineSource(folder, stages, layers, {n: t.dtype for n, t in tensors.items()})
+    ckpt.source = PipelineSource(folder, stages, layers, dtype_digest(tensors))
     return ckpt
 
 

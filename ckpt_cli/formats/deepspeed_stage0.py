@@ -99,7 +99,7 @@ class Stage0Source:
     folder: Path
     world: int
     files: Stage0Files
-    dtypes: dict[str, Any]
+    dtypes: bytes  # dtypes.dtype_digest of the tensors read
 
     @property
     def model(self) -> Any:

@@ -138,7 +138,7 @@ class BuiltSource:
     optims: dict[int, TreeFile]
     layout: BuiltLayout
     optim_prefix: str
-    dtypes: dict[str, Any]
+    dtypes: bytes  # dtypes.dtype_digest of the tensors read
     copies: dict[str, TreeFile] = field(default_factory=dict)  # none: every file is built
 
 
@@ -193,7 +193,7 @@ def build(state: TrainingState, tgt: Target, tag: str, rule: str) -> Checkpoint:
         {0: TreeFile(optim_tree)},
         BuiltLayout(shapes),
         "bf16_" if tgt.precision == "bf16" else "",  # engine._get_zero_ckpt_name: bf16 runs prefix the files
-        {n: t.dtype for n, t in tensors.items()},
+        dtypes.dtype_digest(tensors),
     )
     ckpt.source = src
     return ckpt

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
 
+from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, FlatLayout, FlatPart, TensorEntry, flat_entry, lazy_flat
 from ckpt_cli.core.paths import plain_component
@@ -114,9 +115,9 @@ class DeepSpeedWriter:
         return WritePlan(self.name, dest, True, files, [said, *notes])
 
 
-def _refuse_views(ckpt: Checkpoint, read: dict[str, Any]) -> None:
+def _refuse_views(ckpt: Checkpoint, read: bytes) -> None:
     """A reshard writes the source's files again: a view that selected, renamed or cast tensors cannot apply."""
-    if {n: t.dtype for n, t in ckpt.tensors.items()} != read:
+    if dtype_digest(ckpt.tensors) != read:
         raise UsageError(
             "reshard of a DeepSpeed checkpoint copies every tensor as it is: --filter, prefixes, --dtype and --weights-only do not apply"
         )

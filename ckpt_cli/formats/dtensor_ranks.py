@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import structured, zipio
+from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, PathKey, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, read_regular_text, shown
@@ -50,7 +51,7 @@ class DTensorSource:
     folder: Path
     files: dict[str, list[Path]]
     specs: dict[str, Spec] = dataclasses.field(default_factory=dict)
-    dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dtypes: bytes = b""  # dtypes.dtype_digest of the tensors read
     flat: FlatLayout | None = None
     params: list[Param] = dataclasses.field(default_factory=list)
     not_read: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -359,7 +360,7 @@ class DTensorRanksReader:
                 path,
                 {k: list(v) for k, v in listed.items()},
                 specs,
-                {n: t.dtype for n, t in tensors.items()},
+                dtype_digest(tensors),
                 flat,
                 params,
                 not_read,

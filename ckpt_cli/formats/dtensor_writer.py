@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli.core import pickler
-from ckpt_cli.core.dtypes import BY_NAME
+from ckpt_cli.core.dtypes import BY_NAME, dtype_digest
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry, contiguous_strides
 from ckpt_cli.core.paths import plain_component
@@ -186,7 +186,7 @@ class DTensorWriter:
         world = options.world_size
         if not world:
             raise UsageError("writing dtensor needs --world-size N (the number of processes that will load it)")
-        if {n: t.dtype for n, t in ckpt.tensors.items()} != src.dtypes:
+        if dtype_digest(ckpt.tensors) != src.dtypes:
             raise UsageError(
                 "reshard of per-rank DTensor files copies every tensor as it is: "
                 "--filter, prefixes, --dtype and --weights-only do not apply"
