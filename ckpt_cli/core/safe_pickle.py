@@ -452,11 +452,13 @@ def safe_loads(
     one-line DataError naming `where`. A small pickle of one plain tensor (a DCP chunk's data.pkl: thousands per
     file, a few distinct) is unpickled once and its TensorRef shared. `fillers` (key text -> factory): where the C
     rewrite is built, a dict pickled right after a key's text is `factory()`, given the dict's items one by one
-    through its __setitem__ (so that they need never be held together); elsewhere it is a dict as usual."""
+    through its __setitem__ (so that they need never be held together); elsewhere it is a dict as usual. An OwnCopy
+    is closed once loaded (or refused)."""
     small = isinstance(data, bytes) and not trust and len(data) <= _TENSOR_PICKLE_BYTES
     key = (data, id(_table(extra))) if small else None
     if key is not None and key in _TENSOR_PICKLES:
         return _TENSOR_PICKLES[key]
+    own_copy = data if isinstance(data, pickle_stream.OwnCopy) else None
     try:
         own, replacements = _own_fillers(fillers)
         if isinstance(data, pickle_stream.OwnCopy):  # a large file's bytes, held once
@@ -482,3 +484,6 @@ def safe_loads(
         raise
     except Exception as exc:  # a corrupt pickle raises anything from EOFError to UnicodeDecodeError
         raise DataError(f"{where}: unreadable pickle ({_reason(exc)})") from exc
+    finally:
+        if own_copy is not None:
+            own_copy.close()

@@ -444,13 +444,7 @@ def load_metadata(path: Path, trust: bool, globals_table: dict[tuple[str, str], 
     """`.metadata` as records; its storage_data a StorageFiller and state_dict_metadata a SharedTensors (without
     the C rewrite, dicts): see `storage_index` and `shared_tensors`."""
     fillers = {"storage_data": functools.partial(StorageFiller, path), "state_dict_metadata": SharedTensors}
-    data = _read(path)
-    try:
-        meta = safe_loads(data, str(path), globals_table, trust, fillers)
-    finally:
-        if isinstance(data, OwnCopy):
-            data.close()
-    del data
+    meta = safe_loads(_read(path), str(path), globals_table, trust, fillers)  # no name for the bytes: freed early
     if not isinstance(meta, MetadataRec) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
         raise DataError(f"{path}: not a DCP Metadata pickle")
     if not isinstance(getattr(meta, "storage_data", None), dict | StorageFiller):
