@@ -284,23 +284,30 @@ def test_tensor_parallel_save_is_refused_with_what_would_make_it_readable(ckpt, 
 
 
 @pytest.mark.parametrize("config", ["stage2-fp32", "stage3-fp32"])
-def test_inspect_parses_each_optimizer_file_and_one_model_states(ds_saves, config, monkeypatch):
-    """inspect parses every optimizer file (a hostile pickle in any of them is refused, never passed over) but one
-    model-states file (stage 3 repeats the module description on every rank), and makes no pieces: it counts them
-    from the partition arithmetic, as many as the full read makes."""
+def test_inspect_parses_one_optimizer_file_checks_the_others_and_one_model_states(ds_saves, config, monkeypatch):
+    """inspect parses rank 0's optimizer file (it tells the layout) and checks each other's without building it (a
+    hostile pickle in any of them is refused, never passed over), parses one model-states file (stage 3 repeats the
+    module description on every rank), and makes no pieces: it counts them from the partition arithmetic, as many as
+    the full read makes."""
     import ckpt_cli
-    from ckpt_cli.formats import deepspeed
+    from ckpt_cli.formats import deepspeed_rank_files as rank_files
 
     parsed: list[str] = []
-    real = deepspeed._load
-    monkeypatch.setattr(deepspeed, "_load", lambda path, *a, **k: parsed.append(path.name) or real(path, *a, **k))
+    checked: list[str] = []
+    real_load, real_check = rank_files.load, rank_files.check
+    monkeypatch.setattr(rank_files, "load", lambda path, *a, **k: parsed.append(path.name) or real_load(path, *a, **k))
+    monkeypatch.setattr(rank_files, "check", lambda path, *a, **k: checked.append(path.name) or real_check(path, *a, **k))
     doc = ckpt_cli.inspect(ds_saves[2] / config)
     models = [n for n in parsed if "model_states" in n]
-    assert sorted(n for n in parsed if "optim_states" in n) == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    assert [n for n in parsed if "optim_states" in n] == ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert checked == ["zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert models == ["zero_pp_rank_0_mp_rank_00_model_states.pt" if config.startswith("stage3") else "mp_rank_00_model_states.pt"]
+    parsed.clear()
     full = open_checkpoint(ds_saves[2] / config)
     assert doc["num_tensors"] == len(full.tensors)
     assert [t["pieces"] for t in doc["tensors"]] == [len(t.pieces) for t in full.tensors.values()]  # counted, then made
+    assert [p for t in full.tensors.values() for p in t.pieces]
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in parsed  # pieces, once made, parse the file they lie in
 
 
 def test_rank_files_share_what_they_repeat(ds_saves):

@@ -34,7 +34,7 @@ from ckpt_cli.core.dtypes import BY_NAME
 from ckpt_cli.core.safe_pickle import safe_loads
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats.dcp import METADATA_GLOBALS
-from ckpt_cli.formats.deepspeed import DS_GLOBALS
+from ckpt_cli.formats.deepspeed_rank_files import DS_GLOBALS
 
 LIMIT_S = 20
 LIMIT_RSS = 1 << 30
@@ -540,8 +540,10 @@ def test_dcp_value_bomb(dcp_copy, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("fmt", ["torch", "deepspeed"])
+@pytest.mark.parametrize("fmt", ["torch", "deepspeed", "deepspeed-protocol4"])
 def test_payload_in_other_formats_never_runs(timed, fmt, torch_file, ds_saves, tmp_path):
+    """Rank 1's optimizer file is not parsed by inspect (rank 0's tells the layout); its globals are checked all
+    the same, and at protocol 4 (STACK_GLOBAL, which only unpickling resolves) it is parsed."""
     marker = tmp_path / "pwned"
     if fmt == "torch":
         src = torch_file
@@ -552,7 +554,7 @@ def test_payload_in_other_formats_never_runs(timed, fmt, torch_file, ds_saves, t
         path = src / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
         state = torch.load(path, weights_only=False)
         state["optimizer_state_dict"]["loss_scaler"] = Evil(marker)
-        torch.save(state, path)
+        torch.save(state, path, pickle_protocol=4 if fmt.endswith("4") else 2)
     before = files_under(tmp_path)
     for args in (["inspect", src], ["verify", src, "--deep"], ["convert", src, tmp_path / "o", "--to", "hf"]):
         refused(timed, args, "posix.system", "--trust-pickle")

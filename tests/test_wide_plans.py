@@ -428,7 +428,7 @@ def test_spans_of_a_tensor_made_by_range_follow_its_pieces(ds_saves, tmp_path, m
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from ckpt_cli.core import reading, sinks
-    from ckpt_cli.formats.deepspeed import LazyRanks
+    from ckpt_cli.formats.deepspeed_rank_files import LazyRanks
     from ckpt_cli.ops.source import open_checkpoint
     from ckpt_cli.ops.structure import format_check
 
@@ -454,7 +454,7 @@ def test_spans_of_a_tensor_made_by_range_follow_its_pieces(ds_saves, tmp_path, m
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     ckpt = open_checkpoint(wide)
     assert isinstance(ckpt.source.models, LazyRanks) and format_check(ckpt, False) == []
-    assert len(ckpt.source.models._loaded) <= 1  # rank 0's, held by the read
+    assert len(ckpt.source.models.loaded) <= 1  # rank 0's, held by the read
 
 
 def test_a_new_stage3_rank_holds_no_object_per_parameter(ds_saves, tmp_path):

@@ -445,8 +445,97 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     return PyLong_FromLong(verdict);
 }
 
+/* The globals a pickle names by text (GLOBAL, INST), in the order the unpickler would ask for them, without
+   building its value: a list of (module, name) bytes pairs, or None where only unpickling would tell the names
+   (STACK_GLOBAL takes them from the stack, EXT1/2/4 from the copyreg registry) or the opcodes do not walk (the
+   unpickler then says what is wrong). The walk ends at the first STOP, as the unpickler does. Only the arguments'
+   sizes are read: the same reading of them as `run`. */
+static PyObject *text_globals(const unsigned char *data, Py_ssize_t end, const unsigned char *kinds, const unsigned char *ns) {
+    PyObject *found = PyList_New(0);
+    if (!found) return NULL;
+    Py_ssize_t pos = 0;
+    while (pos < end) {
+        unsigned char op = data[pos], kind = kinds[op];
+        int64_t n = ns[op];
+        pos += 1;
+        if (kind == K_NONE || op == 0x93 || op == 0x82 || op == 0x83 || op == 0x84) break; /* STACK_GLOBAL, EXT1/2/4 */
+        int64_t length = 0, lines = 0;
+        switch (kind) {
+            case K_GET1: case K_GET4: case K_PUT1: case K_PUT4: case K_ATOM: case K_SKIP:
+                length = n;
+                break;
+            case K_ATOM_LEN:
+            case K_BIGINT: {
+                if (pos + n > end) goto undecided;
+                int is_signed = kind == K_BIGINT ? n == 4 : op == 0x54;
+                uint64_t v = 0;
+                for (int i = (int)n - 1; i >= 0; i--) v = (v << 8) | data[pos + i];
+                if (is_signed && n < 8 && (data[pos + n - 1] & 0x80)) goto undecided; /* negative */
+                if (v > (uint64_t)(end - pos - n)) goto undecided;
+                length = n + (int64_t)v;
+                break;
+            }
+            case K_ATOM_LINES: case K_GET_LINE:
+                lines = n;
+                break;
+            case K_PUT_LINE:
+                lines = 1;
+                break;
+            case K_INST:
+                lines = 2;
+                break;
+            case K_STOP:
+                return found;
+            default:
+                break;
+        }
+        if (length > end - pos) goto undecided;
+        pos += length;
+        if (lines) {
+            const unsigned char *first = data + pos, *nl = NULL;
+            Py_ssize_t first_len = 0;
+            for (int64_t i = 0; i < lines; i++) {
+                nl = pos < end ? memchr(data + pos, '\n', end - pos) : NULL;
+                if (!nl) goto undecided;
+                if (i == 0) first_len = nl - first;
+                pos = nl - data + 1;
+            }
+            if (op == 'c' || op == 'i') {
+                const unsigned char *second = first + first_len + 1;
+                PyObject *pair = Py_BuildValue("(y#y#)", first, first_len, second, (Py_ssize_t)(nl - second));
+                if (!pair || PyList_Append(found, pair) < 0) {
+                    Py_XDECREF(pair);
+                    Py_DECREF(found);
+                    return NULL;
+                }
+                Py_DECREF(pair);
+            }
+        }
+    }
+undecided:
+    Py_DECREF(found);
+    Py_RETURN_NONE;
+}
+
+static PyObject *named_globals(PyObject *self, PyObject *args) {
+    Py_buffer data, kinds, ns;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &data, &kinds, &ns)) return NULL;
+    PyObject *out;
+    if (kinds.len != 256 || ns.len != 256) {
+        PyErr_SetString(PyExc_ValueError, "the opcode table has 256 entries");
+        out = NULL;
+    } else {
+        out = text_globals(data.buf, data.len, kinds.buf, ns.buf);
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&kinds);
+    PyBuffer_Release(&ns);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "scan(data, kinds, ns, max_depth, hash_base, tree_base, expansion) -> verdict"},
+    {"named_globals", named_globals, METH_VARARGS, "named_globals(data, kinds, ns) -> [(module, name)] or None"},
     {NULL, NULL, 0, NULL},
 };
 

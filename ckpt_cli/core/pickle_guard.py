@@ -52,6 +52,15 @@ def printable(text: str, limit: int = 100) -> str:
 # ---- during: a budget for what the allow-listed callables copy ----------------------------------------
 
 
+def reason(exc: Exception) -> str:
+    """What went wrong, in words that quote nothing from the file beyond a few printable characters."""
+    if isinstance(exc, PickleRefused):
+        return str(exc)
+    if isinstance(exc, (pickle.UnpicklingError, EOFError)):  # the C unpickler's own messages
+        return printable(f"{type(exc).__name__}: {exc}", 80)
+    return type(exc).__name__
+
+
 class _Budget:
     def __init__(self, steps: int) -> None:
         self.left = steps
@@ -198,6 +207,17 @@ def _walk(data: bytes) -> bool:
     if verdict < 0:
         raise PickleRefused(SCAN_REFUSALS[verdict])
     return bool(verdict)
+
+
+def named_globals(data: bytes) -> list[tuple[str, str]] | None:
+    """The (module, name) of each global the pickle names by text (GLOBAL, INST), in the unpickler's order, read
+    without building its value (core/_pickle_scan.c); None where only unpickling would tell (STACK_GLOBAL, the
+    copyreg registry), where the opcodes do not walk or a name is not UTF-8, or where the C walk is not built."""
+    found = _pickle_scan.named_globals(data, _KIND_BYTES, _N_BYTES) if _pickle_scan is not None else None
+    try:
+        return None if found is None else [(module.decode(), name.decode()) for module, name in found]
+    except UnicodeDecodeError:
+        return None
 
 
 LEAN_FROM = 1 << 20  # pickles this large are loaded without their unread memo stores

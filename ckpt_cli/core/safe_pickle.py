@@ -415,9 +415,22 @@ class SafeUnpickler(pickle.Unpickler):
         raise PickleRefused(f"unsupported persistent id (a {type(pid).__name__})")
 
 
-def _own_fillers(
-    fillers: Mapping[str, Callable[[], Any]] | None,
-) -> tuple[dict[tuple[str, str], Any], dict[bytes, bytes]]:
+def check_unbuilt(data: bytes, where: str, extra: dict[tuple[str, str], Any] | None = None, trust: bool = False) -> bool:
+    """safe_loads' refusals that need nothing built (the scan's bounds, a global off the allow list), checked without
+    unpickling; False where only unpickling would tell the globals (the caller then loads the pickle)."""
+    names = pickle_guard.named_globals(data)
+    if names is not None:
+        try:
+            pickle_guard.scan(data)
+        except PickleRefused as exc:
+            raise DataError(f"{where}: unreadable pickle ({exc})") from exc
+        off_list = [f"{m}.{n}" for module, n in names if ((m := _PY2_MODULES.get(module, module)), n) not in _table(extra)]
+        if off_list and not trust:
+            raise UnsafePickleError(where, printable(off_list[0]))
+    return names is not None
+
+
+def _own_fillers(fillers: Mapping[str, Callable[[], Any]] | None) -> tuple[dict[tuple[str, str], Any], dict[bytes, bytes]]:
     """The globals a rewritten pickle names to make the fillers (new random names each load: no pickle can hold
     them beforehand) and the rewrite's key text -> opcodes (GLOBAL module/name, an empty tuple, REDUCE)."""
     own, replacements = {}, {}
@@ -426,15 +439,6 @@ def _own_fillers(
         own[module, name] = Allowed(factory, f"{module}.{name}")
         replacements[key.encode()] = f"c{module}\n{name}\n".encode() + b")R"
     return own, replacements
-
-
-def _reason(exc: Exception) -> str:
-    """What went wrong, in words that quote nothing from the file beyond a few printable characters."""
-    if isinstance(exc, PickleRefused):
-        return str(exc)
-    if isinstance(exc, (pickle.UnpicklingError, EOFError)):  # the C unpickler's own messages
-        return printable(f"{type(exc).__name__}: {exc}", 80)
-    return type(exc).__name__
 
 
 _TENSOR_PICKLES: dict[tuple[bytes, int], TensorRef] = {}  # data.pkl of a DCP chunk -> its tensor (immutable: shared)
@@ -483,7 +487,7 @@ def safe_loads(
     except DataError:  # a refused global, or a filler's own words about an item
         raise
     except Exception as exc:  # a corrupt pickle raises anything from EOFError to UnicodeDecodeError
-        raise DataError(f"{where}: unreadable pickle ({_reason(exc)})") from exc
+        raise DataError(f"{where}: unreadable pickle ({pickle_guard.reason(exc)})") from exc
     finally:
         if own_copy is not None:
             own_copy.close()

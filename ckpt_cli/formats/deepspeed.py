@@ -13,28 +13,28 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpt_cli.core import pickler, roles, zipio
+from ckpt_cli.core import roles, zipio
 from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import ReadOptions
-from ckpt_cli.core.model import Checkpoint, FileInfo, LazyPieces, ObjectEntry, StoredArray, TensorEntry
+from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, TensorEntry
 from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
-from ckpt_cli.core.pickle_guard import charge
-from ckpt_cli.core.pickler import Global, Instance, Reduce
-from ckpt_cli.core.safe_pickle import Sealed, TensorRef
+from ckpt_cli.core.safe_pickle import TensorRef
 from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import flatten, path_name, share_equal
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed_moe, deepspeed_pipeline, deepspeed_stage0
+from ckpt_cli.formats import deepspeed_rank_files as rank_files
 from ckpt_cli.formats.deepspeed_layout import ZeroLayout
 from ckpt_cli.formats.deepspeed_model_states import frozen_and_buffers, training_dtype_weights
-from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, WholePiece, ZeroFile
+from ckpt_cli.formats.deepspeed_partitions import Stage3Partitions, Stage12Partitions, ZeroFile
+from ckpt_cli.formats.deepspeed_rank_files import LazyRanks, RankFile
 from ckpt_cli.formats.deepspeed_variants import refuse_universal, refuse_variants, world_problems
-from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
+from ckpt_cli.formats.torch_save import Shared
 from ckpt_cli.store import location
 
 LATEST = "latest"
@@ -67,56 +67,6 @@ LAYOUT_KEYS = {
     "ds_version",
     "checkpoint_parallel_dimensions",
 }
-
-
-class _Stub(metaclass=Sealed):
-    """Stand-in for a pickled DeepSpeed object (loss scaler, fragment address): keeps its state.
-    Sealed: a pickle cannot change the class itself; each instance is the pickle's own."""
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        charge(len(state) if isinstance(state, dict) else 1)
-        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
-
-
-class LossScaler(_Stub):
-    pass
-
-
-class DynamicLossScaler(_Stub):
-    pass
-
-
-class FragmentAddress(_Stub):
-    pass
-
-
-class ZeroStage(int, metaclass=Sealed):
-    """ZeroStageEnum's value; written back as the enum."""
-
-    __slots__ = ()
-
-
-_STUBS = {
-    LossScaler: ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    DynamicLossScaler: ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    FragmentAddress: ("deepspeed.utils.tensor_fragment", "fragment_address"),
-}
-DS_GLOBALS: dict[tuple[str, str], Any] = {where: cls for cls, where in _STUBS.items()}
-DS_GLOBALS[("deepspeed.runtime.zero.config", "ZeroStageEnum")] = ZeroStage
-
-# Written back with the same pickle globals, so DeepSpeed reads what ckpt writes (docs/formats.md §2.5).
-for _cls, (_module, _name) in _STUBS.items():
-    pickler.register(_cls, lambda obj, g=Global(_module, _name): Instance(g, {k: v for k, v in obj.__dict__.items() if k != "args"}))
-pickler.register(ZeroStage, lambda v: Reduce(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(v),)))
-
-
-def fragment_address(numel: int, start: int) -> FragmentAddress:
-    address = FragmentAddress.__new__(FragmentAddress)
-    address.__dict__.update({"numel": numel, "start": start})
-    return address
 
 
 def is_deepspeed_dir(path: Path) -> bool:
@@ -195,72 +145,6 @@ class Source:
     pipeline_stage: int | None = None  # the stage's mp_rank in a pipeline-parallel checkpoint (deepspeed_pipeline.py)
 
 
-@dataclass
-class RankFile:
-    path: Path
-    tree: Any
-    records: dict[str, zipio.Record]
-
-    def array(self, ref: TensorRef) -> StoredArray:
-        return stored_array(ref, self.records, str(self.path))
-
-    def whole(self, ref: TensorRef) -> LazyPieces:
-        """The stored tensor as the one piece of a logical tensor of its shape, located when data is read (inspect of
-        a model-states file of thousands of tensors locates none)."""
-        return LazyPieces(WholePiece(self, ref), 1)
-
-
-class LazyRanks(Mapping[int, RankFile]):
-    """Rank files by rank, each parsed when first asked for. At stage 3 every rank's model states repeat the whole
-    module description: inspect and the exports need rank 0's (and the others' only for frozen parameters), verify
-    and the writers ask for each."""
-
-    def __init__(self, paths: Mapping[int, Path], load: Callable[[Path], RankFile], loaded: dict[int, RankFile]) -> None:
-        self.paths, self._load, self._loaded = dict(paths), load, loaded
-        self._last: tuple[int, RankFile] | None = None
-
-    def __getitem__(self, rank: int) -> RankFile:
-        if rank not in self._loaded:
-            self._loaded[rank] = self._load(self.paths[rank])
-        return self._loaded[rank]
-
-    def passing(self) -> Iterator[RankFile]:
-        """Every rank's file in turn, each parsed (unless held already) and let go when the caller moves on: a check
-        that reads a field of each held all 64 of a wide MoE's (5 MB each parsed) to the end."""
-        for rank in self:
-            yield self.unkept(rank)
-
-    def unkept(self, rank: int) -> RankFile:
-        """The rank's file, parsed now unless held already, and not kept beyond the last one asked for (a writer
-        reads each old rank's once, or with 'wrap' the few it cycles through, rank 0's being held)."""
-        held = self._loaded.get(rank) or (self._last[1] if self._last and self._last[0] == rank else None)
-        if held is None:
-            held = self._load(self.paths[rank])
-            self._last = (rank, held)
-        return held
-
-    def __contains__(self, rank: object) -> bool:  # without parsing the file (Mapping's own would)
-        return rank in self.paths
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(sorted(self.paths))
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-
-def _load(path: Path, options: ReadOptions, parsed: Shared | None = None) -> RankFile:
-    try:
-        f = open_regular(path)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
-    with f:
-        tree, records = load_archive(f, str(path), options, extra_globals=DS_GLOBALS, parsed=parsed)
-    if not isinstance(tree, dict):
-        raise DataError(f"{path}: does not hold a DeepSpeed state dict")
-    return RankFile(path, tree, records)
-
-
 def _ranked(folder: Path, pattern: re.Pattern[str], rank_group: int, stage: int | None = None) -> dict[int, Path]:
     """Files by data-parallel rank; `stage`: a pipeline stage's only (its mp_rank, the group after the rank's)."""
     out: dict[int, Path] = {}
@@ -295,7 +179,7 @@ class DeepSpeedReader:
         parsed = Shared()  # rank files repeat their pickles (stage 3: all of them) and whole files; each is parsed once
 
         def load(p: Path) -> RankFile:
-            return _load(p, options, parsed)
+            return rank_files.load(p, options, parsed)
 
         first_model = load(shared_model[0] if shared_model else model_paths[min(model_paths)])
         if stage_of is None and deepspeed_pipeline.is_pipeline(folder, first_model.tree):
@@ -314,19 +198,25 @@ class DeepSpeedReader:
             raise UsageError(
                 f"{folder}: no ZeRO optimizer files (stage 0 or a plain engine); read the model-states file as a torch file instead"
             )
-        # Every file is parsed, inspect's too: a hostile pickle in any rank's file is refused, never passed over in silence.
-        optims: dict[int, RankFile] = {}
-        for r, p in sorted(optim_paths.items()):
-            optims[r] = load(p)
-            share_equal(optims[r].tree.get("optimizer_state_dict"), optims[min(optims)].tree.get("optimizer_state_dict"))
-        osd0 = optims[min(optims)].tree.get("optimizer_state_dict")
+        first_optim = load(optim_paths[min(optim_paths)])
+        osd0 = first_optim.tree.get("optimizer_state_dict")
         if not isinstance(osd0, dict):
-            raise DataError(f"{optim_paths[min(optims)]}: no optimizer_state_dict")
+            raise DataError(f"{first_optim.path}: no optimizer_state_dict")
+
+        def load_optim(p: Path) -> RankFile:
+            optim = load(p)
+            share_equal(optim.tree.get("optimizer_state_dict"), osd0)
+            return optim
+
+        optims = LazyRanks(optim_paths, load_optim, {min(optim_paths): first_optim})
+        for r, p in sorted(optim_paths.items()):  # a hostile pickle in any rank's file is refused, inspect's too
+            if r not in optims.loaded and not rank_files.check(p, options):
+                optims.loaded[r] = load_optim(p)
         stage = osd0.get("zero_stage")
         world = osd0.get("partition_count")
         world = max(world) if isinstance(world, list) else world
         if not isinstance(world, int) or world < 1:
-            raise DataError(f"{optim_paths[min(optims)]}: no partition_count")
+            raise DataError(f"{first_optim.path}: no partition_count")
         missing = [r for r in range(world) if r not in optims]
         if missing:
             raise DataError(

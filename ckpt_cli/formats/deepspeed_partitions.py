@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes
@@ -53,15 +53,24 @@ def stage3_frozen_pieces(models: Mapping[int, ZeroFile], name: str, numel: int, 
     return flat_pieces(0, numel, parts)
 
 
-def optimizer_states(optims: Mapping[int, ZeroFile]) -> dict[int, Any]:
-    """Each rank's `optimizer_state_dict` (DataError naming the file that has none)."""
-    out = {}
-    for rank, optim in optims.items():
-        osd = optim.tree.get("optimizer_state_dict")
+class OptimizerStates(Mapping[int, Any]):
+    """Each rank's `optimizer_state_dict`, its file parsed when first asked for (inspect reads rank 0's alone);
+    DataError naming a file that has none."""
+
+    def __init__(self, optims: Mapping[int, ZeroFile]) -> None:
+        self.optims = optims
+
+    def __getitem__(self, rank: int) -> Any:
+        osd = self.optims[rank].tree.get("optimizer_state_dict")
         if not isinstance(osd, dict):
-            raise DataError(f"{getattr(optim, 'path', f'rank {rank}')}: no optimizer_state_dict")
-        out[rank] = osd
-    return out
+            raise DataError(f"{getattr(self.optims[rank], 'path', f'rank {rank}')}: no optimizer_state_dict")
+        return osd
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.optims)
+
+    def __len__(self) -> int:
+        return len(self.optims)
 
 
 class WholePiece:
@@ -105,7 +114,7 @@ class Stage12Partitions:
     ) -> None:
         self.model, self.optims, self.world, self.stage = model, optims, world, stage
         self.experts, self.order = experts, order
-        self.osd = optimizer_states(optims)
+        self.osd = OptimizerStates(optims)
         self._sizes: dict[tuple[int, int], int] = {}
         self._offsets: dict[int, list[Slot]] = {}
         self._parts: dict[tuple[int, str | None, int], tuple[list[tuple[int, int, StoredArray, int]], list[int] | None]] = {}
@@ -230,7 +239,7 @@ class Stage3Partitions:
 
     def __init__(self, models: Mapping[int, ZeroFile], optims: Mapping[int, ZeroFile], world: int) -> None:
         self.models, self.optims, self.world = models, optims, world
-        self.osd = optimizer_states(optims)
+        self.osd = OptimizerStates(optims)
         self._flats: dict[tuple[int, str | None], list[StoredArray]] = {}
         self.shapes: list[dict[str, zl.Shape]] = models[0].tree.get("param_shapes") or []
         inner = self.osd[0].get("optimizer_state_dict") or {}

@@ -22,8 +22,8 @@ from ckpt_cli.core.safe_pickle import TensorRef, TorchSize
 from ckpt_cli.core.training import TrainingState, apply_per_rank_rule
 from ckpt_cli.core.tree import unflatten
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats.deepspeed import LossScaler, ZeroStage
 from ckpt_cli.formats.deepspeed_layout import Slot, flat_slots
+from ckpt_cli.formats.deepspeed_rank_files import LossScaler, ZeroStage
 
 # The DeepSpeed release whose layout this module reproduces (checked by loading in the test suite);
 # load_checkpoint only requires a version string to be present.

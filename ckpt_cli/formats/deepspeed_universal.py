@@ -30,9 +30,11 @@ from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import deepspeed
-from ckpt_cli.formats.deepspeed import MODEL_STATES, RankFile
+from ckpt_cli.formats import deepspeed_rank_files as rank_files
+from ckpt_cli.formats.deepspeed import MODEL_STATES
 from ckpt_cli.formats.deepspeed import READER as NATIVE
 from ckpt_cli.formats.deepspeed_model_states import frozen_and_buffers
+from ckpt_cli.formats.deepspeed_rank_files import DS_GLOBALS, LazyRanks, RankFile
 from ckpt_cli.formats.deepspeed_variants import refuse_variants
 from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
 
@@ -98,11 +100,11 @@ class UniversalReader:
         rank0 = [p for p in model_paths if (m := MODEL_STATES.match(p.name)) and m.group(1) in (None, "0")]
         if not rank0:
             raise DataError(f"{folder}: no rank-0 model-states file (mp_rank_00_model_states.pt)")
-        first = deepspeed._load(rank0[0], options, parsed)
+        first = rank_files.load(rank0[0], options, parsed)
         model = first.tree
         refuse_variants(folder, model, MODEL_STATES)
         optim_path = folder / ZERO / OPTIMIZER_STATE
-        optim = deepspeed._load(optim_path, options, parsed) if present(optim_path) else None
+        optim = rank_files.load(optim_path, options, parsed) if present(optim_path) else None
         shapes: list[Mapping[str, Any]] = model.get("param_shapes") or []
         expected = {n: tuple(s) for group in shapes for n, s in group.items()}
         expected.update({n: tuple(s) for n, s in (model.get("frozen_param_shapes") or {}).items()})
@@ -208,19 +210,19 @@ class UniversalReader:
         return problems
 
 
-def _model_ranks(folder: Path, paths: list[Path], first: RankFile, options: ReadOptions, parsed: Shared) -> deepspeed.LazyRanks:
+def _model_ranks(folder: Path, paths: list[Path], first: RankFile, options: ReadOptions, parsed: Shared) -> LazyRanks:
     """Every rank's model states by rank (stage 3's zero_pp_rank_R files; none at stages 1/2), each parsed when asked for:
     at stage 3 each holds a fragment of every frozen parameter."""
     ranks = {int(m.group(1)): p for p in paths if (m := MODEL_STATES.match(p.name)) and m.group(1) is not None}
     if ranks and sorted(ranks) != list(range(len(ranks))):
         raise DataError(f"{folder}: model-states files of ranks {sorted(ranks)}; stage 3 needs ranks 0..{len(ranks) - 1}")
-    return deepspeed.LazyRanks(ranks, lambda p: deepspeed._load(p, options, parsed), {0: first} if 0 in ranks else {})
+    return LazyRanks(ranks, lambda p: rank_files.load(p, options, parsed), {0: first} if 0 in ranks else {})
 
 
 def _state_tensor(file: Path, name: str, state: str, shape: tuple[int, ...] | None, options: ReadOptions, parsed: Shared) -> TensorEntry:
     """One state file as a tensor of the parameter's shape (stage 3 stores it flat); `step` is 0-d."""
     with open_regular(file) as f:
-        tree, records = load_archive(f, str(file), options, extra_globals=deepspeed.DS_GLOBALS, parsed=parsed)
+        tree, records = load_archive(f, str(file), options, extra_globals=DS_GLOBALS, parsed=parsed)
     ref = tree.get("param") if isinstance(tree, dict) else tree
     if not isinstance(ref, TensorRef):
         raise DataError(f"{file}: holds {type(ref).__name__}, not a tensor ('param')")

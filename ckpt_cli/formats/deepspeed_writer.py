@@ -29,9 +29,10 @@ from ckpt_cli.core.safe_pickle import TorchSize
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import deepspeed_layout as zl
 from ckpt_cli.formats import deepspeed_pipeline, deepspeed_regroup, deepspeed_stage0
-from ckpt_cli.formats.deepspeed import LATEST, LazyRanks, Source, ZeroSource, fragment_address
+from ckpt_cli.formats.deepspeed import LATEST, Source, ZeroSource
 from ckpt_cli.formats.deepspeed_files import built, file_segments, outline, own, rekey_client_state, tensorize
 from ckpt_cli.formats.deepspeed_layout import Slot, ZeroLayout
+from ckpt_cli.formats.deepspeed_rank_files import LazyRanks, fragment_address
 from ckpt_cli.formats.deepspeed_template import BuiltSource
 
 

@@ -34,7 +34,7 @@ from ckpt_cli.core.model import (
 from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.pickler import Global, Reduce
 from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
-from ckpt_cli.core.safe_pickle import TensorRef, safe_loads, view_problem
+from ckpt_cli.core.safe_pickle import TensorRef, check_unbuilt, safe_loads, view_problem
 from ckpt_cli.core.tree import flatten, unflatten, unique_names
 from ckpt_cli.errors import DataError
 
@@ -64,21 +64,32 @@ def load_archive(
     `parsed`: what this read already parsed, for files that repeat one pickle byte for byte (every rank's ZeRO-3 model
     states describe the whole module) or are whole copies of one another: the tree and records are shared, so callers
     must not change them, and each file's tensors are still checked against its own records when their pieces are made."""
-    records, whole = zipio.read_archive(f, where, start, length, parsed.records if parsed is not None else None)
-    if "data.pkl" not in records:
-        raise DataError(f"{where}: zip archive without data.pkl; not a torch.save file")
-    rec = records["data.pkl"]
-    if whole is not None:
-        data = whole[rec.data_offset - start : rec.data_offset - start + rec.size]
-    else:
-        f.seek(rec.data_offset)
-        data = f.read(rec.size)
+    records, data = _pickle_of(f, where, start, length, parsed)
     if parsed is None:
         return safe_loads(data, where, extra_globals, options.trust_pickle), records
     digest = hashlib.blake2b(data, digest_size=32).digest()
     if digest not in parsed.pickles:
         parsed.pickles[digest] = safe_loads(data, where, extra_globals, options.trust_pickle)
     return parsed.pickles[digest], records
+
+
+def check_archive(f: BinaryIO, where: str, options: ReadOptions, extra_globals: dict[tuple[str, str], Any] | None = None) -> bool:
+    """What load_archive refuses before it builds the pickle's value (the archive's records, the pickle's bounds and
+    globals), checked without unpickling: a rank file that a read need not parse is still refused when hostile.
+    False where only unpickling would tell the globals (a protocol-4 pickle's STACK_GLOBAL): then load it."""
+    return check_unbuilt(_pickle_of(f, where, 0, None, None)[1], where, extra_globals, options.trust_pickle)
+
+
+def _pickle_of(f: BinaryIO, where: str, start: int, length: int | None, parsed: Shared | None) -> tuple[dict[str, zipio.Record], bytes]:
+    """The archive's records and the bytes of its data.pkl."""
+    records, whole = zipio.read_archive(f, where, start, length, parsed.records if parsed is not None else None)
+    if "data.pkl" not in records:
+        raise DataError(f"{where}: zip archive without data.pkl; not a torch.save file")
+    rec = records["data.pkl"]
+    if whole is not None:
+        return records, whole[rec.data_offset - start : rec.data_offset - start + rec.size]
+    f.seek(rec.data_offset)
+    return records, f.read(rec.size)
 
 
 def stored_array(ref: TensorRef, records: dict[str, zipio.Record], path: str, tensor: str = "") -> StoredArray:
