@@ -4,14 +4,17 @@ An exception raised by a signal handler lands wherever the main thread is: insid
 numpy or torch does lazily mid-write, it can be swallowed (the write then commits) or abort the
 process (leaving the temporary output). So while a write runs, the CLI's handler only records the
 request here; the write engine raises Terminated at its next block and before it commits, and the
-temporary output is removed as on Ctrl-C.
+temporary output is removed as on Ctrl-C. Outside a write the handler raises at once, except in torch's own code
+(its import calls back into Python from C++): there the signal is sent again a moment later (`deferred`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 from ckpt_cli.errors import Terminated
 
@@ -54,3 +57,20 @@ def writing() -> Iterator[None]:
     finally:
         with _lock:
             _writes -= 1
+
+
+RESEND_S = 0.02
+
+
+def deferred(signum: int, frame: FrameType | None) -> bool:
+    """Whether a signal landed in torch's code, where an exception raised by its handler can cross C++ frames
+    (pybind11 calling back into Python while torch imports) and abort the process without a word. Then it is sent
+    again a moment later, when the main thread has likely left torch; True: the handler should return."""
+    while frame is not None:
+        if f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+            resend = threading.Timer(RESEND_S, os.kill, (os.getpid(), signum))
+            resend.daemon = True  # a process that ends meanwhile is not kept waiting
+            resend.start()
+            return True
+        frame = frame.f_back
+    return False

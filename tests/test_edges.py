@@ -147,6 +147,29 @@ def test_a_sibling_of_a_single_file_source_is_fine(ckpt, tmp_path, mixed_files):
 # ---- signals at any moment, start-up included ------------------------------------------------------------------
 
 
+def test_a_sigterm_in_torch_code_is_sent_again_not_raised_there(monkeypatch):
+    """An exception raised by the SIGTERM handler inside torch's import can cross pybind11's C++ frames and abort the
+    process (exit -6, no word; 1 run in 60 of the start-up test below did). A signal landing in a frame of torch's
+    code, however deep, is sent again 20 ms later; one landing elsewhere is handled at once."""
+    import os
+    import types
+
+    from ckpt_cli import interrupt
+
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(interrupt, "RESEND_S", 0.0)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    ours = types.SimpleNamespace(f_code=types.SimpleNamespace(co_filename="/x/ckpt_cli/cli/app.py"), f_back=None)
+    theirs = types.SimpleNamespace(f_code=types.SimpleNamespace(co_filename=f"{os.sep}venv{os.sep}torch{os.sep}__init__.py"), f_back=ours)
+    inner = types.SimpleNamespace(f_code=types.SimpleNamespace(co_filename="/usr/lib/python3/importlib/_bootstrap.py"), f_back=theirs)
+    assert interrupt.deferred(signal.SIGTERM, ours) is False and interrupt.deferred(signal.SIGTERM, None) is False
+    assert interrupt.deferred(signal.SIGTERM, inner) is True
+    deadline = time.monotonic() + 5
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent == [(os.getpid(), signal.SIGTERM)]
+
+
 @pytest.mark.parametrize("sig,code,line", [(signal.SIGINT, 130, "ckpt: error: interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
 def test_a_signal_during_start_up_gives_one_line_and_the_exit_code(tmp_path, mixed_files, sig, code, line):
     """Signals from the first milliseconds of ckpt's own code on (imports of typer, numpy, torch) to the write itself.

@@ -502,3 +502,32 @@ def test_a_zero3_reshard_of_slivers_is_written_by_one_thread_unless_asked(ds_sav
     assert executor.worker_count(None, WritePlan("x", tmp_path, True, []).threads) == 4
     monkeypatch.setattr(deepspeed_writer, "SLIVER", 1)  # every share "large": the plan leaves the default alone
     assert writes.prepare(writes.reshard_request(src, tmp_path / "w3b", world_size=3)).job.plan.threads is None
+
+
+def test_a_dcp_reshard_of_small_chunks_is_written_by_one_thread_unless_asked(fsdp2_saves, tmp_path, monkeypatch):
+    """Rank files of small chunks (each a torch.save archive made by Python under the GIL) ask for one writing thread
+    by default; a plan of large chunks leaves the default alone."""
+    from ckpt_cli.formats import dcp_writer
+
+    src = fsdp2_saves[2] / "ckpt"
+    assert writes.prepare(writes.reshard_request(src, tmp_path / "w3", world_size=3)).job.plan.threads == 1
+    monkeypatch.setattr(dcp_writer, "SMALL_CHUNK", 1)  # every chunk "large"
+    assert writes.prepare(writes.reshard_request(src, tmp_path / "w3b", world_size=3)).job.plan.threads is None
+
+
+def test_a_batched_write_gives_the_heap_back_once_grown(monkeypatch):
+    """malloc_trim after every batch made each small file's next batch fault its pages back in; the heap is given
+    back once the process has grown by RISE since the last time, and at once where its size cannot be read."""
+    from ckpt_cli.core import heap
+
+    trims: list[int] = []
+    sizes = iter([100 << 20, 90 << 20, 95 << 20, 97 << 20, 120 << 20, 100 << 20])
+    monkeypatch.setattr(heap, "give_back", lambda: trims.append(1))
+    monkeypatch.setattr(heap, "_resident", lambda: next(sizes))
+    monkeypatch.setattr(heap, "_RSS_AFTER_TRIM", [0])
+    for _ in range(4):
+        heap.give_back_when_grown()
+    assert len(trims) == 2  # 100 MB (trimmed to 90), 95 and 97 (under 90 + 8), 120 (trimmed to 100)
+    monkeypatch.setattr(heap, "_resident", lambda: None)
+    heap.give_back_when_grown()
+    assert len(trims) == 3

@@ -61,6 +61,8 @@ app.command("completion", epilog=epilog("completion"))(completion_cmd.completion
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    if interrupt.deferred(signum, frame):  # in torch's code: raised there, it could abort the process
+        return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
     if not interrupt.request():  # a running write stops at its next block (ckpt_cli/interrupt.py says why)
         raise Terminated

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import signal
 import sys
+from types import FrameType
 
+from ckpt_cli import interrupt
 from ckpt_cli.errors import Terminated, interrupt_inside
 
 
-def _early_sigterm(signum: int, frame: object) -> None:
+def _early_sigterm(signum: int, frame: FrameType | None) -> None:
+    if interrupt.deferred(signum, frame):  # in torch's import: raised there, it could abort the process
+        return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
 

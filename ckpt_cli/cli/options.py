@@ -108,7 +108,7 @@ Workers = Annotated[
     typer.Option(
         "--workers",
         metavar="K",
-        help="Files written at once (default: CPU count, at most 4; 1 for a ZeRO-3 reshard of small params).",
+        help="Files written at once (default: CPU count, at most 4; 1 for ZeRO-3 params or DCP chunks that are small).",
         min=1,
     ),
 ]

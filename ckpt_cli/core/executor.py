@@ -288,7 +288,7 @@ def write_batches(
             write_segments(batch, local or sink, sources)
             written += sum(seg.size for seg in batch)
             del batch
-            heap.give_back()  # what the batch's segments took, or RSS climbs through a wide write
+            heap.give_back_when_grown()  # what the batches' segments took, or RSS climbs through a wide write
         if local is not None:
             local.flush()
         written = local.offset if local is not None else written
