@@ -179,7 +179,7 @@ def bench_source(name: str, work: Path, ranks: list[int], peer_ranks: set[int], 
             argv = [*TORCHRUN, "--nproc-per-node", str(nproc), "-m", "ckpt_cli", "reshard", str(base), str(spread)]
             wall_n, rss_n = timed([*argv, "--world-size", str(w), "-q"], spread, env)
             remove(spread)
-            note = f"{ratio(wall, wall_n)} faster than one process"
+            note = f"speed-up {ratio(wall, wall_n)} over one process"
             rows.append(Row(name, w, "reshard_torchrun", f"torchrun x{nproc} ckpt reshard 2->{w}", wall_n, rss_n, du(base), written, note))
             print(f"{name} W={w}: torchrun x{nproc} reshard 2->{w} {wall_n:.1f} s ({note})", file=sys.stderr, flush=True)
         out = work / f"out-{name}-w{w}"

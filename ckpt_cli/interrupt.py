@@ -11,6 +11,7 @@ temporary output is removed as on Ctrl-C. Outside a write the handler raises at 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,14 +61,19 @@ def writing() -> Iterator[None]:
 
 
 RESEND_S = 0.02
+RESENDS = 100  # then raised wherever it lands: a signal is never put off for more than ~2 s
+_resent = [0]
 
 
 def deferred(signum: int, frame: FrameType | None) -> bool:
     """Whether a signal landed in torch's code, where an exception raised by its handler can cross C++ frames
     (pybind11 calling back into Python while torch imports) and abort the process without a word. Then it is sent
     again a moment later, when the main thread has likely left torch; True: the handler should return."""
-    while frame is not None:
-        if f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+    torch = sys.modules.get("torch")
+    folder = os.path.dirname(getattr(torch, "__file__", None) or "") + os.sep
+    while frame is not None and folder != os.sep and _resent[0] < RESENDS:
+        if frame.f_code.co_filename.startswith(folder):
+            _resent[0] += 1
             resend = threading.Timer(RESEND_S, os.kill, (os.getpid(), signum))
             resend.daemon = True  # a process that ends meanwhile is not kept waiting
             resend.start()
