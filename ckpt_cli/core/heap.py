@@ -46,7 +46,7 @@ _RSS_AFTER_TRIM = [0]
 def give_back_when_grown() -> None:
     """`give_back` once the resident size has grown by RISE since the last time. A trim after every batch made the
     next batch fault its pages back in: a 1,024-rank DCP write, one small batch a file, made 21,000 madvise calls and
-    530,000 page faults (~2 s of 13 on this VM), for a rise it did not have."""
+    530,000 page faults (~0.6 s of 14 on this VM), for a rise it did not have."""
     rss = _resident()
     if rss is None or rss - _RSS_AFTER_TRIM[0] >= RISE:
         give_back()

@@ -423,7 +423,7 @@ def check_unbuilt(data: bytes, where: str, extra: dict[tuple[str, str], Any] | N
         try:
             pickle_guard.scan(data)
         except PickleRefused as exc:
-            raise DataError(f"{where}: unreadable pickle ({exc})") from exc
+            raise DataError(f"{where}: unreadable pickle ({pickle_guard.reason(exc)})") from exc
         off_list = [f"{m}.{n}" for module, n in names if ((m := _PY2_MODULES.get(module, module)), n) not in _table(extra)]
         if off_list and not trust:
             raise UnsafePickleError(where, printable(off_list[0]))
