@@ -349,7 +349,8 @@ class DeepSpeedReader:
                     "finish (DeepSpeed writes 'latest' last)"
                 )
         stages, counts = set(), set()
-        optims = ckpt.source.optims.values() if isinstance(ckpt.source, Source) else []  # as `read` parsed them
+        held = ckpt.source.optims if isinstance(ckpt.source, Source) else {}
+        optims = held.passing() if isinstance(held, LazyRanks) else held.values()  # each parsed in turn, none kept
         for optim in optims:
             osd = optim.tree.get("optimizer_state_dict") or {}
             stages.add(osd.get("zero_stage"))
