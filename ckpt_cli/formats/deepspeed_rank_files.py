@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckpt_cli.core import pickler, zipio
 from ckpt_cli.core.interface import ReadOptions
@@ -126,11 +126,7 @@ class LazyRanks(Mapping[int, RankFile]):
 
 
 def load(path: Path, options: ReadOptions, parsed: Shared | None = None) -> RankFile:
-    try:
-        f = open_regular(path)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
-    with f:
+    with _opened(path) as f:
         tree, records = load_archive(f, str(path), options, extra_globals=DS_GLOBALS, parsed=parsed)
     if not isinstance(tree, dict):
         raise DataError(f"{path}: does not hold a DeepSpeed state dict")
@@ -140,9 +136,12 @@ def load(path: Path, options: ReadOptions, parsed: Shared | None = None) -> Rank
 def check(path: Path, options: ReadOptions) -> bool:
     """A rank file checked as `load` would refuse it, without building its pickle's value (torch_save.check_archive):
     False where only parsing would tell."""
+    with _opened(path) as f:
+        return check_archive(f, str(path), options, extra_globals=DS_GLOBALS)
+
+
+def _opened(path: Path) -> BinaryIO:
     try:
-        f = open_regular(path)
+        return open_regular(path)
     except OSError as exc:
         raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
-    with f:
-        return check_archive(f, str(path), options, extra_globals=DS_GLOBALS)
