@@ -147,6 +147,11 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # pytest-N/, above this worker's popen-gwK/
+    if os.environ.get("CKPT_TEST_BUILT"):
+        # A developer's cache kept across runs (a folder of their choosing): the producers run once, not once per run.
+        # Stale after a change to tests/producers/ or conftest's builds: delete the folder then. CI never sets it.
+        base = Path(os.environ["CKPT_TEST_BUILT"])
+        base.mkdir(parents=True, exist_ok=True)
     (base / "built").mkdir(exist_ok=True)
     root, done, failed = (base / "built" / f"{name}{suffix}" for suffix in ("", ".done", ".failed"))
     with FileLock(base / "built" / f"{name}.lock"):
