@@ -122,6 +122,8 @@ def _parse_companion(comp: Companion, where: str, options: ReadOptions, problems
     try:
         if not store.location(where).is_file():
             raise DataError(f"{where}: not a regular file; a run checkpoint's files are copied as they are, so ckpt refuses it")
+        if comp.kind == "other" and runs.foreign(store.location(where)):  # another tool's file (np.savez, a pickle): copied as is
+            return None
         if comp.kind == "other" and _is_pickle(where):  # an unknown pickle is checked like a known one before it is copied
             return registry.get("torch").reader.read(store.location(where), ReadOptions(trust_pickle=options.trust_pickle))
         if comp.relpath.endswith(".json"):

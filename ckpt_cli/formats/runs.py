@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_cli import store
+from ckpt_cli.core.paths import open_regular
+from ckpt_cli.errors import DataError
 from ckpt_cli.formats import registry
 
 TRAINER, ACCELERATE, LIGHTNING, TORCHTITAN = "trainer", "accelerate", "lightning", "torchtitan"
@@ -31,6 +33,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bi
 TOKENIZER_FILES = {"special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model"}
 NESTING_KEYS = ("model", "state_dict", "module")  # keys a framework nests the model weights under
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
+LEGACY_TORCH = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # torch.save < 1.6: pickle of its magic number
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ def _is(fmt: str, path: Path) -> bool:
 def detect(path: Path) -> RunCheckpoint | None:
     """The run checkpoint at `path` (names and magic bytes only), or None."""
     if path.is_file():
-        if path.suffix == ".ckpt" and _is("torch", path):  # Lightning's single-file checkpoint
+        if path.suffix == ".ckpt" and _is("torch", path) and foreign(path) is None:  # Lightning's single-file checkpoint
             return RunCheckpoint(LIGHTNING, path, (Part("", "torch", None, "state_dict."),), ())
         return None
     entries = _entries(path)
@@ -190,6 +193,33 @@ def _companion(name: str, beside_deepspeed: bool) -> Companion:
     if name.endswith(".py"):
         return Companion(name, "script")
     return Companion(name, "other")
+
+
+def foreign(path: Path) -> str | None:
+    """What a file of another tool is, in words (a NumPy array or archive, a zip or pickle that torch.save did not
+    write, a file named .safetensors without a safetensors header), from its first bytes; None for a file that may be
+    a checkpoint, a damaged one included: a truncated torch.save zip still names `data.pkl` first, a truncated legacy
+    one still starts with torch's magic number, and a file too short to tell is left to its reader."""
+    try:
+        with open_regular(path) as f:
+            head = f.read(512)
+    except (OSError, DataError):
+        return None
+    if head.startswith(b"\x93NUMPY"):
+        return "a NumPy array (np.save), not a checkpoint"
+    if head.startswith(b"PK\x03\x04") and len(head) >= 30:
+        size = int.from_bytes(head[26:28], "little")
+        first = head[30 : 30 + size]
+        if len(first) < size or first.endswith(b"data.pkl"):  # torch.save writes data.pkl first
+            return None
+        if first.endswith(b".npy"):
+            return "a NumPy archive (np.savez), not a torch.save file"
+        return f"a zip archive (first entry {first.decode(errors='replace')!r}), not a torch.save file"
+    if head[:1] == b"\x80" and len(head) >= len(LEGACY_TORCH) and not head.startswith(LEGACY_TORCH):
+        return "a pickle of another tool, not a torch.save file"
+    if path.suffix == ".safetensors" and len(head) >= 9 and head[8:9] != b"{":
+        return "named .safetensors, but without a safetensors header"
+    return None
 
 
 def is_part_of(path: Path) -> tuple[RunCheckpoint, Path] | None:

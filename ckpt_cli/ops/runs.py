@@ -61,8 +61,8 @@ def identify(path: Path) -> Found | None:
     run = runs.detect(path)
     if run is not None:
         return Found(path, run.framework, run.parts[0].format if run.parts else "-")
-    if path.is_file() and (COMPANION_FILE.fullmatch(path.name) or registry.member_of(path)):
-        return None
+    if path.is_file() and (COMPANION_FILE.fullmatch(path.name) or registry.member_of(path) or runs.foreign(path)):
+        return None  # a run checkpoint's own file, or another tool's (np.savez, a plain pickle): never a damaged checkpoint
     fmt = registry.detect(path)
     return Found(path, None, fmt.name) if fmt is not None else None
 
