@@ -19,7 +19,7 @@ from typing import Any
 
 from ckpt_cli.core import meter, roles
 from ckpt_cli.core.model import Checkpoint, LazyPieces, TensorEntry
-from ckpt_cli.core.reading import WINDOW_BUDGET, SourceFiles
+from ckpt_cli.core.reading import WINDOW_BUDGET, SourceFiles, tensor_bytes
 from ckpt_cli.errors import CkptError, UsageError
 from ckpt_cli.ops import crossframework
 from ckpt_cli.ops.digests import tensor_digest
@@ -241,6 +241,12 @@ def diff(path_a: str | Path, path_b: str | Path, options: DiffOptions) -> DiffRe
     # Pieces located as each tensor is compared and forgotten after: two wide checkpoints' pieces at once took 490 MB
     a = open_checkpoint(path_a, options.format_a, options.tag_a, options.trust_pickle, pieces_when_read=True)
     b = open_checkpoint(path_b, options.format_b, options.tag_b, options.trust_pickle, pieces_when_read=True)
+    return pair(a, b, options)[0]
+
+
+def pair(a: Checkpoint, b: Checkpoint, options: DiffOptions) -> tuple[DiffReport, Checkpoint, Checkpoint]:
+    """Two open checkpoints compared tensor by tensor and by training state: the pairing `diff` reports and `verify
+    --against` judges (ops/verify.py). Also the two sides as matched (crossframework.comparable), for their roles."""
     report = DiffReport(Side.of(a), Side.of(b), options.atol, options.rtol, depth=options.depth)
     report.notes += [f"A: {n}" for n in a.notes] + [f"B: {n}" for n in b.notes]
     mine, theirs, matched = crossframework.comparable(a, b, flat_too=True)
@@ -264,7 +270,7 @@ def diff(path_a: str | Path, path_b: str | Path, options: DiffOptions) -> DiffRe
         report.notes.append("training state not compared (--filter narrows the diff to tensors)")
     else:
         report.training_state = training_state_diff(a, b)
-    return report
+    return report, mine, theirs
 
 
 def _left_out(original: Checkpoint, view: Checkpoint, side: str) -> list[str]:
@@ -313,8 +319,10 @@ def _compare(
     report.tensors.sort(key=_badness, reverse=True)
     only_a, only_b = [n for n in names_a if n not in in_b], [n for n in names_b if n not in in_a]
     both = {n for n in names_a if n in in_b} if only_a or only_b else set()  # what tied_aliases needs, when it runs
-    for side, ckpt, only in (("a", a, only_a), ("b", b, only_b)):
-        for alias, owner in tied_aliases(ckpt, only, both).items():
+    for side, ckpt, only, sources in (("a", a, only_a, sources_a), ("b", b, only_b, sources_b)):
+        ties = tied_aliases(ckpt, only, both)
+        ties.update(tied_copies(ckpt, [n for n in only if n not in ties], both, sources))
+        for alias, owner in ties.items():
             report.tied.append({"side": side, "name": alias, "tied_to": owner})
             only.remove(alias)
     report.renamed = find_renamed([a.tensors[n] for n in only_a], [b.tensors[n] for n in only_b], sources_a, sources_b)
@@ -332,6 +340,42 @@ def tied_aliases(ckpt: Checkpoint, only: list[str], both: set[str]) -> dict[str,
         if owner is not None:
             out.update({n: owner for n in group if n in only})
     return out
+
+
+def tied_copies(ckpt: Checkpoint, only: list[str], both: set[str], sources: SourceFiles) -> dict[str, str]:
+    """Names one side holds alone whose data is byte for byte a weight both sides hold (same dtype and shape, two or
+    more dims, not one repeated value): alias -> that weight. A tied weight saved twice (torch DCP writes each name's
+    copy, a weights export stores it once). A constant tensor (zeros, ones) is no evidence of a tie and is left alone."""
+    alone = [t for t in (ckpt.tensors[n] for n in only) if t.role == "model" and len(t.shape) >= 2 and t.numel]
+    if not alone:
+        return {}
+    key = lambda t: (t.dtype.name, t.shape)  # noqa: E731
+    wanted = {key(t) for t in alone}
+    owners: dict[Any, list[TensorEntry]] = {}
+    for name, t in ckpt.tensors.items():
+        if name in both and t.role == "model" and key(t) in wanted:
+            owners.setdefault(key(t), []).append(t)
+    digests: dict[str, str] = {}
+
+    def digest(t: TensorEntry) -> str:
+        if t.name not in digests:
+            digests[t.name] = tensor_digest(t, sources)
+        return digests[t.name]
+
+    out = {}
+    for t in alone:
+        if key(t) in owners and not _constant(t, sources):
+            owner = next((o for o in owners[key(t)] if digest(o) == digest(t)), None)
+            if owner is not None:
+                out[t.name] = owner.name
+    return out
+
+
+def _constant(t: TensorEntry, sources: SourceFiles) -> bool:
+    """The tensor's first block is one value repeated (an initialisation, not trained data)."""
+    block = bytes(next(iter(tensor_bytes(t, sources)), b""))
+    size = t.dtype.itemsize or 1
+    return block[:size] * (len(block) // size) == block[: len(block) // size * size]
 
 
 def find_renamed(

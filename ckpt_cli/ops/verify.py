@@ -19,13 +19,13 @@ from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import is_plain, read_regular_text
 from ckpt_cli.core.reading import SourceFiles, byte_runs, element_windows, read_elements, tensor_bytes
 from ckpt_cli.errors import DataError, Fix, UnsafePickleError, UsageError
-from ckpt_cli.ops import crossframework, quantized
+from ckpt_cli.ops import diff as diff_mod
 from ckpt_cli.ops import policy as policy_mod
+from ckpt_cli.ops import quantized
 from ckpt_cli.ops.digests import Digests, file_digest, file_pass, hasher
 from ckpt_cli.ops.finite import NonFinite
 from ckpt_cli.ops.source import open_checkpoint
-from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, has_checksums
-from ckpt_cli.ops.values import compare_values
+from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, format_notes, has_checksums
 from ckpt_cli.store import location
 
 MANIFEST_VERSION = 2  # 1: sha256 digests; 2: the digest named by "hash" (blake3 when ckpt writes it)
@@ -225,35 +225,53 @@ def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], digests: Digests,
 
 
 def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Report) -> None:
-    """Tensor-by-tensor comparison across formats (names, dtypes, shapes, values)."""
-    sources_a, sources_b = SourceFiles(), SourceFiles()
-    try:
-        for name in a.tensors.keys() - b.tensors.keys():
-            report.problems.append(f"{b.path}: tensor '{name}' is missing (present in {a.path})")
-        for name in b.tensors.keys() - a.tensors.keys():
-            report.problems.append(f"{a.path}: tensor '{name}' is missing (present in {b.path})")
-        exact = atol == 0 and rtol == 0
-        common = [n for n in a.tensors if n in b.tensors]
-        meter.stage(f"comparing with {b.path}", sum(a.tensors[n].nbytes for n in common))
-        for name in common:
-            x, y = a.tensors[name], b.tensors[name]
-            if x.shape != y.shape:
-                report.problems.append(f"{b.path}: tensor '{name}' has shape {list(y.shape)}, {a.path} has {list(x.shape)}")
-                continue
-            if x.dtype != y.dtype and exact:
-                report.problems.append(
-                    f"{b.path}: tensor '{name}' is {y.dtype}, {a.path} has {x.dtype} (give --atol/--rtol to compare values)"
-                )
-                continue
-            diff = compare_values(x, y, atol, rtol, sources_a, sources_b)
-            meter.advance(x.nbytes)
-            if not diff.within(atol, rtol):
-                how = "values differ" if exact else f"max |diff| {diff.max_abs:.3g} exceeds atol={atol} rtol={rtol}"
-                report.problems.append(f"{b.path}: tensor '{name}': {how}")
-    finally:
-        sources_a.close()
-        sources_b.close()
-    report.checks.append(f"against {b.path}")
+    """Tensor by tensor across formats and key layouts, paired as `diff` pairs them (diff.pair: by parameter name when
+    the layouts differ, tied weights stored once). A problem: a value outside the tolerance, a shape, a dtype without
+    a tolerance, a weight on one side only (or renamed), state one side holds that the other holds too but not all of,
+    a training-state value both sides hold that differs. What one side cannot hold (a weights export against a training
+    checkpoint's optimizer state, its step) is a note, as diff states it."""
+    d, mine, theirs = diff_mod.pair(a, b, diff_mod.DiffOptions(atol=atol, rtol=rtol))
+    pa, pb = a.path, b.path
+    if d.matched_by != "name":
+        report.checks.append(f"by {d.matched_by}")
+    exact = d.exact
+    dtype_of = {c["name"]: c for c in d.dtype_changed}
+    for t in d.tensors:
+        if exact and t.name in dtype_of:
+            report.problems.append(f"{pb}: tensor '{t.name}' is {t.dtype_b}, {pa} has {t.dtype_a} (give --atol/--rtol to compare values)")
+        elif not t.within:
+            how = "values differ" if exact else f"max |diff| {t.values.max_abs:.3g} exceeds atol={atol} rtol={rtol}"
+            report.problems.append(f"{pb}: tensor '{t.name}': {how}")
+    for c in d.shape_changed:
+        report.problems.append(f"{pb}: tensor '{c['name']}' has shape {c['b']}, {pa} has {c['a']}")
+    moved = {x: y for x, y in d.renamed}
+    for x, y in d.renamed:
+        if mine.tensors[x].role == "model" or theirs.tensors[y].role == "model":
+            report.problems.append(f"{pb}: tensor '{x}' is missing; the same bytes are under '{y}' (renamed)")
+    for only, side, other, here, there in ((d.only_in_a, mine, theirs, pa, pb), (d.only_in_b, theirs, mine, pb, pa)):
+        held = {t.role for t in other.tensors.values()}
+        for name in only:
+            if side.tensors[name].role == "model" or side.tensors[name].role in held:
+                report.problems.append(f"{there}: tensor '{name}' is missing (present in {here})")
+        unheld = [n for n in only if side.tensors[n].role not in held and side.tensors[n].role != "model"]
+        if unheld:
+            roles = sorted({side.tensors[n].role for n in unheld})
+            report.notes.append(
+                f"{here} holds {len(unheld)} {'/'.join(roles)} tensor{'s' * (len(unheld) > 1)} that {there} holds none of: not compared"
+            )
+    renamed_state = [x for x in moved if mine.tensors[x].role != "model" and theirs.tensors[moved[x]].role != "model"]
+    if renamed_state:
+        report.notes.append(f"{len(renamed_state)} tensors of {pa} are under other names in {pb} with the same bytes")
+    for here, which in ((pa, "b"), (pb, "a")):
+        alone = [e["key"] for e in d.training_state if e[which] is None]
+        if alone:
+            report.notes.append(f"training state held by {here} only, not compared: {', '.join(alone)}")
+    for e in d.training_state:
+        if e["a"] is not None and e["b"] is not None:
+            report.problems.append(f"{pb}: training state '{e['key']}' is {e['b']!r}, {pa} has {e['a']!r}")
+    report.notes += [f"{t['name']} of {pa if t['side'] == 'a' else pb} is tied to {t['tied_to']} (the same data)" for t in d.tied]
+    report.notes += [n.replace("A: ", f"{pa}: ", 1).replace("B: ", f"{pb}: ", 1) for n in d.notes if "not compared" in n]
+    report.checks.append(f"against {pb}")
 
 
 def verify(path: str | Path, options: VerifyOptions) -> Report:
@@ -288,6 +306,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         report.problems += format_check(ckpt, options.deep)
     except DataError as exc:
         report.problems.append(str(exc))
+    report.notes += format_notes(ckpt)  # what the checks suspect and cannot decide (file times): never a problem
     if options.deep:
         report.checks.append("deep")
         if not has_checksums(ckpt) and manifest is None and not options.write_manifest:
@@ -341,10 +360,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
             atol = rules.atol
         if rules and rules.rtol is not None and not rtol:
             rtol = rules.rtol
-        mine, theirs, matched = crossframework.comparable(ckpt, other)  # one run in two frameworks: by parameter name
-        if matched:
-            report.checks.append(matched)
-        compare(mine, theirs, atol, rtol, report)
+        compare(ckpt, other, atol, rtol, report)  # one run in two frameworks: by parameter name, as diff pairs them
     if rules:
         report.problems += policy_mod.check(ckpt, rules)
         report.checks.append(f"policy {options.policy}")
