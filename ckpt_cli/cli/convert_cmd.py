@@ -204,9 +204,10 @@ def reshard(
     name_map: NameMapFile = None,
     per_rank_state: PerRankState = "wrap",
 ) -> None:
-    """Same format, new layout: --world-size N (dcp, deepspeed; dcp on an N/T x T mesh with --tp T) or --num-shards/--max-shard-size (hf).
-    With --tp, FSDP2 + tensor parallel: each tensor split along the dims its source chunks show. DeepSpeed MoE: each
-    expert-parallel size kept where it divides N, else the largest that does, or --ep-size E; experts regrouped."""
+    """Same format, new layout: --world-size N (dcp, deepspeed, dtensor; dcp on an N/T x T mesh with --tp T) or
+    --num-shards/--max-shard-size (hf). With --tp, FSDP2 + tensor parallel: each tensor split along the dims its source
+    chunks show. DeepSpeed MoE: each expert-parallel size kept where it divides N, else the largest that does, or
+    --ep-size E; experts regrouped."""
     globs = _globs(filter_, select, quiet)
     request = _api().reshard_request(
         src, dest, world_size=world_size, tp=tp, ep_size=ep_size, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,

@@ -1,6 +1,7 @@
 """Each command's examples, shown under its --help and in the man page. Every one is a command of the tested tour
 (the README's Try it command, then the console blocks of README.md and docs/, run by tests/test_readme.py), so none can rot:
-tests/test_docs.py checks that each appears there verbatim."""
+tests/test_docs.py checks that each appears there verbatim. Followed in order after `ckpt demo demo`, a command's examples
+run as shown: what one reads is in demo/ or written by an example above it (tests/test_help.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ EXAMPLES: dict[str, list[str]] = {
     "inspect": [
         "ckpt inspect demo/deepspeed",
         "ckpt inspect demo/training_state.pt --tree --depth 2",
+        "ckpt reshard demo/dcp out/dcp2 --world-size 2",
         "ckpt inspect out/dcp2 --tensors --filter 'model.lm_head.*' --filter 'rng*'",
     ],
     "verify": [
@@ -23,6 +25,7 @@ EXAMPLES: dict[str, list[str]] = {
     "reshard": [
         "ckpt reshard demo/deepspeed out/ds8 --world-size 8",
         "ckpt reshard demo/dcp out/dcp2 --world-size 2",
+        "ckpt convert demo/training_state.pt out/weights --to hf --weights-only --strip-prefix model.",
         "ckpt reshard out/weights out/two --num-shards 2",
     ],
     "merge": [
@@ -36,9 +39,13 @@ EXAMPLES: dict[str, list[str]] = {
     "diff": [
         "ckpt diff demo/hf demo/model.safetensors",
         "ckpt diff demo/dcp demo/deepspeed",
+        "ckpt merge demo/hf out/model-bf16.safetensors --dtype bf16",
         "ckpt diff demo/model.safetensors out/model-bf16.safetensors --rtol 1e-2",
     ],
-    "parity": ["ckpt parity out/release-bf16 --against demo/llama --atol 0.05 --quiet"],
+    "parity": [
+        "ckpt convert demo/llama out/release-bf16 --to hf --dtype bf16",
+        "ckpt parity out/release-bf16 --against demo/llama --atol 0.05 --quiet",
+    ],
 }
 
 

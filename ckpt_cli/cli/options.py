@@ -16,16 +16,37 @@ def _preset_names() -> list[str]:
     return presets.names()
 
 
+def _schemes() -> str:
+    """The object stores' URL schemes, from the store's BACKENDS table: 's3://, s3a://, az://, abfs:// or abfss://'."""
+    from ckpt_cli.store.clients import BACKENDS  # a table of names: no client imported
+
+    names = [f"{protocol}://" for protocol in BACKENDS]
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
+def _world_size_formats() -> str:
+    """The formats `--world-size` lays out, from the registry rows that reshard by world size: 'deepspeed, dcp, dtensor
+    (a deepspeed-universal source becomes deepspeed)'."""
+    rows = [f for f in FORMATS.values() if f.reshard_by == "world_size"]
+    written = ", ".join(f.name for f in rows if f.writable)
+    read_only = "; ".join(f"a {f.name} source becomes {f.reshards_into}" for f in rows if not f.writable and f.reshards_into)
+    return f"{written} ({read_only})" if read_only else written
+
+
 Source = Annotated[
     Path,
     typer.Argument(
-        metavar="SRC", help="Checkpoint file or folder (or a run folder holding several); s3://bucket/prefix too.", show_default=False
+        metavar="SRC",
+        help=f"Checkpoint file or folder (or a run folder holding several); in object storage too: {_schemes()}bucket/prefix.",
+        show_default=False,
     ),
 ]
 Dest = Annotated[
     Path,
     typer.Argument(
-        metavar="DST", help="Destination, a path or s3://bucket/prefix (refused if it exists, unless --overwrite).", show_default=False
+        metavar="DST",
+        help=f"Destination, a path or {_schemes()}bucket/prefix (refused if it exists, unless --overwrite).",
+        show_default=False,
     ),
 ]
 Format = Annotated[
@@ -66,7 +87,9 @@ Quantize = Annotated[
 ]
 MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", metavar="SIZE", help="hf: largest shard, e.g. 5GB, 500MB, 2GiB.")]
 NumShards = Annotated[Optional[int], typer.Option("--num-shards", metavar="N", help="hf: exact number of shards.", min=1)]
-WorldSize = Annotated[Optional[int], typer.Option("--world-size", metavar="N", help="dcp, deepspeed: number of ranks to write for.", min=1)]
+WorldSize = Annotated[
+    Optional[int], typer.Option("--world-size", metavar="N", help=f"{_world_size_formats()}: number of ranks to write for.", min=1)
+]
 TensorParallel = Annotated[
     Optional[int],
     typer.Option(

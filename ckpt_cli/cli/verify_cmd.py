@@ -25,7 +25,7 @@ def verify(
     deep: Annotated[bool, typer.Option("--deep", help="Read every byte: zip CRCs, per-tensor checksums, unreadable records.")] = False,
     finite: Annotated[bool, typer.Option("--finite", help="Count NaN/Inf in floating-point tensors; any is a problem.")] = False,
     write_manifest: Annotated[
-        Optional[Path], typer.Option("--write-manifest", metavar="FILE", help="Record per-file and per-tensor SHA-256 in FILE.")
+        Optional[Path], typer.Option("--write-manifest", metavar="FILE", help="Record per-file and per-tensor BLAKE3 digests in FILE.")
     ] = None,
     manifest: Annotated[
         Optional[Path], typer.Option("--manifest", metavar="FILE", help="Check against a manifest from --write-manifest.")
