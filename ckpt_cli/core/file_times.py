@@ -1,11 +1,12 @@
-"""When a file was created (its birth time), for telling a copied checkpoint from one rewritten in place.
+"""When a file was created (its birth time): a hint, never a verdict, on a data file changed after its metadata.
 
-A copy (`cp -r`, `rsync`, `shutil.copytree`, a download) gives every file a new modification time in
-whatever order the copy went, so "this data file is newer than the metadata" says nothing about a copy.
-A save rewrites an existing file in place (open with "wb" truncates the same inode): its modification
-time moves, its birth time does not. A data file born before the metadata file but modified after it
-was therefore rewritten after the metadata was committed: a re-save that did not reach its commit.
-Where the file system or platform does not report birth times, None (the check is skipped, never guessed).
+A save rewrites an existing file in place (open with "wb" truncates the same inode): its modification time moves,
+its birth time does not. A data file born before the metadata file and modified after it may therefore have been
+rewritten after the metadata was committed (a re-save that did not reach its commit). But a copy made in that
+order and then touched (a parallel download or a sync that wrote `.metadata` last, then `find -exec touch` against
+a scratch purge) shows the very same times, and a copy's times are whatever the copy tool gave: times say nothing
+certain about a copy. The structural and CRC checks decide whether a checkpoint is whole; these times give a
+note at most (`rewrite_note`). Where the file system or platform keeps no birth times, None (nothing is guessed).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 
@@ -56,8 +58,23 @@ def birth_time_ns(path: Path) -> int | None:
 
 def rewritten_after(data: Path, metadata: Path) -> bool:
     """True when `data` existed before `metadata` was created and was modified after `metadata` was: written in
-    place after the commit. False for a copy (each file born when copied) and when birth times are unknown."""
+    place after the commit, or copied before it and touched since (the times cannot tell which). False for a copy
+    that made each file new without touching it, and when birth times are unknown."""
     data_birth, meta_birth = birth_time_ns(data), birth_time_ns(metadata)
     if data_birth is None or meta_birth is None:
         return False
     return data_birth < meta_birth and data.stat().st_mtime_ns > metadata.stat().st_mtime_ns
+
+
+def rewrite_note(data_files: Iterable[Path], metadata: Path) -> str | None:
+    """A note (never a problem) when data files were modified after `metadata` though created before it."""
+    found = [p for p in data_files if p.exists() and rewritten_after(p, metadata)]
+    if not found:
+        return None
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    return (
+        f"{found[0]}{more}: modified after {metadata.name} though created before it; a copy touched since (as on a "
+        f"purged scratch file system) does this, and so does a re-save that died before writing {metadata.name}. "
+        "The times cannot tell which, so they fail nothing; if a re-save may have died here, check against a manifest "
+        "recorded before it (--manifest FILE)"
+    )

@@ -17,6 +17,14 @@ def format_check(ckpt: Checkpoint, deep: bool) -> list[str]:
     return registry.get(ckpt.format).reader.check(ckpt, deep)
 
 
+def format_notes(ckpt: Checkpoint) -> list[str]:
+    """What the format's checks suspect and cannot decide (a reader's optional `notes`): shown, never a problem."""
+    if run_read.is_run(ckpt):
+        return [note for _, part in ckpt.source.parts for note in format_notes(part)]
+    notes = getattr(registry.get(ckpt.format).reader, "notes", None)
+    return notes(ckpt) if notes is not None else []
+
+
 def has_checksums(ckpt: Checkpoint) -> bool:
     """Whether a deep format check reads every tensor byte against a checksum (else verify --deep hashes them)."""
     if run_read.is_run(ckpt):
