@@ -94,6 +94,19 @@ def _stopped(exc: BaseException) -> int:
     return 143 if _terminated(exc) else 130
 
 
+def usage_line(exc: click_errors.UsageError, argv: list[str]) -> str:
+    """A usage error as one line, as every other error: click's message (missing option, bad value, unknown
+    command...) and where the help is, not click's four lines of Usage, Try and Error."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    message = message[:1].lower() + message[1:]
+    if exc.ctx is not None:
+        where = exc.ctx.command_path
+    else:  # an option's missing value is found before the command's context exists
+        named = {command.name for command in app.registered_commands}
+        where = " ".join(["ckpt", *(arg for arg in argv[:1] if arg in named)])
+    return f"{message} (see '{where} --help')"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; exit 0 on success, 1 when the data is wrong, 2 when the call is wrong, 130 on Ctrl-C, 143 on SIGTERM."""
     with _sigterm_as_interrupt():
@@ -113,11 +126,14 @@ def _run(argv: list[str] | None) -> int:
             raise
         error(exc.cli_message())
         code = exc.exit_code
-    except click_errors.UsageError as exc:
+    except click_errors.NoArgsIsHelpError as exc:  # bare `ckpt`: the help itself
         exc.show()
         code = 2
+    except click_errors.UsageError as exc:
+        error(usage_line(exc, sys.argv[1:] if argv is None else argv))
+        code = 2
     except click_errors.ClickException as exc:
-        exc.show()
+        error(" ".join(exc.format_message().split()))
         code = exc.exit_code
     except (KeyboardInterrupt, typer.Abort) as exc:
         code = _stopped(exc)
