@@ -48,8 +48,12 @@ def inspect(
             view = ckpt.tree(depth, filter_ or ())
         if json_ or yaml_:
             output.emit_json(view.to_json()) if json_ else output.emit_yaml(view.to_json())
-        else:
-            output.emit(view.markdown() if markdown else view.text())
+            return
+        opened = [note for role, note in view.notes if not role]  # which checkpoint of a run: stderr, as every note
+        view.notes = [(role, note) for role, note in view.notes if role]
+        output.emit(view.markdown() if markdown else view.text())
+        for note in opened:
+            output.info(f"note: {note}", quiet)
         return
     with output.reading(f"inspect {src.name}", quiet):
         doc = _api().inspect(src, filters=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
@@ -59,6 +63,18 @@ def inspect(
         output.emit_yaml(doc)
     else:
         output.emit(render(doc, tensors))
+        for line in notes(doc):
+            output.info(line, quiet)
+
+
+def notes(doc: dict[str, Any], shown: int = 10) -> list[str]:
+    """What inspect says beside its report, on stderr (hidden by --quiet): the checkpoints under a run root, the notes."""
+    lines = []
+    if doc.get("tags"):
+        lines.append(f"checkpoints under this folder ({len(doc['tags'])}):")
+        lines += [f"  {t['tag']:<24} {t['framework'] or '-':<11} {t['format']}" for t in doc["tags"][:shown]]
+        lines += [f"  ... and {len(doc['tags']) - shown} more (ckpt ls lists them all)"] if len(doc["tags"]) > shown else []
+    return lines + [f"note: {n}" for n in doc.get("notes", [])]
 
 
 def _refuse_conflicts(json_: bool, yaml_: bool, tensors: bool, tree: bool, markdown: bool) -> None:
@@ -91,14 +107,11 @@ def _unread_line(value: dict[str, Any]) -> str:
 
 
 def render(doc: dict[str, Any], with_tensors: bool) -> str:
+    """The report on stdout; its notes go to stderr (notes())."""
     roles: dict[str, int] = {}
     for t in doc["tensors"]:
         roles[t["role"]] = roles.get(t["role"], 0) + 1
     lines = []
-    if doc.get("tags"):
-        lines.append(f"checkpoints under this folder ({len(doc['tags'])}):")
-        lines += [f"  {t['tag']:<24} {t['framework'] or '-':<11} {t['format']}" for t in doc["tags"]]
-        lines.append("")
     rows = [
         ("path", doc["path"]),
         ("format", doc["format"]),
@@ -123,7 +136,6 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         lines.append(f"{'quantized':<12} {what}{block}: {count}, from {quant['from']}")
     lines.append("training state")
     lines += [f"  {k:<14} {_state_line(v)}" for k, v in doc["training_state"].items()]
-    lines += [f"note: {n}" for n in doc.get("notes", [])]
     lines += [_unread_line(u) for u in doc.get("unread", [])]
     if with_tensors:
         width = max([len(t["name"]) for t in doc["tensors"]] + [4])

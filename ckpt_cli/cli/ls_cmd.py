@@ -63,6 +63,9 @@ def ls(
         output.emit_json({"root": str(root), "checkpoints": rows})
     else:
         output.emit(render(rows))
+        chosen = [r["path"] for r in rows if r.get("chosen")]
+        if chosen and sum(r["newest"] for r in rows) > 1:  # several runs marked: say which one the root itself means
+            output.info(f"note: given {root} itself, every command uses '{chosen[0]}'; point at a run's folder for its own", quiet)
     if not any(r["complete"] for r in rows):
         raise typer.Exit(1)
 

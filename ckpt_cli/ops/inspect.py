@@ -9,7 +9,7 @@ from ckpt_cli import store
 from ckpt_cli.core import roles
 from ckpt_cli.core.model import Checkpoint, Opaque
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats import registry, runs
+from ckpt_cli.formats import registry, run_read, runs
 from ckpt_cli.ops import quantized
 from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.quant_schemes import Scheme
@@ -40,7 +40,7 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
         "path": ckpt.path,
         "format": ckpt.format,
         "tag": ckpt.tag,
-        "step": ckpt.step,
+        "step": shown_step(ckpt),
         "world_size": ckpt.world_size,
         "num_tensors": len(chosen),
         "num_params": quantized.true_params(ckpt, weights, scheme),
@@ -53,6 +53,12 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
         "unread": unread_values(ckpt),
         "notes": ckpt.notes,
     }
+
+
+def shown_step(ckpt: Checkpoint) -> int | None:
+    """The step `ckpt ls` shows for this checkpoint: its own, else the one its name states (run/step_200.safetensors)."""
+    framework = ckpt.details.get("framework") if run_read.is_run(ckpt) else None
+    return run_roots.shown_step(run_roots.Found(Path(ckpt.path), framework, ckpt.format), ckpt)
 
 
 def _quantization(scheme: Scheme | None) -> dict[str, Any]:
@@ -72,7 +78,7 @@ def run_root(path: Path) -> list[dict[str, Any]] | None:
     """For a folder holding several checkpoints (a run root), one entry each (path under it, framework, format),
     oldest first; None when the folder is a checkpoint itself."""
     path = store.location(path)
-    if registry.detect(path) is not None or runs.detect(path) is not None or not path.is_dir():
+    if runs.detect(path) is not None or not path.is_dir() or (registry.detect(path) is not None and not run_roots.holds_others(path)):
         return None
     found = run_roots.find(path)
     return [{"tag": run_roots.relative(f, path), "framework": f.framework, "format": f.format, "path": str(f.path)} for f in found] or None

@@ -67,6 +67,24 @@ def identify(path: Path) -> Found | None:
     return Found(path, None, fmt.name) if fmt is not None else None
 
 
+def holds_others(path: Path) -> bool:
+    """Whether a folder that reads as a checkpoint of a core format (an hf folder by its `model.safetensors`) also holds
+    checkpoints that are not its own files (demo/ beside its dcp/ and run/, a Trainer output_dir with checkpoint-N/):
+    then it is a run root like any other folder holding several, and the one rule (choose) picks among them."""
+    fmt = registry.detect(path) if path.is_dir() else None
+    if fmt is None or fmt.own_tags:  # DeepSpeed's tag folders are its own
+        return False
+    try:
+        children = [p for p in path.iterdir() if not p.name.startswith(".")]
+    except OSError:
+        return False
+    own = re.compile(f"{fmt.members or '$^'}|model\\.safetensors")  # the hf single-file layout reads model.safetensors
+    files = [p for p in children if not p.is_dir() and not own.fullmatch(p.name)]
+    if any(identify(p) is not None for p in files):
+        return True
+    return any(p.is_dir() and not p.is_symlink() and find(p, SEARCH_DEPTH - 1) for p in children)
+
+
 def find(root: Path, depth: int = SEARCH_DEPTH) -> list[Found]:
     """Every checkpoint under `root` (none inside another), oldest first; `root` itself when it is a run checkpoint,
     or a checkpoint with nothing below it but its own files (a DCP or hf folder)."""
@@ -130,8 +148,31 @@ def run_of(found: Found, root: Path) -> str:
     return str(folder.parent) + "/*"
 
 
+def root_run(root: Path, found: list[Found]) -> str | None:
+    """The run (run_of) whose newest complete checkpoint a command given `root` takes: its only run, or, when it
+    holds several, the checkpoints directly in it (demo/ beside demo/run/); None: several runs and none of its own."""
+    parents = {run_of(f, root) for f in found}
+    return parents.pop() if len(parents) == 1 else "." if "." in parents else None
+
+
+def shown_step(found: Found, ckpt: Checkpoint) -> int | None:
+    """The step shown for a checkpoint (`ckpt ls`, `inspect`): its own, else (a bare core format, a torchtitan step
+    folder) the step its name states. Shown only: the checkpoint's own step stays what it holds (diff compares it)."""
+    return ckpt.step if ckpt.step is not None or found.framework not in (None, runs.TORCHTITAN) else found.name_step
+
+
+CHOSEN = "(ckpt ls lists them); using '"  # in the note choose() adds
+
+
+def choice_notes(ckpt: Checkpoint) -> list[str]:
+    """The notes choose() added: which checkpoint of a run root was taken (and which were skipped), for the commands
+    that show no other note of the reader's (verify)."""
+    return [n for n in ckpt.notes if CHOSEN in n or n.startswith("skipped '")]
+
+
 def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) -> Checkpoint:
-    """The checkpoint `--tag` names (a path under the root, or a folder name), else the newest complete one."""
+    """The checkpoint `--tag` names (a path under the root, or a folder name), else the newest complete one of
+    root_run(): the one rule that `ckpt ls` marks, with a note naming the choice and how to pick another."""
     if tag is not None:
         by_path = {relative(f, root): f for f in found}
         named = [by_path[r] for r in tags_named(tag, list(by_path))] or [f for f in found if f.path.name == tag]
@@ -142,12 +183,13 @@ def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) 
         ckpt.tag = ckpt.tag or relative(named[0], root)
         return ckpt
     parents = sorted({run_of(f, root) for f in found})
-    if len(parents) > 1:  # several runs (or Lightning versions): which one is "newest" is the user's call
+    run = root_run(root, found)
+    if run is None:  # several runs (or Lightning versions) in folders of their own: which is "newest" is the user's call
         shown = ", ".join(f"{root / p.removesuffix('/*')}" for p in parents[:4])
         shown += f" and {len(parents) - 4} more" if len(parents) > 4 else ""
         raise UsageError(f"{root}: holds the checkpoints of {len(parents)} runs ({shown}); point at one (ckpt ls {root} lists them all)")
     skipped: list[str] = []
-    for candidate in reversed(found):
+    for candidate in reversed([f for f in found if run_of(f, root) == run]):
         try:
             ckpt = open_exact(candidate.path, None, None, trust_pickle)  # a full read: its structure decides
             problems = structure_problems(ckpt)
@@ -158,7 +200,13 @@ def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) 
             continue
         ckpt.tag = ckpt.tag or relative(candidate, root)
         how = "the newest complete one" if skipped else "the newest"
-        ckpt.notes.insert(0, f"{root}: {len(found)} checkpoints (ckpt ls lists them); using '{relative(candidate, root)}', {how}")
+        where = f" in {len(parents)} runs" if len(parents) > 1 else ""
+        how += " of those directly in it" if len(parents) > 1 else ""
+        ckpt.notes.insert(
+            0,
+            f"{root}: {len(found)} checkpoints{where} {CHOSEN}{relative(candidate, root)}', {how}; "
+            "--tag PATH picks another",
+        )
         ckpt.notes[1:1] = skipped
         return ckpt
     raise DataError(f"{root}: none of its {len(found)} checkpoints is complete; {skipped[0]}")
@@ -193,11 +241,13 @@ def part_note(path: Path) -> str | None:
 
 def listing(root: Path, trust_pickle: bool = False, format_name: str | None = None, tag: str | None = None) -> list[dict[str, Any]]:
     """One row per checkpoint under `root`, in choose()'s order (oldest first): path, framework, format, step, world size, bytes,
-    complete (a quick structural check), problem, newest (the newest complete one of its run). `format_name` and `tag`
+    complete (a quick structural check), problem, newest (the newest complete one of its run), chosen (the one a command
+    given `root` itself takes: choose()'s rule, root_run()). `format_name` and `tag`
     keep only the checkpoints of that format and those the tag names (by name or step, or a tag inside a DeepSpeed
     folder); none is then marked newest, since what a run resolves to may be among those left out."""
     rows: list[tuple[str, dict[str, Any]]] = []
-    for found in find(root):
+    every = find(root)
+    for found in every:
         if format_name is not None and found.format != format_name:
             continue
         inner = None
@@ -216,8 +266,7 @@ def listing(root: Path, trust_pickle: bool = False, format_name: str | None = No
             if inner is not None:
                 row["path"] = f"{row['path']}/{ckpt.tag}"
             problems = structure_problems(ckpt)
-            step = ckpt.step if ckpt.step is not None or found.framework not in (None, runs.TORCHTITAN) else found.name_step
-            row |= {"step": step, "world_size": ckpt.world_size, "bytes": sum(max(f.bytes, 0) for f in ckpt.files)}
+            row |= {"step": shown_step(found, ckpt), "world_size": ckpt.world_size, "bytes": sum(max(f.bytes, 0) for f in ckpt.files)}
         except (DataError, UsageError) as exc:  # a UsageError: a layout ckpt refuses by name (runs.FSDP_RANK_FILES, ...)
             problems = [str(exc)]
             row |= {"step": None, "world_size": None, "bytes": _du(found.path), "unsupported": isinstance(exc, UsageError)}
@@ -225,11 +274,13 @@ def listing(root: Path, trust_pickle: bool = False, format_name: str | None = No
         row |= {"complete": not problems, "problem": problems[0] if problems else None, "newest": False}
         rows.append((run_of(found, root), row))
     runs_marked = {p for p, _ in rows} if format_name is None and tag is None else set()
+    chosen = root_run(root, every) if runs_marked else None
     for parent in runs_marked:  # what choose() takes: the last complete one of each run (one run, one folder)
         complete = [r for p, r in rows if p == parent and r["complete"]]
         if complete:
             complete[-1]["newest"] = True
-    return [r for _, r in rows]
+            complete[-1]["chosen"] = parent == chosen  # what a command given the root itself takes (choose)
+    return [{**r, "chosen": r.get("chosen", False)} for _, r in rows]
 
 
 def _tag_names(found: Found, tag: str) -> bool:

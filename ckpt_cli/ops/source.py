@@ -49,7 +49,8 @@ def _open(
             f"{path}: one file of {what} {at}, not a checkpoint by itself; point at that folder "
             "(or name --format to read this one file alone)"
         )
-    if format is not None or runs.detect(path) is not None or registry.detect(path) is not None:
+    itself = runs.detect(path) is not None or (registry.detect(path) is not None and not run_roots.holds_others(path))
+    if format is not None or itself:
         ckpt = run_roots.open_exact(path, format, tag, trust_pickle, layout_only, pieces_when_read)
         note = run_roots.part_note(path) if format is None and not runs.detect(path) else None
         if note:
