@@ -304,3 +304,36 @@ def test_single_process_save_converts(ckpt, tmp_path):
     dcp.save(sd, checkpoint_id=tmp_path / "c", no_dist=True)
     assert ckpt("merge", tmp_path / "c", tmp_path / "m.safetensors", "-q").code == 0
     assert_same_tensors(load_file(tmp_path / "m.safetensors"), sd)
+
+
+def _records(path, rel):
+    return sorted((i for i in raw_metadata(path).storage_data.values() if i.relative_path == rel), key=lambda i: i.offset)
+
+
+TRUNCATIONS = {  # the bytes kept of a data file of `size` bytes
+    "emptied": lambda path, rel, size: 0,
+    "one byte short": lambda path, rel, size: size - 1,
+    "half": lambda path, rel, size: size // 2,
+    "inside its last record": lambda path, rel, size: _records(path, rel)[-1].offset + _records(path, rel)[-1].length // 2,
+    "inside its first record": lambda path, rel, size: _records(path, rel)[0].offset + 100,
+    "at a record boundary": lambda path, rel, size: _records(path, rel)[-1].offset,
+}
+
+
+@pytest.mark.parametrize("cut", list(TRUNCATIONS))
+@pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (4, 2), (4, 3)], ids=["w2-first", "w2-last", "w4-middle", "w4-last"])
+def test_inspect_of_a_truncated_data_file_says_incomplete(ckpt, fsdp2_saves, tmp_path, cut, world, rank):
+    """A data file shorter than the records `.metadata` places in it (a full disk): inspect exits 1 with one line
+    naming the file, in every output form; nothing printed as if it were whole."""
+    dest = tmp_path / "ckpt"
+    shutil.copytree(fsdp2_saves[world] / "ckpt", dest)
+    rel = f"__{rank}_0.distcp"
+    size = (dest / rel).stat().st_size
+    keep = TRUNCATIONS[cut](dest, rel, size)
+    assert 0 <= keep < size
+    os.truncate(dest / rel, keep)
+    for args in ((), ("--json",), ("--yaml",), ("--tensors",), ("--tree",)):
+        res = ckpt("inspect", dest, *args)
+        assert_fails(res, rel)
+        assert res.out == "" and len(res.err.strip().splitlines()) == 1, (args, res.out, res.err)
+    assert_fails(ckpt("verify", dest), rel)

@@ -225,6 +225,23 @@ def _stat_size(path: Path) -> int:
         return 0
 
 
+def _refuse_short(folder: Path, storage: StorageIndex, sizes: dict[str, int]) -> None:
+    """DataError naming the first data file shorter than the byte ranges `.metadata` records in it (from the sizes
+    at hand: nothing read); a missing one has size 0 here."""
+    ends: dict[str, int] = {}
+    for rel, offset, length in storage.spans():
+        if offset + length > ends.get(rel, 0):
+            ends[rel] = offset + length
+    for rel in sorted(ends):
+        if ends[rel] > sizes.get(rel, 0):
+            where = folder / rel
+            if not store.exists(where):
+                raise DataError(f"{where}: missing (named by {METADATA}); the checkpoint is incomplete")
+            raise DataError(
+                f"{where}: {sizes[rel]} bytes but {METADATA} records data up to byte {ends[rel]} (truncated); the checkpoint is incomplete"
+            )
+
+
 @functools.lru_cache(maxsize=4096)
 def _file_path(folder: Path, relative: str) -> str:
     return str(folder / relative)
@@ -340,6 +357,8 @@ class DCPReader:
                 files.close()
         data_files = sorted({info.relative_path for info in storage.values()})
         sizes = {f: files.sizes[f] if f in files.sizes else _stat_size(path / f) for f in data_files}
+        if options.layout_only:  # inspect: the sizes it shows tell a truncated file (verify says more, per tensor)
+            _refuse_short(path, storage, sizes)
         ckpt = Checkpoint(
             format=self.name,
             path=str(path),
