@@ -178,3 +178,125 @@ def test_policy(ckpt, tmp_path):
     broken.write_text("tensor: {}\n")
     res = ckpt("verify", tmp_path / "c.pt", "--policy", broken)
     assert res.code == 2 and "unknown key 'tensor'" in res.err
+
+
+# --------------------------------------------------------------- verify --against pairs tensors as diff does
+
+DEMO_FORMATS = ["model.safetensors", "training_state.pt", "hf", "dcp", "deepspeed"]  # one run in ckpt demo's formats
+PERTURBABLE = ["model.safetensors", "hf", "training_state.pt", "dcp"]  # rewritten by their own library below
+PERTURBED = "blocks.0.1.weight"  # a weight of the demo model (float32 [128, 32]), untied
+PERTURBATIONS = {
+    "value": lambda t: t.clone().index_put_((torch.tensor(0), torch.tensor(0)), t[0, 0] + 0.5),  # one element
+    "missing": lambda t: None,
+    "reshaped": lambda t: t.reshape(t.shape[1], t.shape[0]).clone(),
+    "dtype": lambda t: t.to(torch.bfloat16),  # within --atol 1e-2 by value, not bit-exact
+}
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    from ckpt_cli.ops.demo import write_demo
+
+    folder = tmp_path_factory.mktemp("against") / "demo"
+    write_demo(folder)
+    return folder
+
+
+def weight(name: str) -> bool:
+    """A model tensor, not optimizer state (named optimizer.state.* by parameter, or the producer's own optim.*)."""
+    return not name.startswith(("optimizer.", "optim."))
+
+
+def diff_finds_a_model_difference(d: dict) -> bool:
+    """What diff --json reports that a copy of the model must not have: a value outside the tolerance, a shape change,
+    a dtype change without a tolerance, a weight only on one side or under another name."""
+    exact = d["atol"] == 0 and d["rtol"] == 0
+    one_sided = d["only_in_a"] + d["only_in_b"] + [r["a"] for r in d["renamed"]] + [r["b"] for r in d["renamed"]]
+    return bool(
+        any(not t["equal"] for t in d["tensors"])
+        or d["shape_changed"]
+        or (exact and d["dtype_changed"])
+        or any(weight(n) for n in one_sided)
+    )
+
+
+def assert_agrees_with_diff(ckpt, a, b, *tolerance: str) -> dict:
+    """verify A --against B exits 0 exactly when diff A B finds no model difference; the verdict, as JSON."""
+    res = ckpt("verify", a, "--against", b, "--json", *tolerance)
+    v = json.loads(res.out)
+    d = json.loads(ckpt("diff", a, b, "--json", *tolerance).out)
+    assert res.code == (1 if diff_finds_a_model_difference(d) else 0) and v["ok"] == (res.code == 0), (v, d)
+    return v
+
+
+def perturbed_copy(src, dest, how: str):
+    """A copy of a demo checkpoint whose weight PERTURBED is changed by PERTURBATIONS[how], written by the format's own
+    library (safetensors, torch.save, torch.distributed.checkpoint)."""
+    from safetensors.torch import load_file
+
+    change = PERTURBATIONS[how]
+
+    def apply(sd: dict, key: str) -> None:
+        new = change(sd.pop(key))
+        if new is not None:
+            sd[key] = new
+
+    if src.suffix == ".safetensors":
+        sd = load_file(src)
+        apply(sd, PERTURBED)
+        save_file(sd, dest, metadata={"format": "pt"})
+    elif src.suffix == ".pt":
+        state = torch.load(src, weights_only=False)
+        apply(state["model"], PERTURBED)
+        torch.save(state, dest)
+    elif (src / "model.safetensors.index.json").exists():
+        shutil.copytree(src, dest)
+        index_path = dest / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        shard = dest / index["weight_map"][PERTURBED]
+        sd = load_file(shard)
+        apply(sd, PERTURBED)
+        save_file(sd, shard, metadata={"format": "pt"})
+        if PERTURBED not in sd:
+            del index["weight_map"][PERTURBED]
+        shards = {dest / f for f in index["weight_map"].values()}  # the index as the writer would have made it
+        index["metadata"]["total_size"] = sum(t.numel() * t.element_size() for f in shards for t in load_file(f).values())
+        index_path.write_text(json.dumps(index))
+    else:  # DCP: through torch's own format utilities
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+        flat = dest.parent / f"{dest.name}.pt"
+        dcp_to_torch_save(src, flat)
+        state = torch.load(flat, weights_only=False)
+        apply(state["model"], PERTURBED)
+        torch.save(state, flat)
+        torch_save_to_dcp(flat, dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def demo_perturbed(demo_run, tmp_path_factory):
+    """(format, perturbation) -> the perturbed copy, made once."""
+    out = tmp_path_factory.mktemp("perturbed")
+    return {(fmt, how): perturbed_copy(demo_run / fmt, out / f"{how}-{fmt}", how) for fmt in PERTURBABLE for how in PERTURBATIONS}
+
+
+@pytest.mark.parametrize("a,b", [(a, b) for a in DEMO_FORMATS for b in DEMO_FORMATS if a != b])
+def test_against_pairs_every_demo_format_as_diff_does(ckpt, demo_run, demo_perturbed, a, b):
+    """Every two formats of one run (weights exports, training checkpoints, DeepSpeed): verify --against passes as diff
+    matches them (prefixes, optimizer state by parameter name, the tied head saved twice), states what one side cannot
+    hold, and fails on a changed value, a missing weight, a reshaped one, a dtype change without a tolerance."""
+    v = assert_agrees_with_diff(ckpt, demo_run / a, demo_run / b)
+    assert v["ok"], v["problems"]
+    holds_optimizer = {"training_state.pt", "dcp", "deepspeed"}
+    if (a in holds_optimizer) != (b in holds_optimizer):
+        assert any("optimizer tensors that" in n and "not compared" in n for n in v["notes"]), v["notes"]
+    side = b if b in PERTURBABLE else a
+    for how in PERTURBATIONS:
+        bad = demo_perturbed[(side, how)]
+        pair = (demo_run / a, bad) if side == b else (bad, demo_run / b)
+        v = assert_agrees_with_diff(ckpt, *pair)
+        assert not v["ok"] and any(f"{PERTURBED}'" in p for p in v["problems"]), (how, v["problems"])
+        if how in ("value", "dtype"):  # by value within a tolerance: 0.5 is outside 0.1, bfloat16 rounding inside
+            v = assert_agrees_with_diff(ckpt, *pair, "--atol", "0.1")
+            assert v["ok"] == (how == "dtype"), (how, v["problems"])
