@@ -110,3 +110,51 @@ def test_a_block_far_larger_than_the_weight_costs_no_memory() -> None:
     scale = torch.tensor([[0.5]])
     got = quant_math.dequant_fp8_rows(q, scale, (1 << 30, 1 << 30), 0, torch.float32)
     assert same_bits(got, q.to(torch.float32) * 0.5)
+
+
+# DeepSeek's scale grid is ceil(rows / 128) x ceil(cols / 128) (V3's kv_a_proj_with_mqa: [576, 7168], scales [5, 56]).
+# The references are transformers' own code, run here: its `Fp8Quantize` leaves a weight the block does not tile
+# unquantized, so it is run on the weight padded with zeros to whole blocks and cropped (zeros change no block's amax,
+# so each edge block's scale is the one over the elements it has); DeepSeek-V3's repository has no weight quantizer
+# (inference/kernel.py quantizes activations and dequantizes weights). Dequantization is compared with transformers'
+# `_dequantize_fp8_weight`, which takes the ceil grid as it is (one float32 product, as DeepSeek's weight_dequant).
+PARTIAL_SHAPES = [(72, 112), (40, 100), (48, 96), (96, 40), (9, 10), (1, 128), (130, 300), (2, 36, 50)]
+PARTIAL_IDS = ["576x7168-like", "rows-and-cols", "cols-partial", "rows-partial", "under-one-block", "one-row", "one-over", "stacked"]
+
+
+def reference_quant_padded(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    *lead, rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(*lead, grid[0] * block[0], grid[1] * block[1], dtype=weight.dtype)
+    padded[..., :rows, :cols] = weight
+    ref = fp8_module.Fp8Quantize(_Quantizer(block))._quantize_one("layer.weight", padded)
+    return ref["layer.weight"][..., :rows, :cols].contiguous(), ref["layer.weight_scale_inv"]
+
+
+@pytest.mark.parametrize("shape", PARTIAL_SHAPES, ids=PARTIAL_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_quant_of_partial_blocks_equals_the_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    block = (16, 32)
+    gen = torch.Generator().manual_seed(sum(shape))
+    weight = (torch.randn(*shape, generator=gen) * 5).to(dtype)
+    weight[..., -1:, -1:] = 0  # an edge block with a zero
+    if shape[-2] > 16 and shape[-1] > 32:
+        weight[..., 16:, 32:] = 0  # a wholly zero edge block keeps scale 1
+    want_values, want_scales = reference_quant_padded(weight, block)
+    *lead, rows, cols = shape
+    values, scales = [], []
+    for m in range(lead[0] if lead else 1):
+        matrix = weight[m] if lead else weight
+        for r in range(0, rows, block[0]):
+            v, s = quant_math.quant_fp8_block(matrix[r : r + block[0]], block)
+            values.append(v)
+            scales.append(s)
+    got_values = torch.cat(values).reshape(shape)
+    got_scales = torch.stack(scales).reshape(want_scales.shape)
+    assert got_scales.shape[-2:] == (-(-rows // block[0]), -(-cols // block[1]))
+    assert same_bits(got_values, want_values) and same_bits(got_scales, want_scales)
+    # dequantized, with the ceil grid as it is, it is what transformers' own dequantization of it gives
+    ref_dequant = fp8_module._dequantize_fp8_weight(want_values, want_scales, list(block), torch.float32)
+    mats = [(got_values[m], got_scales[m]) for m in range(lead[0])] if lead else [(got_values, got_scales)]
+    mine = torch.stack([quant_math.dequant_fp8_rows(v, s, block, 0, torch.float32) for v, s in mats]).reshape(shape)
+    assert same_bits(mine, ref_dequant)

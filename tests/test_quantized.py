@@ -291,3 +291,94 @@ def test_a_hostile_block_size_is_refused_or_harmless(ckpt, llama_fp8, tmp_path):
         res = ckpt("verify", folder)
         text = res.out + res.err
         assert res.code == code and ("weight_block_size" in text or "needs [1, 1]" in text), text
+
+
+# --- partial blocks (DeepSeek's ceil-divided scale grid) -----------------------------------------------------------
+
+# The reference is transformers' `Fp8Quantize` (as above), run on each weight padded with zeros to whole 128 x 128
+# blocks and cropped: it passes a weight the block does not tile through unquantized, and zeros change no block's
+# amax, so each edge block's scale is DeepSeek's, over the elements it has (DeepSeek-V3's own repository has no weight
+# quantizer: inference/kernel.py dequantizes weights with a ceil(rows / 128) x ceil(cols / 128) grid).
+PARTIAL = {
+    "kv_a_proj_with_mqa": (200, 320),  # V3's [576, 7168] scaled down: neither dim a multiple of 128
+    "rows_only": (200, 256),
+    "cols_only": (128, 300),
+    "small": (64, 100),  # under one block
+    "stacked": (2, 130, 140),
+}
+
+
+def _reference_fp8(value: torch.Tensor) -> dict[str, torch.Tensor]:
+    *lead, rows, cols = value.shape
+    padded = torch.zeros(*lead, -(-rows // 128) * 128, -(-cols // 128) * 128, dtype=value.dtype)
+    padded[..., :rows, :cols] = value
+    ref = fp8_ops.Fp8Quantize(_Quantizer())._quantize_one("w.weight", padded)
+    return {"weight": ref["w.weight"][..., :rows, :cols].contiguous(), "weight_scale_inv": ref["w.weight_scale_inv"]}
+
+
+@pytest.fixture(scope="module")
+def partial_blocks(tmp_path_factory):
+    """bf16 weights none of which 128 x 128 blocks tile (a 1-d norm beside them), and the FP8 release the reference
+    makes of them in DeepSeek's layout."""
+    root = tmp_path_factory.mktemp("partial")
+    gen = torch.Generator().manual_seed(11)
+    plain = {
+        f"layers.{k}.{name}.weight": (torch.randn(*shape, generator=gen) * 2).to(torch.bfloat16)
+        for k, (name, shape) in enumerate(PARTIAL.items())
+    }
+    plain["layers.0.kv_a_proj_with_mqa.weight"][128:, 256:] = 0  # an all-zero edge block: scale 1
+    plain["layers.0.norm.weight"] = torch.ones(200, dtype=torch.bfloat16)
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "torch_dtype": "bfloat16"}
+    _write_hf(root / "bf16", [plain], config)
+    release = {}
+    for name, value in plain.items():
+        ref = _reference_fp8(value) if value.dim() >= 2 else {"weight": value}
+        release.update({name.removesuffix("weight") + key: tensor for key, tensor in ref.items()})
+    _write_hf(root / "fp8", [release], {**config, "quantization_config": FP8_CONFIG})
+    return root, plain, release
+
+
+@pytest.mark.parametrize("name", [f"layers.{k}.{n}.weight" for k, n in enumerate(PARTIAL)], ids=list(PARTIAL))
+def test_quantize_partial_blocks_equals_the_reference(ckpt, partial_blocks, tmp_path, name):
+    root, plain, release = partial_blocks
+    res = ckpt("convert", root / "bf16", tmp_path / "q", "--to", "hf", "--quantize", "fp8")
+    assert res.code == 0, res.err
+    got = load_file(str(next((tmp_path / "q").glob("*.safetensors"))))
+    *lead, rows, cols = plain[name].shape
+    assert list(got[name + "_scale_inv"].shape) == [*lead, -(-rows // 128), -(-cols // 128)]
+    for key in (name, name + "_scale_inv"):
+        assert got[key].dtype == release[key].dtype and torch.equal(got[key].view(torch.uint8), release[key].view(torch.uint8)), key
+    assert torch.equal(got["layers.0.norm.weight"], plain["layers.0.norm.weight"])  # 1-d: kept
+    assert ckpt("verify", tmp_path / "q", "--deep").code == 0
+
+
+@pytest.mark.parametrize("config", [True, False], ids=["block-in-config", "no-config"])
+def test_deepseek_layout_release_dequantizes_as_the_reference(ckpt, partial_blocks, tmp_path, config):
+    """A release with scale grids ceil(rows / 128) x ceil(cols / 128): read (the block from its config, else from the
+    grid), verified and dequantized as transformers' `_dequantize_fp8_weight` gives it (float32, the grid as it is)."""
+    root, plain, release = partial_blocks
+    folder = tmp_path / "release"
+    shutil.copytree(root / "fp8", folder)
+    names = [n for n in plain if plain[n].dim() >= 2]
+    if not config:  # a grid that also reads as whole blocks of another size ([200, 256] in [2, 2]) is refused, not guessed
+        (folder / "config.json").unlink()
+        res = ckpt("verify", folder)
+        assert res.code == 1 and "and of [128, 128] with partial edge blocks" in res.out + res.err, res.out + res.err
+        assert ckpt("convert", folder, tmp_path / "refused", "--to", "hf", "--dtype", "bf16").code == 1
+        shutil.rmtree(folder)
+        names = ["layers.0.kv_a_proj_with_mqa.weight", "layers.3.small.weight"]  # [2, 3] for [200, 320]: one reading
+        folder.mkdir()
+        keep = {n: release[n] for n in release if n.removesuffix("_scale_inv") in names or n.endswith("norm.weight")}
+        save_file(keep, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    res = ckpt("inspect", folder, "--json")
+    assert res.code == 0, res.err
+    doc = json.loads(res.out)
+    assert doc["details"]["quantization"]["quantized_tensors"] == len(names)
+    assert doc["details"]["quantization"]["block_size"] == (BLOCK if config else None)
+    assert ckpt("verify", folder, "--deep").code == 0
+    res = ckpt("merge", folder, tmp_path / "m.safetensors", "--dtype", "fp32")
+    assert res.code == 0, res.err
+    got = load_file(str(tmp_path / "m.safetensors"))
+    for name in names:
+        want = fp8_ops._dequantize_fp8_weight(release[name], release[name + "_scale_inv"], BLOCK, torch.float32)
+        assert torch.equal(got[name], want), name

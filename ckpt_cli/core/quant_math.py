@@ -69,14 +69,21 @@ def dequant_mxfp4(blocks: Any, scales: Any, out_dtype: Any) -> Any:
 
 
 def quant_fp8_block(rows: Any, block: tuple[int, int]) -> tuple[Any, Any]:
-    """One block row of a matrix (at most block[0] rows, columns a multiple of block[1]) as float8_e4m3fn values
-    and their float32 inverse scales (one per block): amax / 448 per block, zeros kept at scale 1."""
+    """One block row of a matrix (at most block[0] rows) as float8_e4m3fn values and their float32 inverse scales,
+    one per block: amax / 448 per block, zeros kept at scale 1. A trailing partial block (columns, or rows, not a
+    multiple of the block: DeepSeek's ceil(rows / 128) x ceil(cols / 128) grid) has its own scale, over the elements
+    it has; it is computed as a whole block is, on the band padded with zeros (which leave every block's amax as it
+    is), and cropped."""
     import torch
 
     fp8 = torch.float8_e4m3fn
-    bm, bn = block
+    bn = block[1]
     height, cols = rows.shape
-    tiles = rows.to(torch.float32).reshape(1, height, cols // bn, bn)
+    tiles_n = -(-cols // bn)
+    data = rows.to(torch.float32)
+    if tiles_n * bn != cols:
+        data = torch.nn.functional.pad(data, (0, tiles_n * bn - cols))
+    tiles = data.reshape(1, height, tiles_n, bn)
     max_abs = tiles.abs().amax(dim=(-3, -1))
     safe_max_abs = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
     scales = FP8_MAX / safe_max_abs
@@ -84,8 +91,8 @@ def quant_fp8_block(rows: Any, block: tuple[int, int]) -> tuple[Any, Any]:
     inverse = (1.0 / scales).to(torch.float32)
     scaled = tiles * scales.unsqueeze(-1).unsqueeze(-3)
     finfo = torch.finfo(fp8)
-    values = torch.clamp(scaled, min=finfo.min, max=finfo.max).to(fp8).reshape(height, cols)
-    return values, inverse.reshape(cols // bn)
+    values = torch.clamp(scaled, min=finfo.min, max=finfo.max).to(fp8).reshape(height, tiles_n * bn)
+    return values[:, :cols].contiguous(), inverse.reshape(tiles_n)
 
 
 def unpack_int_from_int32(words: Any, num_bits: int, cols: int) -> Any:

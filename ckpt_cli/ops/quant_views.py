@@ -200,31 +200,53 @@ KEEP_UNQUANTIZED = ("*embed*", "lm_head.*", "*norm*", "*.gate.weight", "*router*
 
 @dataclass(eq=False)
 class Fp8QuantValues:
-    """A weight's float8_e4m3fn values, one block row of each matrix after another."""
+    """A weight's float8_e4m3fn values, one block row (band) of each matrix after another; a matrix whose rows are not
+    a multiple of the block ends in a shorter band (its scales are a row of their own: DeepSeek's ceil-divided grid)."""
 
     source: TensorEntry
     block: tuple[int, int]
 
+    @property
+    def per_matrix(self) -> int:
+        """Bands a matrix has: ceil(rows / block rows)."""
+        return -(-self.source.shape[-2] // self.block[0])
+
+    @property
+    def bands(self) -> int:
+        return math.prod(self.source.shape[:-2]) * self.per_matrix
+
     def windows(self) -> Iterator[tuple[int, int]]:
         rows, cols = self.source.shape[-2:]
-        band = self.block[0] * cols
-        step = max(1, BLOCK_BYTES // max(band * 4, 1)) * band
-        total = self.source.numel
-        return ((start, min(step, total - start)) for start in range(0, total, step))
+        step = max(1, BLOCK_BYTES // max(self.block[0] * cols * 4, 1)) * self.block[0]
+        for m in range(math.prod(self.source.shape[:-2])):
+            for r0 in range(0, rows, step):
+                yield (m * rows + r0) * cols, min(step, rows - r0) * cols
 
     def read(self, start: int, count: int, sources: Any) -> Any:
         import torch
 
-        band = self.block[0] * self.source.shape[-1]
-        first, last = start // band, -(-(start + count) // band)
-        parts = [self._band(b, sources)[0].reshape(-1) for b in range(first, last)]
+        cols = self.source.shape[-1]
+        first, last = self._band_of(start // cols), self._band_of(-(-(start + count) // cols) - 1)
+        parts = [self._band(b, sources)[0].reshape(-1) for b in range(first, last + 1)]
         whole = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return whole[start - first * band : start - first * band + count]
+        skip = start - self._band_rows(first)[0] * cols
+        return whole[skip : skip + count]
+
+    def _band_of(self, row: int) -> int:
+        """The band that holds row `row` of the weight's rows, matrices one after another."""
+        m, r = divmod(row, self.source.shape[-2])
+        return m * self.per_matrix + r // self.block[0]
+
+    def _band_rows(self, index: int) -> tuple[int, int]:
+        """The first row (matrices one after another) and the height of band `index`."""
+        rows = self.source.shape[-2]
+        m, k = divmod(index, self.per_matrix)
+        return m * rows + k * self.block[0], min(self.block[0], rows - k * self.block[0])
 
     def _band(self, index: int, sources: Any) -> tuple[Any, Any]:
-        rows, cols = self.source.shape[-2:]
-        band = self.block[0] * cols
-        data = read_elements(self.source, index * band, band, sources).reshape(self.block[0], cols)
+        cols = self.source.shape[-1]
+        row0, height = self._band_rows(index)
+        data = read_elements(self.source, row0 * cols, height * cols, sources).reshape(height, cols)
         return quant_math.quant_fp8_block(data, self.block)
 
 
@@ -234,30 +256,31 @@ class Fp8QuantScales:
 
     values: Fp8QuantValues
 
+    @property
+    def per_band(self) -> int:
+        return -(-self.values.source.shape[-1] // self.values.block[1])
+
     def windows(self) -> Iterator[tuple[int, int]]:
-        rows, cols = self.values.source.shape[-2:]
-        per_band = cols // self.values.block[1]
-        bands = self.values.source.numel // (self.values.block[0] * cols)
-        return iter([(0, bands * per_band)])
+        return iter([(0, self.values.bands * self.per_band)])
 
     def read(self, start: int, count: int, sources: Any) -> Any:
         import torch
 
-        per_band = self.values.source.shape[-1] // self.values.block[1]
-        first, last = start // per_band, -(-(start + count) // per_band)
+        first, last = start // self.per_band, -(-(start + count) // self.per_band)
         whole = torch.cat([self.values._band(b, sources)[1] for b in range(first, last)])
-        return whole[start - first * per_band : start - first * per_band + count]
+        return whole[start - first * self.per_band : start - first * self.per_band + count]
 
 
-def _quantizable(entry: TensorEntry, block: tuple[int, int]) -> bool:
-    """As the reference quantizes: model weights of 2 or more dims that the block tiles exactly (others pass through)."""
+def _quantizable(entry: TensorEntry) -> bool:
+    """Model weights of 2 or more dims, as the DeepSeek recipe quantizes them: a trailing partial block (dims not a
+    multiple of the block) has its own scale, over the elements it has."""
     from ckpt_cli.ops.transform import matches
 
     if entry.role != "model" or not entry.dtype.is_float or entry.dtype.name in FP8_TYPES or len(entry.shape) < 2:
         return False
     if not entry.name.endswith(".weight") or matches(entry.name, KEEP_UNQUANTIZED):
         return False
-    return entry.shape[-2] % block[0] == 0 and entry.shape[-1] % block[1] == 0 and entry.numel > 0
+    return entry.numel > 0
 
 
 def quantized_fp8(ckpt: Checkpoint, block: tuple[int, int] = FP8_BLOCK) -> Checkpoint:
@@ -267,7 +290,7 @@ def quantized_fp8(ckpt: Checkpoint, block: tuple[int, int] = FP8_BLOCK) -> Check
     kept: list[str] = []
     fp8, f32 = BY_NAME["float8_e4m3fn"], BY_NAME["float32"]
     for name, entry in ckpt.tensors.items():
-        if not _quantizable(entry, block):
+        if not _quantizable(entry):
             tensors[name] = entry
             if entry.role == "model" and len(entry.shape) == 2 and name.endswith(".weight"):
                 kept.append(name.removesuffix(".weight"))
@@ -278,13 +301,13 @@ def quantized_fp8(ckpt: Checkpoint, block: tuple[int, int] = FP8_BLOCK) -> Check
         scale_name = name + "_scale_inv"
         if scale_name in ckpt.tensors:
             raise UsageError(f"{ckpt.path}: holds '{scale_name}' already; is it quantized? (inspect shows it)")
-        scale_shape = (*lead, rows // block[0], cols // block[1])
+        scale_shape = (*lead, -(-rows // block[0]), -(-cols // block[1]))  # ceil: DeepSeek's grid
         tensors[scale_name] = TensorEntry(
             scale_name, f32, scale_shape, "model", list(entry.pieces), (scale_name,), derived=Fp8QuantScales(values)
         )
     count = sum(1 for t in tensors.values() if isinstance(t.derived, Fp8QuantValues))
     if not count:
-        raise UsageError(f"{ckpt.path}: no weight to quantize (2-d float weights whose dims are multiples of {list(block)})")
+        raise UsageError(f"{ckpt.path}: no weight to quantize (float weights of 2 or more dims, named *.weight)")
     qconfig = {
         "quant_method": "fp8",
         "fmt": "e4m3",

@@ -23,6 +23,7 @@ from ckpt_cli.ops import quant_ct
 from ckpt_cli.ops.quant_schemes import Quantized, Scheme, load_config
 
 FP8_TYPES = ("float8_e4m3fn", "float8_e5m2")
+DEEPSEEK_BLOCK = (128, 128)  # the block of a scale grid that says none (the DeepSeek-V3 recipe)
 
 
 def scheme_of(ckpt: Checkpoint) -> Scheme | None:
@@ -69,8 +70,19 @@ def _fp8_block(weight: TensorEntry, scale: TensorEntry, block: tuple[int, int] |
         return rows, cols
     if block is not None:
         return block
-    if len(scale.shape) >= 2 and scale.shape[-2] and scale.shape[-1] and not rows % scale.shape[-2] and not cols % scale.shape[-1]:
-        return rows // scale.shape[-2], cols // scale.shape[-1]
+    grid = tuple(scale.shape[-2:]) if len(scale.shape) >= 2 else ()
+    exact = (rows // grid[0], cols // grid[1]) if len(grid) == 2 and all(grid) and not rows % grid[0] and not cols % grid[1] else None
+    # DeepSeek's ceil-divided grid, a trailing partial block with a scale of its own (V3's kv_a_proj_with_mqa: [576, 7168],
+    # scales [5, 56]); a grid both read it as and as whole blocks of another size is not guessed at
+    deepseek = DEEPSEEK_BLOCK if grid == (-(-rows // DEEPSEEK_BLOCK[0]), -(-cols // DEEPSEEK_BLOCK[1])) else None
+    if exact is not None and deepseek is not None and exact != deepseek:
+        raise DataError(
+            f"{scale.name}: shape {list(scale.shape)} fits {weight.name} {list(weight.shape)} in blocks of {list(exact)} and of "
+            f"{list(deepseek)} with partial edge blocks; the block size is in config.json (weight_block_size)"
+        )
+    found = exact or deepseek
+    if found is not None:
+        return found
     raise DataError(
         f"{scale.name}: shape {list(scale.shape)} does not divide {weight.name} {list(weight.shape)}; the block size is in config.json"
     )
