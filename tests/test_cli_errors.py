@@ -7,6 +7,7 @@ temporary sibling (`/proc/.x.ckpt-partial-NNNN`) and exited 1.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +84,118 @@ def test_the_entry_point_prints_the_same_one_line(small, tmp_path, args):
 def test_bare_ckpt_still_shows_the_help(ckpt):
     res = ckpt()
     assert res.code == 2 and "Usage" in res.out + res.err and "COMMAND" in res.out + res.err
+
+
+# ---- a destination that cannot be written ------------------------------------------------------------------------
+
+WRITERS = {  # command -> its arguments before the destination, and after it
+    "demo": ([], []),
+    "convert": (["{src}"], ["--to", "hf"]),
+    "merge": (["{hf}"], []),
+    "split": (["{src}"], ["--num-shards", "2"]),
+    "reshard": (["{hf}"], ["--num-shards", "1"]),
+}
+
+
+def _places(tmp_path: Path) -> dict[str, Path]:
+    """Folders that cannot be written into, each a way the parent of a destination fails."""
+    (tmp_path / "afile").write_text("x")
+    places = {
+        "/proc": Path("/proc"),  # exists, refuses new entries (ENOENT)
+        "missing under /proc": Path("/proc/no-such-folder/deeper"),  # a missing parent that cannot be made
+        "under a file": tmp_path / "afile",
+        "deep under a file": tmp_path / "afile" / "a" / "b",
+    }
+    if Path("/sys").is_dir():
+        places["/sys"] = Path("/sys")
+    return places
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.fixture
+def sources(tmp_path: Path, small: Path, ckpt) -> dict[str, Path]:
+    assert ckpt("split", small, tmp_path / "hf", "--num-shards", "2", "--quiet").code == 0
+    return {"src": small, "hf": tmp_path / "hf"}
+
+
+def _write(ckpt, command: str, dest: Path, sources: dict[str, Path]):
+    before, after = WRITERS[command]
+    args = [a.format(**sources) for a in before] + [str(dest)] + after
+    return ckpt(command, *args, "--quiet")
+
+
+def _refused(res, dest: Path) -> None:
+    assert res.code == 2, res.err
+    assert res.err.count("\n") == 1 and res.err.startswith(f"ckpt: error: {dest}: "), res.err
+    assert ".ckpt-partial" not in res.err and "Traceback" not in res.err, res.err
+
+
+@pytest.mark.parametrize("command", sorted(WRITERS))
+def test_a_destination_that_cannot_be_written_is_one_line_naming_it_and_exit_2(ckpt, tmp_path, sources, command):
+    """`ckpt demo /proc/x` named `/proc/.x.ckpt-partial-NNNN` and exited 1."""
+    for where, folder in _places(tmp_path).items():
+        before = _tree(tmp_path)
+        name = "x.safetensors" if command == "merge" else "x"
+        res = _write(ckpt, command, folder / name, sources)
+        _refused(res, folder / name)
+        assert _tree(tmp_path) == before, f"{command} into {where} left {_tree(tmp_path) - before}"
+
+
+@pytest.mark.parametrize("errno_name", ["EACCES", "EROFS", "EPERM"])
+@pytest.mark.parametrize("command", sorted(WRITERS))
+def test_a_folder_refusing_writes_is_refused_and_the_folders_made_are_removed(ckpt, tmp_path, sources, monkeypatch, command, errno_name):
+    """Permission denied or a read-only filesystem (simulated: the tests may run as root, whom mode bits do not stop), at
+    the destination's folder and at a missing folder above it: one line naming the destination, nothing left."""
+    import errno
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    code = getattr(errno, errno_name)
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def refused(path: object) -> bool:
+        return Path(os.fsdecode(path)).parent == locked  # type: ignore[arg-type]
+
+    def fake_open(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if refused(path) and args and args[0] & os.O_CREAT:
+            raise OSError(code, os.strerror(code), os.fsdecode(path))
+        return real_open(path, *args, **kwargs)
+
+    def fake_mkdir(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if refused(path):
+            raise OSError(code, os.strerror(code), os.fsdecode(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    name = "x.safetensors" if command == "merge" else "x"
+    for dest in (locked / name, tmp_path / "made" / "for" / "it" / "locked" / name):
+        if dest.parent.name == "locked" and dest.parent != locked:
+            locked = dest.parent  # the missing folder above the destination is the one refused
+        before = _tree(tmp_path)
+        res = _write(ckpt, command, dest, sources)
+        _refused(res, dest)
+        assert os.strerror(code) in res.err, res.err
+        assert _tree(tmp_path) == before, f"left {_tree(tmp_path) - before}"
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_read_only_folder_is_refused(ckpt, tmp_path, sources):
+    locked = tmp_path / "ro"
+    locked.mkdir(mode=0o555)
+    try:
+        for command in sorted(WRITERS):
+            res = _write(ckpt, command, locked / "x", sources)
+            _refused(res, locked / "x")
+            assert not any(locked.iterdir())
+    finally:
+        locked.chmod(0o755)
+
+
+def test_the_entry_point_refuses_demo_into_proc():
+    res = run_subprocess("demo", "/proc/x")
+    assert res.code == 2 and res.err == "ckpt: error: /proc/x: cannot write in /proc: No such file or directory\n", res.err

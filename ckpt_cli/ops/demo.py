@@ -154,8 +154,8 @@ def write_demo(folder: Path, overwrite: bool = False) -> list[Path]:
 
     from ckpt_cli.ops.source import open_checkpoint
 
-    model, opt, sched, loader = _train()
-    with staged(folder, True, overwrite, Guard(is_checkpoint=is_demo)) as tmp:
+    with staged(folder, True, overwrite, Guard(is_checkpoint=is_demo)) as tmp:  # a place it cannot write: refused first
+        model, opt, sched, loader = _train()
         state = {
             "model": model.state_dict(),
             "optimizer": opt.state_dict(),

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli import interrupt
-from ckpt_cli.errors import DataError
+from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.store.guard import Guard, check_destination
 from ckpt_cli.store.location import is_remote
 
@@ -113,15 +113,56 @@ def remove_stale(dest: Path) -> None:
 
 
 def prepare_partial(dest: Path, is_dir: bool, overwrite: bool, owner: str, guard: Guard = Guard()) -> Path:
-    """A fresh temporary sibling of `dest` named after `owner` (a pid, or one name shared by all ranks)."""
+    """A fresh temporary sibling of `dest` named after `owner` (a pid, or one name shared by all ranks): a folder, or
+    for a one-file output the proof that a file can be made there. A place that cannot be written (its folder read-only,
+    not permitted, /proc, under a file, a missing folder that cannot be made) is a UsageError naming `dest`, not the
+    temporary, and leaves nothing behind (the folders made for it removed)."""
     check_destination(dest, overwrite, is_dir, guard)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(dest)
+    made = _make_parent(dest)
     tmp = partial_path(dest, owner)
-    remove(tmp)
-    if is_dir:
-        tmp.mkdir()
+    try:
+        remove_stale(dest)
+        remove(tmp)
+        if is_dir:
+            tmp.mkdir()
+        else:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            os.unlink(tmp)  # the writer creates it again
+    except OSError as exc:
+        _remove_folders(made)
+        raise UsageError(f"{dest}: cannot write in {dest.parent}: {exc.strerror or exc}") from None
     return tmp
+
+
+def _make_parent(dest: Path) -> list[Path]:
+    """Make the missing folders above `dest` (as mkdir -p); those made, outermost first. UsageError naming `dest`
+    when one is under a file or cannot be made (the ones made before it removed)."""
+    missing, folder = [], dest.parent
+    while not os.path.lexists(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    if not folder.is_dir():
+        what = "a file" if folder.is_file() else "not a folder"
+        raise UsageError(f"{dest}: cannot write under {folder}: it is {what}")
+    made: list[Path] = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:  # made meanwhile by another process (a torchrun rank)
+            continue
+        except OSError as exc:
+            _remove_folders(made)
+            raise UsageError(f"{dest}: cannot make the folder {folder}: {exc.strerror or exc}") from None
+        made.append(folder)
+    return made
+
+
+def _remove_folders(made: list[Path]) -> None:
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
 
 @cache
