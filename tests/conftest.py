@@ -504,12 +504,32 @@ def v4_logits(release: Path, ids: list[int]) -> dict:
     return torch.load(out, weights_only=False)
 
 
+AZURITE = "azurite@3.35.0"
+NO_AZURITE = "Azurite (the Azure Storage emulator) needs Node.js and npm, which this machine lacks: apt-get install nodejs npm"
+
+
 def azurite_command() -> str | None:
-    """Azurite's blob server: $CKPT_AZURITE (.ci/run installs it from npm), or azurite-blob on PATH."""
+    """Azurite's blob server: $CKPT_AZURITE, azurite-blob on PATH, or else installed from npm once into the user's cache
+    (~/.cache/ckpt-tests), so that the README's test command runs the az:// tests wherever npm is; None without npm."""
     import shutil
 
+    from filelock import FileLock
+
     found = os.environ.get("CKPT_AZURITE") or shutil.which("azurite-blob")
-    return found if found and Path(found).exists() else None
+    if found and Path(found).exists():
+        return found
+    npm = shutil.which("npm")
+    if npm is None:
+        return None
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckpt-tests" / AZURITE.replace("@", "-")
+    binary = cache / "node_modules" / ".bin" / "azurite-blob"
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(cache.parent / f"{cache.name}.lock"):
+        if not binary.exists():
+            cmd = [npm, "install", "--prefix", str(cache), "--no-audit", "--no-fund", "--silent", AZURITE]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0 and binary.exists(), f"npm install {AZURITE} failed: {proc.stderr[-2000:]}"
+    return str(binary)
 
 
 @pytest.fixture(scope="session")
@@ -519,7 +539,7 @@ def az(tmp_path_factory):
     pytest.importorskip("adlfs")
     command = azurite_command()
     if command is None:
-        pytest.skip("Azurite is not installed (npm install azurite; .ci/run does, and sets CKPT_AZURITE)")
+        pytest.skip(NO_AZURITE)
     import socket
     import time
 

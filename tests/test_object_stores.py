@@ -579,3 +579,16 @@ def test_other_fsspec_protocols_read(ckpt, s3_sources):
         assert on_memory.code == 0, on_memory.err
         same_but_paths(on_memory.out, url, here.out, local)
         assert ckpt("verify", "--deep", url).code == 0
+
+
+def test_the_readme_test_command_finds_azurite(monkeypatch):
+    """The README's test command runs the az:// tests with nothing set: Azurite comes from npm through the suite itself."""
+    import shutil
+
+    from conftest import NO_AZURITE, azurite_command
+
+    monkeypatch.delenv("CKPT_AZURITE", raising=False)
+    if shutil.which("npm") is None:
+        pytest.skip(NO_AZURITE)
+    found = azurite_command()
+    assert found is not None and os.access(found, os.X_OK)

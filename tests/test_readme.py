@@ -17,6 +17,7 @@ random `save_id` on every save, so the README does not show `inspect demo/dcp`, 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -40,8 +42,15 @@ class Step:
 
 def console_blocks(text: str) -> list[list[Step]]:
     """The ```console blocks of a markdown text, each as its commands and their expected output."""
-    blocks: list[list[Step]] = []
-    for body in re.findall(r"^```console\n(.*?)^```$", text, flags=re.DOTALL | re.MULTILINE):
+    return [steps for _, steps in console_blocks_with_extras(text)]
+
+
+def console_blocks_with_extras(text: str) -> list[tuple[tuple[str, ...], list[Step]]]:
+    """Each ```console block with the extras it needs beyond the Try it install: a block right after a line
+    `<!-- needs: EXTRA[,EXTRA] -->` (whose text says how to install them) may import what those extras bring."""
+    blocks: list[tuple[tuple[str, ...], list[Step]]] = []
+    pattern = r"^(?:<!-- needs: ([\w,-]+) -->\n)?```console\n(.*?)^```$"
+    for needs, body in re.findall(pattern, text, flags=re.DOTALL | re.MULTILINE):
         steps: list[Step] = []
         for line in body.splitlines():
             if line.startswith("$ "):
@@ -50,23 +59,60 @@ def console_blocks(text: str) -> list[list[Step]]:
                 raise ValueError(f"README console block starts with output, not a '$ ' command: {line!r}")
             else:
                 steps[-1] = Step(steps[-1].command, steps[-1].expected + line + "\n")
-        blocks.append(steps)
+        blocks.append((tuple(filter(None, needs.split(","))), steps))
     return blocks
 
 
-def shell_env() -> dict[str, str]:
-    """A newcomer's shell: the venv's `ckpt` on PATH, a fixed width, no colours, no debug tracebacks."""
+def _requirement_names(extra: str | None, project: dict) -> set[str]:
+    """Distribution names (normalised) that `pip install -e .[extra]` asks for by name (extra None: the base install),
+    the project's own extras followed."""
+    reqs = project["dependencies"] if extra is None else project["optional-dependencies"][extra]
+    names: set[str] = set()
+    for req in reqs:
+        name = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower().replace("_", "-")
+        if name == project["name"]:
+            for inner in re.search(r"\[(.*)\]", req).group(1).split(","):
+                names |= _requirement_names(inner.strip(), project)
+        else:
+            names.add(name)
+    return names
+
+
+@functools.cache
+def blocked_modules(needs: tuple[str, ...] = ()) -> list[str]:
+    """Top-level modules that only the test extra brings: absent on a machine where the Try it command ran (the base
+    install and torch), plus the extras `needs` names."""
+    from importlib.metadata import packages_distributions
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    had = _requirement_names(None, project) | _requirement_names("torch", project)
+    for extra in needs:
+        had |= _requirement_names(extra, project)
+    test_only = _requirement_names("test", project) - had
+    return sorted(
+        module
+        for module, dists in packages_distributions().items()
+        if all(d.lower().replace("_", "-") in test_only for d in dists) and module.isidentifier()
+    )
+
+
+def shell_env(needs: tuple[str, ...] | None = ()) -> dict[str, str]:
+    """A newcomer's shell: the venv's `ckpt` on PATH, a fixed width, no colours, no debug tracebacks, and only what the
+    README's Try it command installs importable (plus the extras `needs` names; None: everything installed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if needs is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "tryit"), env.get("PYTHONPATH")]))
+        env["TOUR_BLOCKED_MODULES"] = ",".join(blocked_modules(needs))
     # stdout unbuffered, so that stdout and stderr interleave as they do on a terminal
     env.update(COLUMNS="100", LINES="50", NO_COLOR="1", TERM="dumb", PYTHONUNBUFFERED="1")
     return env
 
 
-def run_command(command: str, cwd: Path) -> str:
-    """What the command prints, stdout and stderr together."""
+def run_command(command: str, cwd: Path, needs: tuple[str, ...] = ()) -> str:
+    """What the command prints, stdout and stderr together, in a newcomer's shell (shell_env)."""
     proc = subprocess.run(
-        ["bash", "-c", command], cwd=cwd, env=shell_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
+        ["bash", "-c", command], cwd=cwd, env=shell_env(needs), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
     )
     return proc.stdout
 
@@ -80,6 +126,7 @@ def front_door_commands() -> list[str]:
 
 PAGE_BLOCKS = [(page, steps) for page in PAGES for steps in console_blocks(page.read_text())]
 BLOCKS = [steps for _, steps in PAGE_BLOCKS]
+NEEDS = [needs for page in PAGES for needs, _ in console_blocks_with_extras(page.read_text())]
 
 
 class Tour:
@@ -94,9 +141,9 @@ class Tour:
         (command, expected, actual) for each of its commands."""
         while self.done < index:
             for step in BLOCKS[self.done]:
-                run_command(step.command, self.cwd)
+                run_command(step.command, self.cwd, NEEDS[self.done])
             self.done += 1
-        results = [(s.command, s.expected, run_command(s.command, self.cwd)) for s in BLOCKS[index]]
+        results = [(s.command, s.expected, run_command(s.command, self.cwd, NEEDS[index])) for s in BLOCKS[index]]
         self.done = index + 1
         return results
 
@@ -127,3 +174,16 @@ def test_console_block(tour, index):
         pytest.skip("ran already, as a prerequisite of a later block (blocks run once, in README order)")
     for command, expected, actual in tour.run_block(index):
         assert actual == expected, f"{PAGE_BLOCKS[index][0].name} command: $ {command}"
+
+
+def test_the_tour_has_only_what_try_it_installs(tmp_path):
+    """The gate the tour runs behind: what only the test extra brings does not import, unless a block names its extra."""
+    probe = "python -c 'import transformers' 2>&1 | tail -1; python -c 'import deepspeed' 2>&1 | tail -1"
+    assert run_command(probe, tmp_path).splitlines() == [
+        "ModuleNotFoundError: No module named 'transformers'",
+        "ModuleNotFoundError: No module named 'deepspeed'",
+    ]
+    assert run_command(probe, tmp_path, ("parity",)).splitlines() == ["ModuleNotFoundError: No module named 'deepspeed'"]
+    assert {"torch", "numpy", "safetensors", "typer"}.isdisjoint(blocked_modules())
+    assert {"transformers", "deepspeed", "s3fs", "adlfs", "lightning", "accelerate", "peft"} <= set(blocked_modules())
+    assert "transformers" not in blocked_modules(("parity",))
