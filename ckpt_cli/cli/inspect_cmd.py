@@ -72,7 +72,8 @@ def notes(doc: dict[str, Any], shown: int = 10) -> list[str]:
     lines = []
     if doc.get("tags"):
         lines.append(f"checkpoints under this folder ({len(doc['tags'])}):")
-        lines += [f"  {t['tag']:<24} {t['framework'] or '-':<11} {t['format']}" for t in doc["tags"][:shown]]
+        width = max(len(t["tag"]) for t in doc["tags"][:shown])
+        lines += [f"  {t['tag']:<{width}}  {t['framework'] or '-':<11} {t['format']}" for t in doc["tags"][:shown]]
         lines += [f"  ... and {len(doc['tags']) - shown} more (ckpt ls lists them all)"] if len(doc["tags"]) > shown else []
     return lines + [f"note: {n}" for n in doc.get("notes", [])]
 

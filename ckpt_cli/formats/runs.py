@@ -205,6 +205,8 @@ def foreign(path: Path) -> str | None:
             head = f.read(512)
     except (OSError, DataError):
         return None
+    if len(head) >= 9 and head[8:9] == b"{":  # a safetensors header (its length may start with any byte, 0x80 too)
+        return None
     if head.startswith(b"\x93NUMPY"):
         return "a NumPy array (np.save), not a checkpoint"
     if head.startswith(b"PK\x03\x04") and len(head) >= 30:

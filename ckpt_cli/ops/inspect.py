@@ -25,7 +25,8 @@ def tensor_rows(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> list[dict[st
 
 
 def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The stable `inspect --json` document (SPEC §3)."""
+    """The stable `inspect --json` document (SPEC §3); a run checkpoint's model weights under their exported names."""
+    ckpt = run_roots.shown(ckpt)
     chosen = [t for t in ckpt.tensors.values() if matches(t.name, filters)]
     if filters and not chosen:  # as convert --select: an empty selection is a mistake, not an empty table
         raise UsageError(f"--filter {' '.join(filters)} matches no tensor of {ckpt.path}")

@@ -351,6 +351,26 @@ def _plan_export(ckpt: Checkpoint, request: Request, plan_one: PlanOne) -> Job:
     return job
 
 
+def shown(ckpt: Checkpoint) -> Checkpoint:
+    """A run checkpoint with its model weights under the names its exports write (export_view's), its source kept:
+    the names inspect, --tree and --filter show, so that --select and --strip-prefix read off them act as shown."""
+    if not run_read.is_run(ckpt):
+        return ckpt
+    try:
+        tensors = export_view(ckpt).tensors
+    except DataError:  # two tensors would share a name: the stored names, which the export refuses
+        return ckpt
+    renamed = [(old, new) for old, new in zip(ckpt.tensors, tensors) if old != new]
+    if not renamed:
+        return ckpt
+    old, new = renamed[0]
+    note = (
+        f"names: model weights shown as exports write them, without the {ckpt.source.run.framework} nesting key "
+        f"'{old[: len(old) - len(new)]}' (stored as '{old}', shown as '{new}'); --select and --strip-prefix act on the names shown"
+    )
+    return dataclasses.replace(ckpt, tensors=tensors, notes=[*ckpt.notes, note])
+
+
 def export_view(ckpt: Checkpoint) -> Checkpoint:
     """The composite with its model weights under the model's own names (the framework's nesting key stripped)."""
     source: run_read.RunSource = ckpt.source

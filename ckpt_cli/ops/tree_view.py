@@ -117,7 +117,11 @@ def build(ckpt: Checkpoint, filters: tuple[str, ...] = (), depth: int | None = N
     """The tree of `ckpt`'s tensors (those matching `filters`), cut at `depth` levels below each role.
 
     `expand`: roles whose tree the text rendering opens; default the model weights alone, or every role when
-    `filters` are given (`--filter 'optimizer.*'` shows the optimizer's tree)."""
+    `filters` are given (`--filter 'optimizer.*'` shows the optimizer's tree). A run checkpoint's model weights are
+    under the names its exports write (ops/runs.shown), as inspect shows them."""
+    from ckpt_cli.ops import runs as run_roots
+
+    ckpt = run_roots.shown(ckpt)
     tied = {alias: group[0] for group in ckpt.tied_groups() for alias in group[1:]}
     roots: dict[str, _Trie] = {}
     for entry in ckpt.tensors.values():
