@@ -8,7 +8,7 @@ import struct
 
 import pytest
 import torch
-from conftest import Evil, assert_fails
+from conftest import Evil, assert_fails, ckpt_quiet, run_folder_checkpoint
 from safetensors.torch import save_file
 
 from ckpt_cli.core.zipio import read_records
@@ -203,8 +203,8 @@ def demo_run(tmp_path_factory):
 
 
 def weight(name: str) -> bool:
-    """A model tensor, not optimizer state (named optimizer.state.* by parameter, or the producer's own optim.*)."""
-    return not name.startswith(("optimizer.", "optim."))
+    """A model tensor, not training state (optimizer.state.* by parameter, a producer's own optim.*, RNG states)."""
+    return name.split(".")[0] not in ("optimizer", "optim", "rng", "lr_scheduler", "dataloader")
 
 
 def diff_finds_a_model_difference(d: dict) -> bool:
@@ -229,9 +229,9 @@ def assert_agrees_with_diff(ckpt, a, b, *tolerance: str) -> dict:
     return v
 
 
-def perturbed_copy(src, dest, how: str):
-    """A copy of a demo checkpoint whose weight PERTURBED is changed by PERTURBATIONS[how], written by the format's own
-    library (safetensors, torch.save, torch.distributed.checkpoint)."""
+def perturbed_copy(src, dest, how: str, name: str = PERTURBED):
+    """A copy of a checkpoint whose weight `name` is changed by PERTURBATIONS[how], written by the format's own library
+    (safetensors, torch.save, torch.distributed.checkpoint)."""
     from safetensors.torch import load_file
 
     change = PERTURBATIONS[how]
@@ -243,22 +243,22 @@ def perturbed_copy(src, dest, how: str):
 
     if src.suffix == ".safetensors":
         sd = load_file(src)
-        apply(sd, PERTURBED)
+        apply(sd, name)
         save_file(sd, dest, metadata={"format": "pt"})
     elif src.suffix == ".pt":
         state = torch.load(src, weights_only=False)
-        apply(state["model"], PERTURBED)
+        apply(state["model"], name)
         torch.save(state, dest)
     elif (src / "model.safetensors.index.json").exists():
         shutil.copytree(src, dest)
         index_path = dest / "model.safetensors.index.json"
         index = json.loads(index_path.read_text())
-        shard = dest / index["weight_map"][PERTURBED]
+        shard = dest / index["weight_map"][name]
         sd = load_file(shard)
-        apply(sd, PERTURBED)
+        apply(sd, name)
         save_file(sd, shard, metadata={"format": "pt"})
-        if PERTURBED not in sd:
-            del index["weight_map"][PERTURBED]
+        if name not in sd:
+            del index["weight_map"][name]
         shards = {dest / f for f in index["weight_map"].values()}  # the index as the writer would have made it
         index["metadata"]["total_size"] = sum(t.numel() * t.element_size() for f in shards for t in load_file(f).values())
         index_path.write_text(json.dumps(index))
@@ -268,7 +268,7 @@ def perturbed_copy(src, dest, how: str):
         flat = dest.parent / f"{dest.name}.pt"
         dcp_to_torch_save(src, flat)
         state = torch.load(flat, weights_only=False)
-        apply(state["model"], PERTURBED)
+        apply(state["model"], name)
         torch.save(state, flat)
         torch_save_to_dcp(flat, dest)
     return dest
@@ -300,3 +300,92 @@ def test_against_pairs_every_demo_format_as_diff_does(ckpt, demo_run, demo_pertu
         if how in ("value", "dtype"):  # by value within a tolerance: 0.5 is outside 0.1, bfloat16 rounding inside
             v = assert_agrees_with_diff(ckpt, *pair, "--atol", "0.1")
             assert v["ok"] == (how == "dtype"), (how, v["problems"])
+
+
+CUTS = {  # the bytes kept of a file of `size` bytes
+    "emptied": lambda size: 0,
+    "one byte short": lambda size: size - 1,
+    "half": lambda size: size // 2,
+    "inside its header": lambda size: 20,
+    "a few KB short": lambda size: max(size - 4096, 1),
+}
+
+
+def _victims(mixed_files, tiny_llama, tmp_path):
+    """(what inspect is given, the file cut): safetensors.save_file, torch.save, the hub's and transformers' shards."""
+    out = {}
+    for name in ("safetensors", "torch"):
+        out[name] = tmp_path / mixed_files[name].name
+        shutil.copy(mixed_files[name], out[name])
+    for name, src in (("hub-shards", mixed_files["hf"]), ("transformers-shards", tiny_llama[1] / "sharded")):
+        shutil.copytree(src, tmp_path / name)
+        out[f"{name} first"] = out[f"{name} last"] = tmp_path / name
+    return out
+
+
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_inspect_of_a_truncated_file_says_so(ckpt, mixed_files, tiny_llama, tmp_path, cut):
+    """inspect of a checkpoint whose file is shorter than its header says (a full disk): exit 1, one line naming the
+    file, nothing on stdout, whatever the output form."""
+    for name, given in _victims(mixed_files, tiny_llama, tmp_path).items():
+        victim = given if given.is_file() else shards(given)[-1 if name.endswith("last") else 0]
+        data = victim.read_bytes()
+        victim.write_bytes(data[: CUTS[cut](len(data))])
+        for args in ((), ("--json",)):
+            res = ckpt("inspect", given, *args)
+            print(cut, name, args, res.code, res.err.strip()[:200])
+        victim.write_bytes(data)
+
+
+@pytest.fixture(scope="module")
+def producer_exports(fsdp2_saves, run_folders, tmp_path_factory):
+    """Real producers' training checkpoints and the weights exports ckpt makes of them: name -> (checkpoint, export)."""
+    out = tmp_path_factory.mktemp("exports")
+    dcp, ds = fsdp2_saves[2] / "ckpt", run_folder_checkpoint(run_folders["trainer-ds2"])
+    ckpt_quiet("convert", dcp, out / "fsdp2-hf", "--to", "hf", "--weights-only", "--strip-prefix", "model.")
+    ckpt_quiet("merge", dcp, out / "fsdp2.safetensors")  # keeps the DCP's own names (model.x): matched by name
+    ckpt_quiet("merge", ds, out / "trainer-ds2.safetensors")  # DeepSpeed's module. prefix dropped: by parameter name
+    return {
+        "fsdp2-dcp-vs-hf": (dcp, out / "fsdp2-hf"),
+        "fsdp2-dcp-vs-merged": (dcp, out / "fsdp2.safetensors"),
+        "trainer-ds2-vs-merged": (ds, out / "trainer-ds2.safetensors"),
+    }
+
+
+def a_matrix(export) -> str:
+    """A 2-D weight of an export that no other is tied to (not the embedding or the head)."""
+    from safetensors import safe_open
+
+    files = [export] if export.suffix == ".safetensors" else sorted(export.glob("*.safetensors"))
+    names = []
+    for f in files:
+        with safe_open(f, "pt") as h:
+            names += [n for n in h.keys() if len(h.get_slice(n).get_shape()) == 2]
+    return sorted(n for n in names if "embed" not in n and "head" not in n)[0]
+
+
+@pytest.mark.parametrize("case", ["fsdp2-dcp-vs-hf", "fsdp2-dcp-vs-merged", "trainer-ds2-vs-merged"])
+def test_against_pairs_producer_checkpoints_with_their_exports(ckpt, producer_exports, tmp_path, case):
+    """FSDP2's DCP save and DeepSpeed ZeRO-2 (Trainer) against the weights exports made of them, both ways: OK as diff
+    matches them (the optimizer state only in the checkpoint is a note), and a changed, missing, reshaped or recast
+    weight of the export fails, as diff finds it."""
+    src, export = producer_exports[case]
+    for a, b in ((src, export), (export, src)):
+        v = assert_agrees_with_diff(ckpt, a, b)
+        assert v["ok"] and any("optimizer" in n and "not compared" in n for n in v["notes"]), v
+    name = a_matrix(export)
+    for how in PERTURBATIONS:
+        bad = perturbed_copy(export, tmp_path / f"{how}-{export.name}", how, name)
+        for pair in ((src, bad), (bad, src)):
+            v = assert_agrees_with_diff(ckpt, *pair)
+            assert not v["ok"] and any(f"{name.removeprefix('model.')}'" in p for p in v["problems"]), (how, v["problems"])
+            if how in ("value", "dtype"):
+                assert assert_agrees_with_diff(ckpt, *pair, "--atol", "0.1")["ok"] == (how == "dtype"), how
+
+
+def test_against_one_run_in_two_frameworks_with_tolerances(ckpt, run_folders):
+    """Trainer on DeepSpeed ZeRO-2 and on FSDP2: matched by parameter name; float32 reduction order differs, so bit-exact
+    fails and a tolerance passes, as diff says."""
+    ds, fsdp = run_folder_checkpoint(run_folders["trainer-ds2"]), run_folder_checkpoint(run_folders["trainer-fsdp2"])
+    assert not assert_agrees_with_diff(ckpt, ds, fsdp)["ok"]
+    assert assert_agrees_with_diff(ckpt, ds, fsdp, "--rtol", "1e-5", "--atol", "1e-8")["ok"]

@@ -86,4 +86,10 @@ def comparable(a: Checkpoint, b: Checkpoint, flat_too: bool = False) -> tuple[Ch
             if not flat_too:
                 raise
             sides.append(ckpt)
+    if flat_too and "flat" in layouts and _shared(a, b) > _shared(sides[0], sides[1]):
+        return a, b, None  # the flat side kept the other's own names (`merge` of a DCP save: model.x): by name
     return sides[0], sides[1], f"by parameter name ({' vs '.join(sorted(set(layouts)))} key layouts)"
+
+
+def _shared(a: Checkpoint, b: Checkpoint) -> int:
+    return sum(name in b.tensors for name in a.tensors)
