@@ -237,7 +237,8 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
         report.checks.append(f"by {d.matched_by}")
     exact = d.exact
     dtype_of = {c["name"]: c for c in d.dtype_changed}
-    for t in d.tensors:
+    order = {name: i for i, name in enumerate(mine.tensors)}  # the checkpoint's own order (diff's is worst first)
+    for t in sorted(d.tensors, key=lambda t: order[t.name]):
         if exact and t.name in dtype_of:
             report.problems.append(f"{pb}: tensor '{t.name}' is {t.dtype_b}, {pa} has {t.dtype_a} (give --atol/--rtol to compare values)")
         elif not t.within:
