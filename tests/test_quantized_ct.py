@@ -83,7 +83,7 @@ LAYER = "model.layers.0.self_attn.q_proj"
 @pytest.mark.parametrize(
     ("preset", "change", "deep", "words"),
     [
-        ("W4A16", lambda t: t.pop(f"{LAYER}.weight_shape"), False, "has no 2-element integer 'weight_shape'"),
+        ("W4A16", lambda t: t.pop(f"{LAYER}.weight_shape"), False, f"has no '{LAYER}.weight_shape'"),
         ("W4A16", lambda t: t.__setitem__(f"{LAYER}.weight_shape", torch.tensor([128, 256])), False, "says 128 rows"),
         ("W4A16", lambda t: t.__setitem__(f"{LAYER}.weight_shape", torch.tensor([256, 512])), False, "is [256, 2] for a 256 x 512"),
         (
@@ -123,3 +123,65 @@ def test_zero_points_of_the_wrong_shape_are_refused(ckpt, compressed, tmp_path):
     )
     res = ckpt("verify", bad)
     assert res.code == 1 and "zero points" in res.out and "need [32, 2]" in res.out, res.out
+
+
+@pytest.fixture(scope="session")
+def compressed_more(tmp_path_factory):
+    """Layouts the tests above do not dequantize (int8 per channel, int8 packed, FP8 per tensor and per channel),
+    saved by compressed-tensors the same way."""
+    root = tmp_path_factory.mktemp("compressed_more")
+    return {preset: compressed_save.save(preset, root / preset) for preset in compressed_save.MORE_PRESETS}
+
+
+def _companions(folder: Path) -> list[str]:
+    """What compressed-tensors' own compressor stores for each quantized Linear of the folder, values included: its
+    `compression_param_names` for the folder's scheme and format."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    qconfig = json.loads((folder / "config.json").read_text())["quantization_config"]
+    group = qconfig["config_groups"]["group_0"]
+    scheme = QuantizationScheme.model_validate({k: v for k, v in group.items() if k != "format"})
+    compressor = BaseCompressor.get_value_from_registry(group.get("format") or qconfig["format"])
+    return list(compressor.compression_param_names(scheme))
+
+
+LAYERS = (LAYER, "model.layers.1.mlp.down_proj")
+
+
+@pytest.mark.parametrize("preset", [*compressed_save.PRESETS, *compressed_save.MORE_PRESETS])
+def test_a_quantized_weight_without_a_stored_companion_fails_wherever_it_is_read(ckpt, compressed, compressed_more, tmp_path, preset):
+    """Each tensor a layout stores for a quantized weight (its values, weight_scale, weight_shape, weight_global_scale,
+    weight_zero_point when asymmetric), taken away in turn: verify, with and without --deep, fails (exit 1) on one line
+    naming the tensor and its file; inspect and every conversion stop as well, writing nothing."""
+    folder = {**compressed, **compressed_more}[preset]
+    assert ckpt("verify", folder, "--deep").code == 0
+    stored = load_file(str(folder / "model.safetensors"))
+    names = _companions(folder)
+    assert "weight_scale" in names and all(f"{layer}.{n}" in stored for layer in LAYERS for n in names), names
+    for k, companion in enumerate(names):
+        tensor = f"{LAYERS[k % 2]}.{companion}"
+        bad = _damage(folder, tmp_path / companion, lambda t, tensor=tensor: t.pop(tensor))
+        for deep in ([], ["--deep"]):
+            res = ckpt("verify", bad, *deep)
+            lines = [line for line in (res.out + res.err).splitlines() if f"'{tensor}'" in line]
+            assert res.code == 1 and len(lines) == 1 and f"{bad / 'model.safetensors'}:" in lines[0], (companion, res.out + res.err)
+        res = ckpt("inspect", bad, "--json")
+        assert res.code == 1 and f"'{tensor}'" in res.err and len(res.err.strip().splitlines()) == 1, (companion, res.err)
+        for dtype in ("bf16", "keep"):
+            res = ckpt("convert", bad, tmp_path / "out", "--to", "hf", "--dtype", dtype)
+            assert res.code == 1 and f"'{tensor}'" in res.err and not (tmp_path / "out").exists(), (companion, dtype, res.err)
+
+
+@pytest.mark.parametrize("preset", ["W4A16", "W4A16_ASYM"])
+def test_activation_order_group_without_g_idx_fails_for_every_weight(ckpt, compressed, tmp_path, preset):
+    """A config whose weights were quantized in activation order 'group' promises a `weight_g_idx` for each weight:
+    without them every weight's columns would land in the wrong groups."""
+    bad = shutil.copytree(compressed[preset], tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    (bad / "config.json").write_text(json.dumps(config))
+    res = ckpt("verify", bad)
+    lines = [line for line in res.out.splitlines() if line.strip().endswith("it cannot be dequantized")]
+    assert res.code == 1 and len(lines) == 14 and all(".weight_g_idx'" in line for line in lines), res.out
+    assert ckpt("convert", bad, tmp_path / "out", "--to", "hf", "--dtype", "bf16").code == 1

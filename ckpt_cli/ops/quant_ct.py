@@ -21,14 +21,27 @@ from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.errors import DataError
 from ckpt_cli.ops.quant_schemes import Quantized
 
+QUANTIZED_DTYPES = ("float8_e4m3fn", "float8_e5m2", "int8")  # a naive-quantized weight's values
+COMPANIONS = ("weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape", "weight_g_idx")
 ACTIVATION_SUFFIXES = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point")
 STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block")
+
+
+class MissingCompanions(DataError):
+    """Quantized weights without tensors their layout needs: each a problem of its own (verify lists them all)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        self.problems = problems
 
 
 def weights(ckpt: Checkpoint, qconfig: dict[str, Any], where: str) -> dict[str, Quantized]:
     """Every quantized weight of a compressed-tensors checkpoint, by the name it dequantizes to."""
     groups = _weight_args(qconfig, where)
     tensors = ckpt.tensors
+    missing = missing_companions(tensors, groups)
+    if missing:
+        raise MissingCompanions(missing)
     found: dict[str, Quantized] = {}
     for name in tensors:
         if not name.endswith(".weight_scale"):
@@ -48,6 +61,60 @@ def weights(ckpt: Checkpoint, qconfig: dict[str, Any], where: str) -> dict[str, 
     return found
 
 
+def missing_companions(tensors: dict[str, TensorEntry], groups: list[dict[str, Any]]) -> list[str]:
+    """Each quantized weight that lacks a tensor its layout stores (compressed-tensors' `compression_param_names`):
+    its values, `weight_scale`, `weight_shape` (int32-packed), `weight_global_scale` (NVFP4), `weight_zero_point`
+    (asymmetric), `weight_g_idx` (activation order 'group'). Without one a weight dequantizes to garbage or not at all."""
+    found: dict[str, TensorEntry] = {}  # a weight's base name: a tensor of it, its values where stored
+    for name, entry in tensors.items():
+        base, _, leaf = name.rpartition(".")
+        values = leaf == "weight_packed" or (leaf == "weight" and entry.dtype.name in QUANTIZED_DTYPES)
+        if values or (leaf in COMPANIONS and base):
+            found[base] = entry if values or base not in found else found[base]
+    out = []
+    for base, entry in found.items():
+        layout, need = _layout(base, tensors, groups)
+        missing = [f"'{base}.{n}'" for n in need if f"{base}.{n}" not in tensors]
+        if missing:
+            out.append(f"{_file(entry)}: {layout} weight '{base}' has no {' or '.join(missing)}; it cannot be dequantized")
+    return out
+
+
+def _layout(base: str, tensors: dict[str, TensorEntry], groups: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """The compressed-tensors format a weight is stored in and the tensors it needs (the values themselves included),
+    as its compressor's `compression_param_names` has them for the config groups that can describe it."""
+    packed, plain = tensors.get(base + ".weight_packed"), tensors.get(base + ".weight")
+    if packed is not None and packed.dtype.name == "uint8":
+        fits = [g for g in groups if g["type"] == "float" and g["num_bits"] == 4]
+        mx = bool(fits) and all(g.get("format") == "mxfp4-pack-quantized" for g in fits)
+        layout, need = (
+            ("mxfp4-pack-quantized", ["weight_scale"]) if mx else ("nvfp4-pack-quantized", ["weight_scale", "weight_global_scale"])
+        )
+        static_input = bool(fits) and all(isinstance(g["input"], dict) and g["input"].get("dynamic") is False for g in fits)
+    elif packed is not None:
+        layout, need = "pack-quantized", ["weight_scale", "weight_shape"]
+        fits = [g for g in groups if g["type"] == "int"]
+        static_input = bool(fits) and all(isinstance(g["input"], dict) and g["input"].get("strategy") == "tensor_group" for g in fits)
+    elif plain is not None:
+        layout, need = "naive-quantized", ["weight_scale"] if plain.dtype.name in QUANTIZED_DTYPES else []
+        fits = [g for g in groups if g["num_bits"] == 8 and g["type"] == ("float" if plain.dtype.is_float else "int")]
+        static_input = False
+    else:  # scales stored, values not: the config groups' format says which name they would have
+        packs = all(str(g.get("format")).endswith("pack-quantized") for g in groups)
+        return "quantized", ["weight_packed" if packs else "weight"]
+    if fits and all(g.get("symmetric", True) is False for g in fits):
+        need.append("weight_zero_point")
+    if fits and all(g.get("actorder") in ("group", True) for g in fits):
+        need.append("weight_g_idx")
+    if static_input:
+        need.append("input_global_scale")
+    return layout, need
+
+
+def _file(entry: TensorEntry) -> str:
+    return entry.pieces[0].data.path if entry.pieces else entry.name
+
+
 def _weight_args(qconfig: dict[str, Any], where: str) -> list[dict[str, Any]]:
     """The distinct `weights` arguments of the config groups (checked: types and ranges)."""
     groups = qconfig.get("config_groups")
@@ -61,7 +128,7 @@ def _weight_args(qconfig: dict[str, Any], where: str) -> list[dict[str, Any]]:
         if not isinstance(args, dict):
             raise DataError(f"{where}: config_groups.{key}.weights must be an object")
         _check_args(args, f"{where}: config_groups.{key}.weights")
-        args = {**args, "format": group.get("format") or qconfig.get("format")}
+        args = {**args, "format": group.get("format") or qconfig.get("format"), "input": group.get("input_activations")}
         if args not in found:
             found.append(args)
     return found

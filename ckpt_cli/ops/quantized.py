@@ -153,8 +153,8 @@ def problems(ckpt: Checkpoint, deep: bool) -> list[str]:
         return []
     try:
         scheme = scheme_of(ckpt)
-    except DataError as exc:
-        return [str(exc)]
+    except DataError as exc:  # compressed-tensors' missing companions: one problem each
+        return list(getattr(exc, "problems", None) or [str(exc)])
     found = _unpaired(ckpt, scheme)
     if scheme is None:
         return found

@@ -1,6 +1,6 @@
 """Tiny Llama checkpoints in compressed-tensors formats, quantized and saved by compressed-tensors' own code on the CPU.
 
-    save(preset, out)   preset: FP8_BLOCK, W4A16, W4A16_ASYM, NVFP4A16 or NVFP4
+    save(preset, out)   preset: FP8_BLOCK, W4A16, W4A16_ASYM, NVFP4A16 or NVFP4 (PRESETS), or one of MORE_PRESETS
 
 A bf16 LlamaForCausalLM (hidden 256, intermediate 512, 2 layers, GQA 4/2 heads, vocab 384, untied) gets the preset's
 scheme on every Linear but lm_head (`apply_quantization_config`); its weight scales (zero points, NVFP4 global
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 PRESETS = ("FP8_BLOCK", "W4A16", "W4A16_ASYM", "NVFP4A16", "NVFP4")
+MORE_PRESETS = ("W8A8", "W8A16", "FP8", "FP8_DYNAMIC")  # other layouts: int8 per channel, int8 packed, FP8 per tensor/channel
 
 
 def llama() -> Any:
@@ -66,8 +67,10 @@ def _weight_qparams(weight: torch.Tensor, args: Any) -> tuple[torch.Tensor, torc
     global_scale = None
     if args.strategy == QuantizationStrategy.TENSOR_GROUP:
         global_scale = generate_gparam(weight.amin(), weight.amax())
-    if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP):
+    if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP, QuantizationStrategy.TENSOR):
         scale, zero = compute_dynamic_scales_and_zp(weight, args, module=None, global_scale=global_scale)
+    elif args.strategy == QuantizationStrategy.CHANNEL:  # per output row, as the min-max observer reduces it
+        scale, zero = calculate_qparams(weight.amin(dim=1, keepdim=True), weight.amax(dim=1, keepdim=True), args)
     else:  # BLOCK: compute_dynamic_scales_and_zp refuses it; per block min/max as the observer computes them
         bh, bw = args.block_structure
         rows, cols = weight.shape
