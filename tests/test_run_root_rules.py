@@ -142,6 +142,40 @@ def test_a_folder_of_runs_in_folders_of_their_own_is_still_refused(ckpt, tmp_pat
     assert not any(r["chosen"] for r in json.loads(ckpt("ls", tmp_path, "--json").out)["checkpoints"])
 
 
+def _release_with_original(root: Path) -> str:
+    """A Hub release as Meta ships Llama: sharded safetensors + index, the original consolidated .pth in original/."""
+    from huggingface_hub import save_torch_state_dict
+
+    root.mkdir()
+    save_torch_state_dict(_weights(0), root, max_shard_size=40)
+    (root / "original").mkdir()
+    torch.save(_weights(0), root / "original" / "consolidated.00.pth")
+    return "hf"
+
+
+def _dcp_with_extra(root: Path) -> str:
+    """A DCP save (its .metadata names the folder whole) beside a sharded/ copy and a loose .pt."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_weights(0), checkpoint_id=str(root))
+    save_file(_weights(1), str(root / "model.safetensors"))
+    (root / "sharded").mkdir()
+    torch.save(_weights(2), root / "sharded" / "extra.pt")
+    return "dcp"
+
+
+@pytest.mark.parametrize("build", [_release_with_original, _dcp_with_extra], ids=lambda f: f.__name__.strip("_"))
+def test_a_folder_its_own_index_names_is_itself_whatever_lies_beside(ckpt, tmp_path, build):
+    """A folder whose index or metadata file names it whole is that checkpoint, not a run root of what it also holds."""
+    folder = tmp_path / "ckpt"
+    fmt = build(folder)
+    res = ckpt("inspect", folder, "--json")
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert (report["format"], report["path"]) == (fmt, str(folder))
+    assert ckpt("verify", folder).out.startswith(f"OK {folder} ({fmt})")
+
+
 def test_a_checkpoint_folder_alone_is_itself(ckpt, tmp_path):
     """An hf folder with nothing else in it reads as itself, as before: no note, no choice."""
     folder = tmp_path / "release"

@@ -78,6 +78,11 @@ def holds_others(path: Path) -> bool:
         children = [p for p in path.iterdir() if not p.name.startswith(".")]
     except OSError:
         return False
+    members = re.compile(fmt.members or "$^")
+    if any(members.fullmatch(p.name) for p in children if not p.is_dir()):
+        # A folder its own index or metadata names whole (an hf release beside its original/, a consolidated DCP save
+        # beside its sharded/) is that checkpoint; only a loose model.safetensors leaves the folder to the one rule.
+        return False
     own = re.compile(f"{fmt.members or '$^'}|model\\.safetensors")  # the hf single-file layout reads model.safetensors
     files = [p for p in children if not p.is_dir() and not own.fullmatch(p.name)]
     if any(identify(p) is not None for p in files):
