@@ -213,9 +213,11 @@ def test_tree_of_a_run_root_names_the_checkpoint_it_chose(ckpt, tmp_path):
             {"layers.0.w": torch.zeros(2, 3), "layers.1.w": torch.ones(2, 3), "layers.10.w": torch.ones(2, 3)},
             run / f"step_{step}.safetensors",
         )
-    lines = ckpt("inspect", run, "--tree").out.splitlines()
+    shown = ckpt("inspect", run, "--tree")
+    lines = shown.out.splitlines()
     assert lines[2].split()[:2] == ["layers.{0..1,10}", "×3"]
-    assert lines[-1] == f"note: {run}: 2 checkpoints (ckpt ls lists them); using 'step_200.safetensors', the newest"
+    assert f"note: {run}: 2 checkpoints (ckpt ls lists them); using 'step_200.safetensors', the newest" in shown.err
+    assert "note:" not in shown.out  # notes go to stderr: stdout holds the tree alone
     assert "Note:" not in ckpt("inspect", run, "--markdown").out  # a model card carries no local paths
 
 
