@@ -77,6 +77,41 @@ def test_no_import_cycle():
             visit(name)
 
 
+# The modules every format family may build on: the one-file formats that rank files are made of, the table, and a
+# release's companion files. Anything else under formats/ is a family (a package, or one module) of its own.
+SHARED_FORMAT_MODULES = ("registry", "safetensors", "torch_save", "companions")
+MAX_FORMATS_ENTRIES = 12
+
+
+def _family(module: str) -> str | None:
+    """The format family a module belongs to (its package or module under formats/), None outside formats/."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "formats" else None
+
+
+def test_a_format_family_imports_another_only_through_the_shared_modules():
+    wrong = [
+        f"{name} imports {target}"
+        for name, targets in GRAPH.items()
+        if (family := _family(name)) and family not in SHARED_FORMAT_MODULES
+        for target in targets
+        if (other := _family(target)) and other != family and other not in SHARED_FORMAT_MODULES
+    ]
+    assert not wrong, wrong
+
+
+def test_formats_and_core_are_grouped_by_concept():
+    """formats/: a package per family (a few one-module families and the shared modules beside them); core/: its
+    subsystems in packages (pickle and zip safety, the write engine, a name map's transforms)."""
+    entries = [p.name for p in (PACKAGE / "formats").iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= MAX_FORMATS_ENTRIES, sorted(entries)
+    for family in ("dcp", "deepspeed", "dtensor", "runs"):
+        assert (PACKAGE / "formats" / family / "__init__.py").exists(), family
+        assert not list((PACKAGE / "formats").glob(f"{family}_*.py")), f"a {family} module outside formats/{family}/"
+    for package in ("pickles", "write", "names"):
+        assert (PACKAGE / "core" / package / "__init__.py").exists(), package
+
+
 def test_no_file_over_the_size_limit():
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}"
@@ -119,10 +154,11 @@ def test_help_imports_no_format_and_inspect_no_writer(tmp_path):
     assert not [m for m in help_modules if m.startswith("ckpt_cli.formats.") and m != "ckpt_cli.formats.registry"], help_modules
     save_file({"w": np.zeros(4, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
     inspect_modules = _modules_after(["inspect", "m.safetensors"], tmp_path)
-    writers = {"ckpt_cli.formats.dcp_writer", "ckpt_cli.formats.deepspeed_writer"}
+    writers = {"ckpt_cli.formats.dcp.writer", "ckpt_cli.formats.deepspeed.writer"}
     assert not inspect_modules & writers, inspect_modules & writers
     # detection asks only the rows that can claim a file of this name: no folder format's reader is imported
-    folder_readers = {"ckpt_cli.formats.dcp", "ckpt_cli.formats.deepspeed", "ckpt_cli.formats.megatron", "ckpt_cli.formats.hf"}
+    folder_readers = {"ckpt_cli.formats.dcp.reader", "ckpt_cli.formats.deepspeed.reader", "ckpt_cli.formats.dcp.megatron"}
+    folder_readers.add("ckpt_cli.formats.hf")
     assert not inspect_modules & folder_readers, inspect_modules & folder_readers
     assert "ckpt_cli.formats.safetensors" in inspect_modules
 

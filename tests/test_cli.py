@@ -10,7 +10,7 @@ import yaml
 from conftest import run_subprocess
 from safetensors.torch import load_file, save_file
 
-from ckpt_cli.core import executor
+from ckpt_cli.core.write import executor
 
 
 @pytest.fixture

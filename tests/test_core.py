@@ -13,11 +13,11 @@ from conftest import mixed_state_dict
 from safetensors.torch import load_file
 
 from ckpt_cli.core import dtypes
-from ckpt_cli.core.executor import execute
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, FlatRange, Piece, StoredArray, TensorEntry, box_runs, contiguous_strides
-from ckpt_cli.core.safe_pickle import safe_loads
+from ckpt_cli.core.pickles.safe_pickle import safe_loads
 from ckpt_cli.core.sizes import parse_size
+from ckpt_cli.core.write.executor import execute
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats import safetensors, torch_save
 from ckpt_cli.formats.hf import shard_groups
@@ -170,8 +170,8 @@ def test_crc32_combine_and_split_runs():
     import os
     import zlib
 
-    from ckpt_cli.core.crc import crc32_combine
-    from ckpt_cli.core.sinks import split_runs
+    from ckpt_cli.core.write.crc import crc32_combine
+    from ckpt_cli.core.write.sinks import split_runs
 
     for a, b in [(b"", b"x"), (b"hello ", b"world"), (os.urandom(1000), os.urandom(77777)), (os.urandom(5), b"")]:
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
@@ -182,7 +182,7 @@ def test_crc32_combine_and_split_runs():
 def test_threads_sharing_one_file_write_the_same_bytes(ckpt, mixed_files, tmp_path, monkeypatch):
     """One output file, large CRC-bearing tensors cut into pieces copied by 2 threads at their offsets (CRCs
     combined): byte-identical to one thread (torch zip); safetensors (kernel copies) stays one job per tensor."""
-    from ckpt_cli.core import executor
+    from ckpt_cli.core.write import executor
 
     monkeypatch.setattr(executor, "CHUNK_BYTES", 16)  # every tensor over 32 bytes is shared
     for name in ("merged.safetensors", "merged.pt"):
@@ -197,8 +197,8 @@ def test_a_large_pickle_is_read_in_pieces_let_go_as_read():
     """A pickle past LEAN_FROM reaches the unpickler in 1 MB pieces dropped once read, and builds the same value."""
     import pickle
 
-    from ckpt_cli.core import pickle_guard, pickle_stream
-    from ckpt_cli.core.safe_pickle import safe_loads
+    from ckpt_cli.core.pickles import pickle_guard, pickle_stream
+    from ckpt_cli.core.pickles.safe_pickle import safe_loads
 
     value = {f"layers.{i}.weight": [i, (i, i + 1), "x" * (i % 50)] for i in range(60_000)}
     data = pickle.dumps(value, protocol=4)

@@ -1,7 +1,7 @@
 """DTensor layouts in DCP beyond Shard(0) (issue 13 item 2): FSDP2 + tensor parallel on a 2-D (dp, tp) mesh, with
 _StridedShard, Shard(1) and grouped experts; read, verify, export, and reshard to another dp x tp mesh loaded by
 dcp.load + set_state_dict (fixture `dcp_tp`, tests/producers/dcp_tp.py). The placement arithmetic of
-formats/dcp_mesh.py is checked on numbers against torch's own."""
+formats/dcp/mesh.py is checked on numbers against torch's own."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import pytest
 import torch
 from conftest import DCP_TP_MESHES, assert_fails, assert_same_tensors
 
+from ckpt_cli.core.boxes import sub_box
 from ckpt_cli.core.dtypes import by_name
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, FlatRange, Piece, StoredArray, TensorEntry
-from ckpt_cli.formats import dcp
-from ckpt_cli.formats.dcp_mesh import SourceMesh, Split, chunk_of, chunks, fits, source_mesh, strided
-from ckpt_cli.formats.dcp_writer import sub_box
+from ckpt_cli.formats.dcp import reader as dcp
+from ckpt_cli.formats.dcp.mesh import SourceMesh, Split, chunk_of, chunks, fits, source_mesh, strided
 
 # ---- the placement arithmetic, on numbers ------------------------------------------------------------------------
 

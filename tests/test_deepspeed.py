@@ -159,7 +159,7 @@ def test_verify_truncated_pt(ckpt, copy_s2):
 
 
 def test_verify_deep_flipped_byte(ckpt, copy_s2):
-    from ckpt_cli.core.zipio import read_records
+    from ckpt_cli.core.pickles.zipio import read_records
 
     path = copy_s2 / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     with open(path, "rb") as f:
@@ -290,7 +290,7 @@ def test_inspect_parses_one_optimizer_file_checks_the_others_and_one_model_state
     module description on every rank), and makes no pieces: it counts them from the partition arithmetic, as many as
     the full read makes."""
     import ckpt_cli
-    from ckpt_cli.formats import deepspeed_rank_files as rank_files
+    from ckpt_cli.formats.deepspeed import rank_files
 
     parsed: list[str] = []
     checked: list[str] = []
@@ -313,7 +313,7 @@ def test_inspect_parses_one_optimizer_file_checks_the_others_and_one_model_state
 def test_a_stage2_layout_parses_each_rank_file_once_a_group_and_keeps_none(ds_saves, monkeypatch):
     """The pieces of every parameter and moment of a group parse each rank's optimizer file once, for all the group's
     keys, and do not keep it (1,024 parsed rank files of a 20,000-parameter model held 16 MB); nor does verify."""
-    from ckpt_cli.formats import deepspeed_rank_files as rank_files
+    from ckpt_cli.formats.deepspeed import rank_files
     from ckpt_cli.ops.structure import format_check
 
     parsed: list[str] = []

@@ -1,4 +1,4 @@
-"""The ZeRO partition math (formats/deepspeed_layout.py) on concrete numbers, without DeepSpeed.
+"""The ZeRO partition math (formats/deepspeed/layout.py) on concrete numbers, without DeepSpeed.
 
 The numbers are those of the test model's two param groups (tests/producers/net.py) as DeepSpeed 0.19.8
 saved them at world sizes 2 and 3 (read from its files: group_paddings, single_partition_of_fp32_groups,
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_cli.formats import deepspeed_layout as zl
+from ckpt_cli.formats.deepspeed import layout as zl
 
 # The test model's param groups: weights (decayed) and biases, numels 444, 348, 348 and 29, 29, 29, 12.
 WEIGHTS = [("embed.weight", (37, 12)), ("block.0.weight", (29, 12)), ("block.2.weight", (12, 29))]
@@ -167,7 +167,7 @@ def test_flat_pieces_of_sorted_partitions_look_only_where_the_param_lies():
     """flat_pieces with the partitions' starts (bisected) gives what the scan of every partition gives."""
     import random
 
-    from ckpt_cli.formats.deepspeed_partitions import flat_pieces
+    from ckpt_cli.formats.deepspeed.partitions import flat_pieces
 
     rng = random.Random(1)
     for _ in range(3000):
@@ -177,7 +177,7 @@ def test_flat_pieces_of_sorted_partitions_look_only_where_the_param_lies():
         assert flat_pieces(start, numel, parts, [p[0] for p in parts]) == flat_pieces(start, numel, parts)
 
 
-# ---- a new expert-parallel size (formats/deepspeed_regroup.py) -------------------------------------------------------
+# ---- a new expert-parallel size (formats/deepspeed/regroup.py) -------------------------------------------------------
 
 EXPERTS_OF = "m.deepspeed_moe.experts.deepspeed_experts"
 
@@ -186,8 +186,8 @@ def _moe_layout(expert_order: list[int]):
     """A saved ZeRO-1/2 MoE layout: a dense group, then module m's local experts (4 experts at ep_size 2) in one MoE group."""
     from collections import OrderedDict
 
-    from ckpt_cli.formats.deepspeed_layout import ExpertLayout
-    from ckpt_cli.formats.deepspeed_regroup import Regrouped
+    from ckpt_cli.formats.deepspeed.layout import ExpertLayout
+    from ckpt_cli.formats.deepspeed.regroup import Regrouped
 
     moe = OrderedDict((f"{EXPERTS_OF}.{e}.0.{p}", s) for e in expert_order for p, s in (("weight", (4, 4)), ("bias", (4,))))
     groups = [{"name": "decay", "lr": 0.1, "params": [0]}, {"name": "ep_size_2", "lr": 0.1, "moe": True, "params": [1]}]
@@ -197,7 +197,7 @@ def _moe_layout(expert_order: list[int]):
 def test_regroup_builds_the_groups_deepspeed_splits_and_cuts():
     """ep_size 2 -> 1: all four experts on every rank under local ids 0..3, cut past max_group_size as
     split_params_into_different_moe_groups_for_optimizer cuts (a group closes before the param that would pass it)."""
-    from ckpt_cli.formats.deepspeed_regroup import regroup
+    from ckpt_cli.formats.deepspeed.regroup import regroup
 
     out = regroup(_moe_layout([0, 1]), {"m": 1}, max_group_size=40)  # an expert is 20 elements
     assert [list(s) for s in out.shapes[1:]] == [
@@ -212,7 +212,7 @@ def test_regroup_builds_the_groups_deepspeed_splits_and_cuts():
 def test_regroup_refuses_groups_the_rule_does_not_give():
     """Expert params listed out of module order: DeepSpeed's split of the new model would differ, so nothing is guessed."""
     from ckpt_cli.errors import UsageError
-    from ckpt_cli.formats.deepspeed_regroup import regroup
+    from ckpt_cli.formats.deepspeed.regroup import regroup
 
     with pytest.raises(UsageError, match="changing ep_size is not supported for this checkpoint"):
         regroup(_moe_layout([1, 0]), {"m": 1})
@@ -223,6 +223,6 @@ def test_regroup_refuses_groups_the_rule_does_not_give():
     [(2, 4, 4, None, 2), (2, 4, 3, None, 1), (2, 4, 1, None, 1), (4, 8, 6, None, 2), (2, 4, 4, (("", 4),), 4), (2, 4, 8, (("m", 1),), 1)],
 )
 def test_choose_ep_sizes(ep, experts, world, asked, want):
-    from ckpt_cli.formats.deepspeed_regroup import choose_ep_sizes
+    from ckpt_cli.formats.deepspeed.regroup import choose_ep_sizes
 
     assert choose_ep_sizes({"m": ep}, {"m": experts}, world, asked) == {"m": want}

@@ -113,13 +113,13 @@ def test_deepspeeds_zero_to_fp32_cannot_read_moe(ds_moe):
         get_fp32_state_dict_from_zero_checkpoint(str(ds_moe / "w2" / "stage1-fp32-ep2"))
 
 
-# ---- the expert-parallel math (deepspeed_layout.py), on the groups DeepSpeed 0.19.8 builds -------------
+# ---- the expert-parallel math (deepspeed/layout.py), on the groups DeepSpeed 0.19.8 builds -------------
 
 
 def test_expert_topology_matches_deepspeeds_groups():
     """groups.py _create_expert_and_data_parallel at W=16, ep 2 (its docstring's example) and W=4, ep 2 with
     use_data_before_expert_parallelism: expert-data-parallel groups in rank order, and each rank's place in them."""
-    from ckpt_cli.formats import deepspeed_layout as zl
+    from ckpt_cli.formats.deepspeed import layout as zl
 
     assert [zl.expert_holders(e, 16, 2, False) for e in range(2)] == [list(range(0, 16, 2)), list(range(1, 16, 2))]
     assert [zl.expert_holders(e, 4, 2, True) for e in range(2)] == [[0, 1], [2, 3]]
@@ -133,7 +133,7 @@ def test_expert_topology_matches_deepspeeds_groups():
 
 def test_group_keys_match_groups_across_rank_orders():
     """Ranks may list the MoE groups of several expert-parallel sizes in different orders; same-key groups keep theirs."""
-    from ckpt_cli.formats.deepspeed_moe import group_keys
+    from ckpt_cli.formats.deepspeed.moe import group_keys
 
     dense = [{"name": "decay", "weight_decay": 0.1, "params": [0]}, {"name": "no_decay", "weight_decay": 0.0, "params": [1]}]
     moe = [{"name": f"ep_size_{e}", "moe": True, "weight_decay": wd, "params": [0]} for wd in (0.1, 0.0) for e in (1, 2)]
@@ -178,7 +178,7 @@ def test_verify_truncated_file(ckpt, moe_copy, victim):
 
 @pytest.mark.parametrize("victim", ["layer_0_expert_1_mp_rank_00_model_states.pt", "zero_pp_rank_3_mp_rank_00_optim_states.pt"])
 def test_verify_deep_flipped_byte(ckpt, moe_copy, victim):
-    from ckpt_cli.core.zipio import read_records
+    from ckpt_cli.core.pickles.zipio import read_records
 
     path = moe_copy / "global_step3" / victim
     with open(path, "rb") as f:
@@ -288,7 +288,7 @@ def test_ep_change_is_said(ckpt, ds_moe, tmp_path):
 def test_deal_in_order_names_the_optimizers_entries_only_when_unique():
     """Stage 0 keeps the torch optimizer's state by index: the module's params are dealt, in order, into the param groups
     by the shapes of their saved moments; a second way to deal them (or none) leaves the state unnamed."""
-    from ckpt_cli.formats.deepspeed_stage0 import deal_in_order
+    from ckpt_cli.formats.deepspeed.stage0 import deal_in_order
 
     params = [("w1", (4, 2)), ("b1", (4,)), ("w2", (2, 4)), ("b2", (2,))]
     assert deal_in_order(params, [[(4, 2), (2, 4)], [(4,), (2,)]]) == [["w1", "w2"], ["b1", "b2"]]

@@ -15,7 +15,7 @@ import torch
 from conftest import assert_fails, ckpt_quiet, torchrun
 from test_deepspeed import assert_resaved_state, zero_to_fp32
 
-from ckpt_cli.core import zipio
+from ckpt_cli.core.pickles import zipio
 
 # round_robin_gradients: ds_to_universal scrambles the parameters (docs/formats.md §3); BF16_Optimizer: not a ZeRO layout it reads
 CONFIGS = ["stage1-fp32", "stage2-bf16", "stage3-fp32"]

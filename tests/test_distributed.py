@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import torchrun_command
 
-from ckpt_cli.core.executor import write_files
-from ckpt_cli.core.plan import Literal, OutputFile
+from ckpt_cli.core.write.executor import write_files
+from ckpt_cli.core.write.plan import Literal, OutputFile
 from ckpt_cli.store import Guard, begin
 
 

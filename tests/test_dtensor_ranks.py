@@ -19,7 +19,7 @@ import torch
 from conftest import assert_fails, assert_same_tensors
 from safetensors.torch import load_file
 
-from ckpt_cli.formats import dtensor_layout as lay
+from ckpt_cli.formats.dtensor import layout as lay
 
 CONFIGS = [("w2", "fsdp2"), ("w2", "fsdp1"), ("w4", "fsdp2"), ("w4", "hsdp"), ("w4", "tp")]
 
@@ -77,8 +77,8 @@ def test_layout_matches_dtensor_sharding():
 
 def test_stand_ins_cannot_be_changed_by_a_pickle():
     """A BUILD on an allow-listed DTensor class or marker is refused; the classes keep no attribute a pickle tried to set."""
-    from ckpt_cli.core.safe_dtensor import DTENSOR_GLOBALS, ShardRec
-    from ckpt_cli.core.safe_pickle import safe_loads
+    from ckpt_cli.core.pickles.safe_dtensor import DTENSOR_GLOBALS, ShardRec
+    from ckpt_cli.core.pickles.safe_pickle import safe_loads
     from ckpt_cli.errors import DataError
 
     for glob in (b"torch.distributed.tensor.placement_types\nShard", b"torch.distributed.tensor\nDTensor"):
@@ -166,7 +166,7 @@ def test_truncated_rank_file_fails_verify(ckpt, saves, tmp_path, kind):
 
 
 def test_flipped_byte_fails_deep_verify(ckpt, saves, tmp_path):
-    from ckpt_cli.core import zipio
+    from ckpt_cli.core.pickles import zipio
 
     folder = copy_of(source(saves, "w2", "fsdp2")[0], tmp_path)
     victim = folder / "model_world_size_2_rank_1.pt"
@@ -384,8 +384,8 @@ def test_the_writer_copies_only_plain_attributes_of_a_saved_mesh_and_spec(dtenso
     attribute holding anything but plain values (a stand-in record, which the pickler could not write back), a shard
     order that is not ShardOrderEntry tuples is refused by name before anything is written."""
     from ckpt_cli import api
-    from ckpt_cli.core.safe_dtensor import ShardOrderRec
-    from ckpt_cli.formats.dtensor_writer import mesh_of, mesh_problem
+    from ckpt_cli.core.pickles.safe_dtensor import ShardOrderRec
+    from ckpt_cli.formats.dtensor.writer import mesh_of, mesh_problem
 
     ckpt = api.open(dtensor_saves_2 / "fsdp2").raw
     name, spec = next(iter(ckpt.source.specs.items()))

@@ -1,7 +1,7 @@
-"""Fast paths give the reference path's answer: the pickle guard's opcode scan in C (core/_pickle_scan.c) the Python
+"""Fast paths give the reference path's answer: the pickle guard's opcode scan in C (core/pickles/_pickle_scan.c) the Python
 scan's verdict on every pickle (the hostile and legitimate pickles of test_hostile_pickles.py, real checkpoint
 pickles, thousands of truncated and mutated copies of them), and the in-memory zip directory parser of small archives
-(core/zipio.py) zipfile's records or refusal on real torch.save archives and damaged copies. Damage is seeded, so a
+(core/pickles/zipio.py) zipfile's records or refusal on real torch.save archives and damaged copies. Damage is seeded, so a
 failure reproduces."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_hostile_pickles import HOSTILE, LEGIT
 
-from ckpt_cli.core import pickle_guard, zipio
-from ckpt_cli.core.pickle_guard import PickleRefused
+from ckpt_cli.core.pickles import pickle_guard, zipio
+from ckpt_cli.core.pickles.pickle_guard import PickleRefused
 from ckpt_cli.errors import DataError
 
 
@@ -44,7 +44,7 @@ def corpus() -> dict[str, bytes]:
 
 
 def test_the_c_scan_is_built():
-    assert pickle_guard._pickle_scan is not None, "core/_pickle_scan.c was not built: pip install -e . needs a C compiler"
+    assert pickle_guard._pickle_scan is not None, "core/pickles/_pickle_scan.c was not built: pip install -e . needs a C compiler"
 
 
 @pytest.mark.parametrize("name", list(corpus()))

@@ -23,12 +23,12 @@ import torch
 from conftest import Result, mixed_state_dict
 from safetensors.torch import save_file
 
-from ckpt_cli.core import executor, sinks
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.paths import plain_component
-from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
+from ckpt_cli.core.write import executor, sinks
+from ckpt_cli.core.write.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.errors import DataError
-from ckpt_cli.formats import deepspeed_writer
+from ckpt_cli.formats.deepspeed import writer as deepspeed_writer
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.store import local as atomic
 
@@ -135,7 +135,7 @@ def test_deepspeed_writers_refuse_a_tag_that_is_a_path(ds_saves, tmp_path):
     with pytest.raises(DataError, match="'../escape'"):
         deepspeed_writer.WRITER.plan(ckpt, tmp_path / "out", WriteOptions(world_size=2))
     from ckpt_cli.core.training import StateOptions
-    from ckpt_cli.formats import deepspeed_training
+    from ckpt_cli.formats.deepspeed import training as deepspeed_training
 
     state = deepspeed_training.TRAINING.read_state(open_checkpoint(ds_saves[2] / "stage2-fp32"), True)
     state.step = "/../../X"  # type: ignore[assignment]
@@ -418,7 +418,7 @@ def test_a_sigterm_while_the_temporary_is_made_leaves_nothing(tmp_path, monkeypa
     marked as running from before the temporary is made, so the signal is honoured inside the cleanup's reach."""
     from ckpt_cli import interrupt, store
     from ckpt_cli.cli.app import _on_sigterm
-    from ckpt_cli.core import executor
+    from ckpt_cli.core.write import executor
     from ckpt_cli.errors import Terminated
 
     real = store.begin

@@ -29,12 +29,12 @@ import pytest
 import torch
 from conftest import Evil
 
-from ckpt_cli.core import pickler
 from ckpt_cli.core.dtypes import BY_NAME
-from ckpt_cli.core.safe_pickle import safe_loads
+from ckpt_cli.core.pickles import pickler
+from ckpt_cli.core.pickles.safe_pickle import safe_loads
 from ckpt_cli.errors import DataError
-from ckpt_cli.formats.dcp import METADATA_GLOBALS
-from ckpt_cli.formats.deepspeed_rank_files import DS_GLOBALS
+from ckpt_cli.formats.dcp.reader import METADATA_GLOBALS
+from ckpt_cli.formats.deepspeed.rank_files import DS_GLOBALS
 
 LIMIT_S = 20
 LIMIT_RSS = 1 << 30

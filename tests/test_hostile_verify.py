@@ -18,7 +18,7 @@ from conftest import assert_fails
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ckpt_cli.core.zipio import read_records
+from ckpt_cli.core.pickles.zipio import read_records
 from ckpt_cli.ops.source import open_checkpoint
 
 TAG = "global_step3"

@@ -19,8 +19,8 @@ import torch
 from conftest import assert_fails, v4_logits
 from safetensors.torch import load_file
 
-from ckpt_cli.core import zipio
 from ckpt_cli.core.model import FlatRange
+from ckpt_cli.core.pickles import zipio
 from ckpt_cli.core.training import NameMap
 from ckpt_cli.ops.name_map import weights_view
 from ckpt_cli.ops.source import open_checkpoint

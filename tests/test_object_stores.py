@@ -506,7 +506,7 @@ def test_manifests_and_policies_in_object_storage(ckpt, store, sources, tmp_path
 
 def test_name_maps_and_deepspeed_configs_in_object_storage(ckpt, store, sources, tmp_path):
     """--name-map and --ds-config name objects as well as local files."""
-    from ckpt_cli.formats.deepspeed_template import read_config
+    from ckpt_cli.formats.deepspeed.template import read_config
 
     local, url = sources["safetensors"]
     rules = b"rename:\n  - {from: '^(.*)$', to: 'model.\\1'}\n"

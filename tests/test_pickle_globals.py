@@ -16,10 +16,10 @@ import pytest
 from conftest import Evil
 from test_hostile_pickles import HOSTILE
 
-from ckpt_cli.core import pickle_guard
-from ckpt_cli.core.safe_pickle import check_unbuilt, safe_loads
+from ckpt_cli.core.pickles import pickle_guard
+from ckpt_cli.core.pickles.safe_pickle import check_unbuilt, safe_loads
 from ckpt_cli.errors import DataError, UnsafePickleError
-from ckpt_cli.formats.deepspeed_rank_files import DS_GLOBALS
+from ckpt_cli.formats.deepspeed.rank_files import DS_GLOBALS
 
 pytestmark = pytest.mark.skipif(pickle_guard._pickle_scan is None, reason="the C extension is not built")
 

@@ -1,4 +1,4 @@
-"""core/_pickle_memo.c: a large pickle loaded without the memo stores nothing reads back gives the same value.
+"""core/pickles/_pickle_memo.c: a large pickle loaded without the memo stores nothing reads back gives the same value.
 
 The rewrite must never change what a pickle builds (sharing included), never read outside the pickle, and leave
 alone what it does not handle; the allow list and the scan see the same opcodes either way."""
@@ -14,10 +14,10 @@ import pytest
 from conftest import ckpt_quiet
 from test_hostile_pickles import HOSTILE
 
-from ckpt_cli.core import pickle_guard
-from ckpt_cli.core.safe_pickle import safe_loads
+from ckpt_cli.core.pickles import pickle_guard
+from ckpt_cli.core.pickles.safe_pickle import safe_loads
 from ckpt_cli.errors import DataError, UnsafePickleError
-from ckpt_cli.formats.dcp_metadata import (
+from ckpt_cli.formats.dcp.metadata import (
     METADATA_GLOBALS,
     SharedTensors,
     StorageFiller,
@@ -201,8 +201,8 @@ def test_pickler_without_memo_still_shares_globals_and_named_strings():
     given are written once and fetched; the value reads back the same through torch's own unpickler."""
     import torch  # noqa: F401 - torch.Size for pickle.loads
 
-    from ckpt_cli.core import pickler
-    from ckpt_cli.core.safe_pickle import TorchSize
+    from ckpt_cli.core.pickles import pickler
+    from ckpt_cli.core.pickles.safe_pickle import TorchSize
 
     names = [f"layers.{i}.weight" for i in range(300)]
     path = "__0_0.distcp"
@@ -224,8 +224,8 @@ def test_spliced_dict_is_the_bytes_of_the_whole_dict(count: int):
     with its keys and values fetched from the same memo."""
     import torch  # noqa: F401 - torch.Size for pickle.loads
 
-    from ckpt_cli.core import pickler
-    from ckpt_cli.core.safe_pickle import TorchSize
+    from ckpt_cli.core.pickles import pickler
+    from ckpt_cli.core.pickles.safe_pickle import TorchSize
 
     names = [f"layers.{i}.weight" for i in range(count)]
     items = [(n, (TorchSize((i, 0)), i * 7)) for i, n in enumerate(names)]
@@ -354,7 +354,7 @@ def test_the_rewrite_in_place_leaves_damaged_pickles_as_they_were():
 def test_a_large_metadata_file_is_loaded_from_its_own_copy(fsdp2_saves, monkeypatch):
     """Past LEAN_FROM, `.metadata` is read into ckpt's own memory once, scanned and rewritten there (pickle_stream.OwnCopy):
     the same records as from its bytes, and a file that changes size while it is read is refused."""
-    from ckpt_cli.core import pickle_stream
+    from ckpt_cli.core.pickles import pickle_stream
 
     path = fsdp2_saves[2] / "ckpt" / ".metadata"
 

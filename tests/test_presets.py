@@ -12,9 +12,9 @@ from conftest import v4_logits
 from safetensors.torch import load_file, save_file
 
 from ckpt_cli import presets
-from ckpt_cli.core import rope
 from ckpt_cli.core.dtypes import by_name
 from ckpt_cli.core.model import Box, Piece, StoredArray, TensorEntry
+from ckpt_cli.core.names import rope
 from ckpt_cli.core.reading import SourceFiles, read_elements
 
 
@@ -50,7 +50,7 @@ def test_permute_equals_the_reference_formula_and_round_trips(tmp_path, heads, h
 def test_split_of_layers_of_stacked_experts(tmp_path):
     """`layers: 2`: a [layers, experts, 2F, H] tensor (Megatron's stacked SequentialMLP linear_fc1) to one gate and one up
     tensor per layer and expert, each a byte range of the source; names need {layer} and {expert}."""
-    from ckpt_cli.core.row_split import RowSplit
+    from ckpt_cli.core.names.row_split import RowSplit
     from ckpt_cli.errors import UsageError
 
     w = torch.randn(3, 4, 10, 6)

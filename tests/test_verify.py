@@ -11,7 +11,7 @@ import torch
 from conftest import Evil, assert_fails, ckpt_quiet, run_folder_checkpoint
 from safetensors.torch import save_file
 
-from ckpt_cli.core.zipio import read_records
+from ckpt_cli.core.pickles.zipio import read_records
 
 
 @pytest.fixture

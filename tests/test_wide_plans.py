@@ -1,5 +1,5 @@
 """Wide writes hold one output file's segments at a time: the DCP and DeepSpeed writers' rank files are made when the
-executor writes them (core/plan.py `OutputFile.build`), `.metadata` offsets are planned from sizes alone, and the
+executor writes them (core/write/plan.py `OutputFile.build`), `.metadata` offsets are planned from sizes alone, and the
 source records those files read are still checked against their CRC32. Sources are real FSDP2 + dcp.save and
 DeepSpeed saves (conftest); outputs are loaded by torch's own dcp_to_torch_save and by zero_to_fp32's reader."""
 
@@ -14,9 +14,9 @@ import torch
 from conftest import assert_fails
 from test_dcp import assert_same_state, flat_state
 
-from ckpt_cli.core import zipio
-from ckpt_cli.core.crc import RecordCheck
 from ckpt_cli.core.model import box_runs
+from ckpt_cli.core.pickles import zipio
+from ckpt_cli.core.write.crc import RecordCheck
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats import torch_save
 from ckpt_cli.ops import writes
@@ -164,8 +164,8 @@ def test_a_chunk_archive_carries_its_crc_in_descriptor_and_directory(tmp_path, d
     from safetensors.torch import save_file
 
     import ckpt_cli
-    from ckpt_cli.core.executor import execute
-    from ckpt_cli.core.plan import OutputFile, WritePlan
+    from ckpt_cli.core.write.executor import execute
+    from ckpt_cli.core.write.plan import OutputFile, WritePlan
 
     tensor = (torch.arange(math.prod(shape)) * 3 - 5).to(dtype).reshape(shape)
     save_file({"t": tensor}, tmp_path / "src.safetensors")
@@ -259,8 +259,9 @@ def test_dedup_keeps_what_torch_dedup_save_plans_keeps(world, tp, rows):
 
     from ckpt_cli.core import dtypes
     from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
-    from ckpt_cli.formats import dcp_plan, dcp_writer
-    from ckpt_cli.formats.dcp_mesh import Split
+    from ckpt_cli.formats.dcp import plan as dcp_plan
+    from ckpt_cli.formats.dcp import writer as dcp_writer
+    from ckpt_cli.formats.dcp.mesh import Split
 
     shapes = {"a": (rows, 4), "b": (rows + 1,), "c": (2, rows), "d": (3,)}
     tensors = {n: TensorEntry(n, dtypes.FLOAT32, s, "model", [], (n,)) for n, s in shapes.items()}
@@ -295,7 +296,7 @@ def test_packed_dcp_chunks_make_the_pieces_as_read(ckpt, fsdp2_saves, tmp_path):
     """A DCP tensor's plain chunks are packed (three numbers a chunk) and made again on demand: the same pieces, zip
     records and CRCs included, as those read one by one; a strided chunk keeps its list."""
     from ckpt_cli.core.model import LazyPieces, Piece, StoredArray
-    from ckpt_cli.formats import dcp_chunks
+    from ckpt_cli.formats.dcp import chunks as dcp_chunks
     from ckpt_cli.ops.source import open_checkpoint
 
     src = tmp_path / "w5"
@@ -332,7 +333,7 @@ def test_extents_find_every_box_a_range_meets(shape, boxes):
     import math
 
     from ckpt_cli.core.model import Box, box_runs
-    from ckpt_cli.formats.dcp_chunks import Extents
+    from ckpt_cli.formats.dcp.chunks import Extents
 
     extents = Extents(tuple(Box(o, z) for o, z in boxes), shape)
     numel = math.prod(shape)
@@ -349,7 +350,7 @@ def test_storage_index_answers_as_the_dict_it_packs():
     stored alike (their offsets shared), a later entry under a key already given (the dict's rule: the later wins),
     a non-tensor value (offsets None), and entries it keeps as read (a transform, a field it does not know, a number
     past 64 bits); and the real `.metadata` of an FSDP2 save (test_dcp) reads through it."""
-    from ckpt_cli.formats.dcp_metadata import StorageIndex, StorageInfoRec
+    from ckpt_cli.formats.dcp.metadata import StorageIndex, StorageInfoRec
 
     def info(path, offset, length, **more):
         return StorageInfoRec(relative_path=path, offset=offset, length=length, **more)
@@ -388,8 +389,8 @@ def test_tensors_stored_alike_share_their_chunk_records(fsdp2_saves):
     Adam moments of a parameter are stored as it is, so they share its chunks. A record with a field ckpt does not
     know is kept as read, and the storage entries are taken out of `.metadata`'s dict as the index is built."""
     from ckpt_cli.core.interface import ReadOptions
-    from ckpt_cli.formats.dcp import DCPReader
-    from ckpt_cli.formats.dcp_metadata import ChunkRec, SharedRecords, TensorPropertiesRec, TensorStorageRec, drained
+    from ckpt_cli.formats.dcp.metadata import ChunkRec, SharedRecords, TensorPropertiesRec, TensorStorageRec, drained
+    from ckpt_cli.formats.dcp.reader import DCPReader
     from ckpt_cli.ops.source import open_checkpoint
 
     folder = fsdp2_saves[2] / "ckpt"
@@ -421,14 +422,15 @@ def test_tensors_stored_alike_share_their_chunk_records(fsdp2_saves):
 
 
 def test_spans_of_a_tensor_made_by_range_follow_its_pieces(ds_saves, tmp_path, monkeypatch):
-    """A new ZeRO-3 rank's flat partition is streamed in spans sized from the last span's pieces (core/sinks.py
+    """A new ZeRO-3 rank's flat partition is streamed in spans sized from the last span's pieces (core/write/sinks.py
     SPAN_PIECES): tiny slices make short spans, not a piece per element across a million elements at once. And a
     check of every rank's model states keeps none of them parsed (LazyRanks.passing). The output is still what
     zero_to_fp32 reads from the source."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from ckpt_cli.core import reading, sinks
-    from ckpt_cli.formats.deepspeed_rank_files import LazyRanks
+    from ckpt_cli.core import reading
+    from ckpt_cli.core.write import sinks
+    from ckpt_cli.formats.deepspeed.rank_files import LazyRanks
     from ckpt_cli.ops.source import open_checkpoint
     from ckpt_cli.ops.structure import format_check
 
@@ -462,8 +464,8 @@ def test_a_new_stage3_rank_holds_no_object_per_parameter(ds_saves, tmp_path):
     empty, so their bytes and CRCs are known (an MoE model's 20,000 params made 60,000 segments, held while the
     file was written). Its flat partitions' parts follow from the rank's number (Stage3RankParts),
     not a tuple per param per rank. torch loads the file as DeepSpeed does, the source's placeholders in it."""
-    from ckpt_cli.core.plan import TensorData
-    from ckpt_cli.formats.deepspeed_writer import Stage3RankParts
+    from ckpt_cli.core.write.plan import TensorData
+    from ckpt_cli.formats.deepspeed.writer import Stage3RankParts
 
     src = ds_saves[2] / "stage3-fp32"
     dest = tmp_path / "w3"
@@ -490,9 +492,9 @@ def test_a_zero3_reshard_of_slivers_is_written_by_one_thread_unless_asked(ds_sav
     """A ZeRO-3 reshard whose params are small next to the world size (each rank file thousands of slivers, made by
     Python arithmetic under the GIL) asks for one writing thread by default (WritePlan.threads); --workers still
     decides when given, and a plan without the limit gets the usual default."""
-    from ckpt_cli.core import executor
-    from ckpt_cli.core.plan import WritePlan
-    from ckpt_cli.formats import deepspeed_writer
+    from ckpt_cli.core.write import executor
+    from ckpt_cli.core.write.plan import WritePlan
+    from ckpt_cli.formats.deepspeed import writer as deepspeed_writer
 
     src = ds_saves[2] / "stage3-fp32"
     plan = writes.prepare(writes.reshard_request(src, tmp_path / "w3", world_size=3)).job.plan
@@ -507,7 +509,7 @@ def test_a_zero3_reshard_of_slivers_is_written_by_one_thread_unless_asked(ds_sav
 def test_a_dcp_reshard_of_small_chunks_is_written_by_one_thread_unless_asked(fsdp2_saves, tmp_path, monkeypatch):
     """Rank files of small chunks (each a torch.save archive made by Python under the GIL) ask for one writing thread
     by default; a plan of large chunks leaves the default alone."""
-    from ckpt_cli.formats import dcp_writer
+    from ckpt_cli.formats.dcp import writer as dcp_writer
 
     src = fsdp2_saves[2] / "ckpt"
     assert writes.prepare(writes.reshard_request(src, tmp_path / "w3", world_size=3)).job.plan.threads == 1

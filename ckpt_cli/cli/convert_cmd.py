@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 
 def is_main_process() -> bool:
-    from ckpt_cli.core.distributed import is_main_process as main
+    from ckpt_cli.core.write.distributed import is_main_process as main
 
     return main()
 

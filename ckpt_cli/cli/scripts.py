@@ -10,7 +10,7 @@ from ckpt_cli import __version__
 from ckpt_cli.cli.examples import EXAMPLES
 from ckpt_cli.core.training import PER_RANK_RULES
 from ckpt_cli.formats import registry
-from ckpt_cli.formats.dcp_training import LAYOUTS
+from ckpt_cli.formats.dcp.training import LAYOUTS
 
 SHELLS = {"bash": "completions/ckpt.bash", "zsh": "completions/_ckpt", "fish": "completions/ckpt.fish"}  # and where each is kept
 ARGUMENT_CHOICES = {"completion": list(SHELLS)}  # commands whose argument is a word, not a path

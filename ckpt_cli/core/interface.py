@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ckpt_cli.core.model import Checkpoint
-from ckpt_cli.core.plan import WritePlan
+from ckpt_cli.core.write.plan import WritePlan
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,9 @@ class WriteOptions:
     max_shard_size: int | None = None  # hf: bytes per shard
     num_shards: int | None = None  # hf: exact number of shards
     world_size: int | None = None  # dcp, deepspeed: number of ranks to write for
-    tp: int | None = None  # dcp: tensor-parallel size of a (world_size / tp) x tp mesh (formats/dcp_mesh.py)
+    tp: int | None = None  # dcp: tensor-parallel size of a (world_size / tp) x tp mesh (formats/dcp/mesh.py)
     per_rank_rule: str = "wrap"  # per-rank values under a new world size (core/training.py)
-    # deepspeed MoE: new expert-parallel sizes, (module, size) pairs, module "" for every other MoE layer (deepspeed_regroup.py)
+    # deepspeed MoE: new expert-parallel sizes, (module, size) pairs, module "" for every other MoE layer (deepspeed/regroup.py)
     ep_size: tuple[tuple[str, int], ...] | None = None
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ckpt_cli.core.dtypes import DType
-from ckpt_cli.core.zipio import Record
+from ckpt_cli.core.pickles.zipio import Record
 from ckpt_cli.errors import DataError
 
 ROLES = ("model", "optimizer", "other")

@@ -1,6 +1,6 @@
 """Read primitives: a tensor's elements or bytes, gathered from its stored pieces, with bounded memory.
 
-Verify, the conversions and the write engine (core/executor.py) all read tensor data through these.
+Verify, the conversions and the write engine (core/write/executor.py) all read tensor data through these.
 Contiguous pieces in the wanted dtype are read as raw bytes (no torch); anything else (a cast, a
 strided piece) goes through torch one window of at most BLOCK_BYTES at a time. Only a stored piece
 that is not contiguous (a transposed chunk) is materialised, one piece at a time. A source in object
@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpt_cli import store
-from ckpt_cli.core.crc import RecordCheck
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, open_regular_fd
+from ckpt_cli.core.write.crc import RecordCheck
 from ckpt_cli.errors import DataError
 from ckpt_cli.store import prefetch as remote_read
 

@@ -4,7 +4,7 @@ A `TrainingState` names everything by the model's parameter FQN: the weights, th
 of each parameter (`exp_avg`, `exp_avg_sq`, `step`), the param groups (hyper-parameters and the
 FQNs they hold), the step, and the rest (LR scheduler, dataloader, RNG, client state) by its
 top-level key. Each training format reads its checkpoints into one and lays one out as its own
-files (formats/deepspeed_training.py, formats/dcp_training.py); `NameMap` renames parameters on
+files (formats/deepspeed/training.py, formats/dcp/training.py); `NameMap` renames parameters on
 the way, and the per-rank rule re-keys values saved once per data-parallel rank for a new world
 size. Tensor data is never read here: entries keep pointing at the source's stored bytes.
 """
@@ -20,9 +20,9 @@ from typing import Any, Protocol, TypeVar
 from ckpt_cli import store
 from ckpt_cli.core import structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
+from ckpt_cli.core.names.row_split import RowSplit
+from ckpt_cli.core.names.stack import Stack
 from ckpt_cli.core.paths import read_regular_text
-from ckpt_cli.core.row_split import RowSplit
-from ckpt_cli.core.stack import Stack
 from ckpt_cli.core.structured import Optional
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
@@ -50,7 +50,7 @@ NAME_MAP_SCHEMA = {
 
 @dataclass(frozen=True)
 class Permute:
-    """A name map's `permute`: the rows of the tensors `pattern` matches moved to the `rope` layout (core/rope.py),
+    """A name map's `permute`: the rows of the tensors `pattern` matches moved to the `rope` layout (core/names/rope.py),
     per head; `heads` is a number or the config.json key that holds it (num_attention_heads, num_key_value_heads)."""
 
     pattern: str
@@ -59,7 +59,7 @@ class Permute:
 
     @classmethod
     def parse(cls, item: Any, where: str) -> Permute:
-        from ckpt_cli.core.rope import LAYOUTS
+        from ckpt_cli.core.names.rope import LAYOUTS
 
         if not isinstance(item, dict) or set(item) != {"from", "rope", "heads"}:
             raise UsageError(f"{where}: each permute is {{from: REGEX, rope: {'|'.join(LAYOUTS)}, heads: N or a config.json key}}")
@@ -95,7 +95,7 @@ class Permute:
 class NameMap:
     """How parameter names change on the way: wrapper segments dropped, regex renames applied in order,
     and tied weights (alias -> owner) that the source does not record. Weight exports also split fused
-    tensors by rows (core/row_split.py): a tensor a split matches is split instead of renamed."""
+    tensors by rows (core/names/row_split.py): a tensor a split matches is split instead of renamed."""
 
     strip_segments: tuple[str, ...] = WRAPPER_SEGMENTS
     renames: tuple[tuple[str, str], ...] = ()
@@ -103,7 +103,7 @@ class NameMap:
     splits: tuple[RowSplit, ...] = ()
     permutes: tuple[Permute, ...] = ()
     stacks: tuple[Stack, ...] = ()
-    transposes: tuple[str, ...] = ()  # regular expressions: 2-D tensors written transposed (core/rope.py)
+    transposes: tuple[str, ...] = ()  # regular expressions: 2-D tensors written transposed (core/names/rope.py)
     zeros: tuple[str, ...] = ()  # regular expressions: tensors the target has no place for, left out only while all zero
 
     @classmethod

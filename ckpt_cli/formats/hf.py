@@ -12,38 +12,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli import store
 from ckpt_cli.core import structured
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, TensorEntry
-from ckpt_cli.core.paths import plain_component, present, read_regular_bytes, read_regular_text
-from ckpt_cli.core.plan import Literal, OutputFile, WritePlan
+from ckpt_cli.core.paths import plain_component, present, read_regular_text
+from ckpt_cli.core.write.plan import Literal, OutputFile, WritePlan
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import safetensors as st
 from ckpt_cli.formats import torch_save
+from ckpt_cli.formats.companions import companion_config, companion_files, companions_in
 from ckpt_cli.store import location, prefetch_heads
 
 INDEX = "model.safetensors.index.json"
 LEGACY_INDEX = "pytorch_model.bin.index.json"
 SINGLE = "model.safetensors"
 DEFAULT_MAX_SHARD = 5 * 10**9
-# Files save_pretrained and tokenizers keep beside the weights: a release carries them (config.json rewritten where
-# a conversion changes what it says: dtype, quantization).
-COMPANIONS = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-)
-COMPANION_MAX_BYTES = 256 << 20
 
 
 def find_index(folder: Path) -> Path | None:
@@ -68,44 +51,6 @@ def load_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
         plain_component(file, f"{index}: weight_map")  # shard files sit beside the index, as the hub writes them
     metadata = doc.get("metadata") or {}
     return weight_map, metadata if isinstance(metadata, dict) else {}
-
-
-def companions_in(folder: Path) -> tuple[dict[str, str | bytes], list[str]]:
-    """The companion files present in the folder (in object storage: found in one listing). A link is followed only
-    inside the folder, or into the blobs of a Hugging Face cache snapshot (`snapshots/REV/x -> ../../blobs/SHA`):
-    a release must never carry a file from elsewhere on the machine (a key the folder's author linked to)."""
-    if not store.renames(folder):  # object storage: no links to follow
-        listed = {p.name for p in folder.iterdir()}
-        return {name: str(folder / name) for name in COMPANIONS if name in listed}, []
-    found: dict[str, str | bytes] = {}
-    notes = []
-    for name in COMPANIONS:
-        path = folder / name
-        if not path.is_file():
-            continue
-        if _inside_source(path, folder):
-            found[name] = str(path)
-        else:
-            notes.append(f"{path} links outside the checkpoint ({path.resolve()}); it is not carried into outputs")
-    return found, notes
-
-
-def _inside_source(path: Path, folder: Path) -> bool:
-    if not path.is_symlink():
-        return True
-    root = folder.resolve()
-    target = path.resolve()
-    cache = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
-    return target.is_relative_to(root) or (cache is not None and target.is_relative_to(cache))
-
-
-def companion_files(ckpt: Checkpoint) -> list[OutputFile]:
-    """The companions as output files: rewritten bytes, or the source file's bytes (small files, read now)."""
-    out = []
-    for name, value in ckpt.companions.items():
-        data = value if isinstance(value, bytes) else read_regular_bytes(value, max_bytes=COMPANION_MAX_BYTES)
-        out.append(OutputFile(plain_component(name, "companion file"), [Literal(data)]))
-    return out
 
 
 class HFReader:
@@ -260,19 +205,6 @@ def _release_config(ckpt: Checkpoint, tensors: list[TensorEntry], notes: list[st
         return ckpt
     edited = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     return dataclasses.replace(ckpt, companions={**ckpt.companions, "config.json": edited})
-
-
-def companion_config(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """The checkpoint's config.json (a companion: the source's own, or --hf-config's) as a dict; None without one."""
-    source = ckpt.companions.get("config.json")
-    if source is None:
-        return None
-    where = source if isinstance(source, str) else "config.json"
-    data = source if isinstance(source, bytes) else read_regular_bytes(source, max_bytes=COMPANION_MAX_BYTES)
-    config = structured.load_json(data.decode("utf-8", "replace"), where, DataError)
-    if not isinstance(config, dict):
-        raise DataError(f"{where}: not a JSON object")
-    return config
 
 
 def _set_dtype(config: dict[str, Any], tensors: list[TensorEntry]) -> bool:

@@ -18,7 +18,7 @@ from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, Piece, StoredArray, TensorEntry, contiguous_strides
 from ckpt_cli.core.paths import file_size, open_regular, shown
-from ckpt_cli.core.plan import Literal, OutputFile, TensorData, WritePlan
+from ckpt_cli.core.write.plan import Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.errors import DataError
 from ckpt_cli.store import location
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
-from ckpt_cli.core import pickler, roles, zipio
+from ckpt_cli.core import roles
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import (
@@ -32,10 +32,11 @@ from ckpt_cli.core.model import (
     contiguous_strides,
 )
 from ckpt_cli.core.paths import open_regular
-from ckpt_cli.core.pickler import Global, Reduce
-from ckpt_cli.core.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
-from ckpt_cli.core.safe_pickle import TensorRef, check_unbuilt, safe_loads, view_problem
+from ckpt_cli.core.pickles import pickler, zipio
+from ckpt_cli.core.pickles.pickler import Global, Reduce
+from ckpt_cli.core.pickles.safe_pickle import TensorRef, check_unbuilt, safe_loads, view_problem
 from ckpt_cli.core.tree import flatten, unflatten, unique_names
+from ckpt_cli.core.write.plan import Deferred, Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.errors import DataError
 
 ZIP_MAGIC = zipio.ZIP_MAGIC

@@ -11,15 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli import store
-from ckpt_cli.core import distributed, executor
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, unsafe_value_problem
-from ckpt_cli.core.plan import TensorData, WritePlan
 from ckpt_cli.core.reading import BLOCK_BYTES
-from ckpt_cli.core.sinks import Progress
 from ckpt_cli.core.training import StateOptions
+from ckpt_cli.core.write import distributed, executor
+from ckpt_cli.core.write.plan import TensorData, WritePlan
+from ckpt_cli.core.write.sinks import Progress
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.formats import registry, run_read
+from ckpt_cli.formats import registry
+from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops import crossframework, name_map, quant_views, runs, structure, transform
 from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
 from ckpt_cli.ops.source import missing_marker, open_checkpoint
@@ -76,7 +77,7 @@ def with_hf_config(ckpt: Checkpoint, folder: Path | None) -> Checkpoint:
     """The checkpoint with --hf-config's companions (config.json, generation config, tokenizer) in place of its own."""
     if folder is None:
         return ckpt
-    from ckpt_cli.formats.hf import companions_in
+    from ckpt_cli.formats.companions import companions_in
 
     found, notes = companions_in(folder)
     return dataclasses.replace(ckpt, companions={**ckpt.companions, **found}, notes=[*ckpt.notes, *notes])

@@ -13,7 +13,9 @@ from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.core.training import NameMap, TrainingFormat, TrainingState, renamed
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import CkptError, UsageError
-from ckpt_cli.formats import dcp_training, registry, run_read
+from ckpt_cli.formats import registry
+from ckpt_cli.formats.dcp import training as dcp_training
+from ckpt_cli.formats.runs import read as run_read
 
 
 def training_format(ckpt: Checkpoint) -> TrainingFormat:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli.core.executor import execute
 from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.core.write.executor import execute
 from ckpt_cli.formats import hf
 from ckpt_cli.store import Guard
 from ckpt_cli.store.local import staged

@@ -9,7 +9,9 @@ from ckpt_cli import store
 from ckpt_cli.core import roles
 from ckpt_cli.core.model import Checkpoint, Opaque
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats import registry, run_read, runs
+from ckpt_cli.formats import registry
+from ckpt_cli.formats.runs import detect as runs
+from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops import quantized
 from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.quant_schemes import Scheme

@@ -1,10 +1,10 @@
 """A name map (--rename, --name-map, --preset) applied to a checkpoint written as tensors: hf, safetensors and torch exports.
 
 Training-state conversions rename parameters through their own path (ops/crossframework.py); a weights export
-takes the checkpoint's tensors as they are: tensors a `stack` matches are laid end to end into one (core/stack.py:
+takes the checkpoint's tensors as they are: tensors a `stack` matches are laid end to end into one (core/names/stack.py:
 per-expert weights into packed experts), each other is permuted by the first `permute` that matches its name
-(core/rope.py: q/k rows to the other rotary layout, per head), split by the first `split` that matches
-(core/row_split.py: fused QKV to q/k/v, SwiGLU fc1 to gate/up, stacked layers to one tensor each), and renamed.
+(core/names/rope.py: q/k rows to the other rotary layout, per head), split by the first `split` that matches
+(core/names/row_split.py: fused QKV to q/k/v, SwiGLU fc1 to gate/up, stacked layers to one tensor each), and renamed.
 Nothing is read here: split outputs point at the source's stored bytes, permuted ones are computed as they are read.
 """
 
@@ -14,8 +14,8 @@ import dataclasses
 import re
 from typing import Any
 
-from ckpt_cli.core import rope
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
+from ckpt_cli.core.names import rope
 from ckpt_cli.core.training import NameMap
 from ckpt_cli.errors import UsageError
 
@@ -104,7 +104,7 @@ def _require_zero(entry: TensorEntry) -> None:
 
 def model_config(ckpt: Checkpoint) -> dict[str, Any] | None:
     """The model's config.json as a dict (a multimodal one's text_config, which holds the head counts); None without one."""
-    from ckpt_cli.formats.hf import companion_config  # (inspect of a safetensors file imports no folder format)
+    from ckpt_cli.formats.companions import companion_config  # (inspect of a safetensors file imports no folder format)
 
     config = companion_config(ckpt)
     if config is not None and isinstance(config.get("text_config"), dict) and "num_attention_heads" not in config:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.plan import WritePlan
 from ckpt_cli.core.training import NameMap
+from ckpt_cli.core.write.plan import WritePlan
 from ckpt_cli.ops import transform
 
 

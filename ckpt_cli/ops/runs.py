@@ -14,11 +14,13 @@ from ckpt_cli import store
 from ckpt_cli.core import dtypes
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FlatRange, Piece, StoredArray, TensorEntry
-from ckpt_cli.core.plan import OutputFile, TensorData, WritePlan
 from ckpt_cli.core.tags import named as tags_named
 from ckpt_cli.core.tags import step_in
+from ckpt_cli.core.write.plan import OutputFile, TensorData, WritePlan
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.formats import registry, run_read, runs
+from ckpt_cli.formats import registry
+from ckpt_cli.formats.runs import detect as runs
+from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops.request import Job, Request
 from ckpt_cli.ops.structure import structure_problems
 
@@ -209,8 +211,7 @@ def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) 
         how += " of those directly in it" if len(parents) > 1 else ""
         ckpt.notes.insert(
             0,
-            f"{root}: {len(found)} checkpoints{where} {CHOSEN}{relative(candidate, root)}', {how}; "
-            "--tag PATH picks another",
+            f"{root}: {len(found)} checkpoints{where} {CHOSEN}{relative(candidate, root)}', {how}; --tag PATH picks another",
         )
         ckpt.notes[1:1] = skipped
         return ckpt

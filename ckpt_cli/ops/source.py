@@ -9,7 +9,8 @@ from ckpt_cli import store
 from ckpt_cli.core import heap
 from ckpt_cli.core.model import Checkpoint
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.formats import registry, runs
+from ckpt_cli.formats import registry
+from ckpt_cli.formats.runs import detect as runs
 from ckpt_cli.ops import runs as run_roots
 
 

@@ -1,12 +1,13 @@
 """The structural checks (metadata only, no tensor data): what `verify` always runs and what every writing command
-runs on its source first. A run checkpoint (formats/runs.py) is checked part by part and companion by companion."""
+runs on its source first. A run checkpoint (formats/runs/detect.py) is checked part by part and companion by companion."""
 
 from __future__ import annotations
 
 from ckpt_cli import store
 from ckpt_cli.core.model import ZEROS, Checkpoint, LazyPieces
 from ckpt_cli.errors import DataError
-from ckpt_cli.formats import registry, run_read
+from ckpt_cli.formats import registry
+from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops import quantized
 
 

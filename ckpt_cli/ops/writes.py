@@ -15,12 +15,12 @@ from typing import Any, Union
 
 from ckpt_cli import presets
 from ckpt_cli.core import dtypes
-from ckpt_cli.core.distributed import is_main_process
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.sizes import parse_size
 from ckpt_cli.core.training import PER_RANK_RULES, NameMap
+from ckpt_cli.core.write.distributed import is_main_process
 from ckpt_cli.errors import TORCH_INSTALL, UsageError
-from ckpt_cli.formats.dcp_training import LAYOUTS
+from ckpt_cli.formats.dcp.training import LAYOUTS
 from ckpt_cli.ops import convert as convert_op
 from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
 from ckpt_cli.ops.transform import Transform

@@ -2,7 +2,7 @@
 multipart upload, Azure staged blocks), visible only once every byte is sent and dropped on any failure.
 
 Object storage has no rename: there is no temporary sibling to move into place as a local write does
-(store/local.py). The executor (core/executor.py) writes every data object first and the commit markers (DCP
+(store/local.py). The executor (core/write/executor.py) writes every data object first and the commit markers (DCP
 `.metadata`, the hf index, DeepSpeed `latest`) last, after all data objects completed; a write that fails or is
 interrupted aborts its uploads and deletes the objects it completed, and one killed outright leaves at most data
 objects without a marker, which `verify` reports as an incomplete checkpoint.

@@ -24,7 +24,7 @@ def part_size(total: int, smallest: int, most: int) -> int:
 
 
 class PartWriter:
-    """A sequential write of one object in parts of `part` bytes (the descriptor-less sink of core/sinks.py)."""
+    """A sequential write of one object in parts of `part` bytes (the descriptor-less sink of core/write/sinks.py)."""
 
     fd = None  # no descriptor: bytes go in order
 

@@ -1,7 +1,7 @@
 """Tensor data from object storage: parallel ranged GETs, fetched ahead of the reader, memory bounded.
 
 `stream` reads one byte range in pieces of PIECE_BYTES with AHEAD of them in flight. `Prefetch` serves the
-byte runs a whole output file will read, in the order it reads them (core/executor.py knows them from the
+byte runs a whole output file will read, in the order it reads them (core/write/executor.py knows them from the
 plan): runs of one object that follow each other with gaps under GAP_BYTES (zip headers between DCP chunks, a
 skipped tensor) are fetched as one span cut in pieces, so a checkpoint of many small tensors costs a few large
 GETs, not one round trip per tensor. Memory: AHEAD + 1 pieces per reader.

@@ -1,0 +1,36 @@
+"""A box of a tensor (an N-d offset + size, as DCP chunks and DTensor shards store it) as a tensor of its own, made of
+the source's pieces without reading them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ckpt_cli.core.model import FlatRange, Piece, Run, TensorEntry, box_runs
+
+
+def sub_box(
+    entry: TensorEntry, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], source: list[Run] | None = None
+) -> TensorEntry:
+    """The box `offsets` + `sizes` of `entry` as a tensor of its own: one flat piece per contiguous run of the box
+    that one source piece holds (whole rows of a row range are one run; a column range is one run per row).
+    `source`: entry.runs(), when the caller cuts several boxes from one tensor."""
+    if offsets == (0,) * len(entry.shape) and sizes == entry.shape:
+        return dataclasses.replace(entry, name=name)
+    box = tuple(box_runs(offsets, sizes, entry.shape))
+    if source is None and box and entry.made_by_range():  # only the source pieces the box's extent meets are made
+        first, last = box[0][0], box[-1][0] + box[-1][1]
+        source = entry.runs_in(first, last - first)
+    source = entry.runs() if source is None else source
+    pieces, i = [], 0
+    for gstart, length, lstart in box:
+        end = gstart + length
+        while i < len(source) and source[i][0] + source[i][1] <= gstart:
+            i += 1
+        j = i
+        while j < len(source) and source[j][0] < end:
+            g, n, piece, local = source[j]
+            lo, hi = max(g, gstart), min(g + n, end)
+            if lo < hi:
+                pieces.append(Piece(FlatRange(lstart + lo - gstart, hi - lo), piece.data, local + lo - g))
+            j += 1
+    return TensorEntry(name, entry.dtype, sizes, entry.role, pieces, entry.path)

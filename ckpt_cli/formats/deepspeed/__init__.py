@@ -1,0 +1,1 @@
+"""DeepSpeed ZeRO stages 0-3, MoE, pipeline stages and universal checkpoints: read, partition math, write."""
