@@ -22,8 +22,9 @@ output is removed. The CLI is a thin layer over these functions; this module nev
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from inspect import Parameter, signature
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -44,16 +45,8 @@ from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.tree_view import Tree
 from ckpt_cli.ops.verify import Report, VerifyOptions, check_manifest_destination  # noqa: F401 - the CLI's writes use it
 from ckpt_cli.ops.verify import verify as verify_op
-from ckpt_cli.ops.writes import (
-    PreparedWrite,
-    Size,
-    WriteReport,
-    convert_request,
-    merge_request,
-    prepare,
-    reshard_request,
-    split_request,
-)
+from ckpt_cli.ops.writes import PreparedWrite, WriteReport, prepare, request_of, run
+from ckpt_cli.options import API_SKIPS, COMMANDS, fields
 
 __all__ = [
     "Checkpoint",
@@ -321,137 +314,71 @@ def write(
     return prepared.write(overwrite, progress, workers)
 
 
-def convert(
-    src: str | Path,
-    dest: str | Path,
-    *,
-    to: str,
-    world_size: int | None = None,
-    tp: int | None = None,
-    dtype: str = "keep",
-    max_shard_size: Size | None = None,
-    num_shards: int | None = None,
-    weights_only: bool = False,
-    select: Sequence[str] | None = None,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-    layout: str | None = None,
-    zero_stage: int | None = None,
-    ds_config: str | Path | None = None,
-    rename: Sequence[str] | None = None,
-    name_map: str | Path | None = None,
-    per_rank_state: str = "wrap",
-    quantize: str | None = None,
-    preset: str | None = None,
-    hf_config: str | Path | None = None,
-    overwrite: bool = False,
-    dry_run: bool = False,
-    workers: int | None = None,
-    progress: Progress | None = None,
-) -> WriteReport:
+# The writing commands. Their keyword options are the CLI's, named as its flags with `_` for `-` (`filter`,
+# `max_shard_size`: bytes or "5GB", `all`, `write_manifest`, ...), declared once in ckpt_cli/options.py; each
+# function's signature lists them (help(ckpt_cli.convert)). A name the command does not take is a UsageError.
+
+
+def convert(src: str | Path, dest: str | Path, *, to: str, progress: Progress | None = None, **options: Any) -> WriteReport:
     """`ckpt convert`: write `src` as format `to` ('hf', 'safetensors', 'torch', 'dcp', 'deepspeed') at `dest`,
     streamed, and return what was written (`dry_run=True`: what would be, writing nothing). Between DeepSpeed and
     dcp the whole training state moves (`world_size` needed; `tp`: a dcp target on a (world_size / tp) x tp mesh).
     A quantized source (FP8 block-scaled, MXFP4) is dequantized by `dtype='bf16'` (or fp32, fp16); `quantize='fp8'`
     writes FP8 block-scaled weights. `preset`: a built-in name map (torchtitan-llama3, megatron-gpt, ...); `hf_config`:
-    the folder whose config.json and tokenizer an hf release carries. Options as the CLI's flags of the same names."""
-    request = convert_request(
-        src, dest, to=to, world_size=world_size, tp=tp, dtype=dtype, max_shard_size=max_shard_size, num_shards=num_shards,
-        weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
-        trust_pickle=trust_pickle, layout=layout, zero_stage=zero_stage, ds_config=ds_config, rename=rename, name_map=name_map,
-        per_rank_state=per_rank_state, quantize=quantize, preset=preset, hf_config=hf_config,
-    )  # fmt: skip
-    return write(request, overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress)
+    the folder whose config.json and tokenizer an hf release carries."""
+    return run("convert", src, dest, to, options, progress)
 
 
-def reshard(
-    src: str | Path,
-    dest: str | Path,
-    *,
-    world_size: int | None = None,
-    tp: int | None = None,
-    ep_size: int | str | Sequence[str] | Mapping[str, int] | None = None,
-    num_shards: int | None = None,
-    max_shard_size: Size | None = None,
-    dtype: str = "keep",
-    weights_only: bool = False,
-    select: Sequence[str] | None = None,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-    layout: str | None = None,
-    rename: Sequence[str] | None = None,
-    name_map: str | Path | None = None,
-    per_rank_state: str = "wrap",
-    overwrite: bool = False,
-    dry_run: bool = False,
-    workers: int | None = None,
-    progress: Progress | None = None,
-) -> WriteReport:
-    """`ckpt reshard`: the same format in a new layout, `world_size` (dcp, deepspeed; dcp with `tp`: FSDP2 + tensor
-    parallel on a (world_size / tp) x tp mesh) or `num_shards` / `max_shard_size` (hf: bytes, or '5GB').
+def reshard(src: str | Path, dest: str | Path, *, progress: Progress | None = None, **options: Any) -> WriteReport:
+    """`ckpt reshard`: the same format in a new layout, `world_size` (dcp, deepspeed, dtensor; dcp with `tp`: FSDP2 +
+    tensor parallel on a (world_size / tp) x tp mesh) or `num_shards` / `max_shard_size` (hf: bytes, or '5GB').
     DeepSpeed MoE: `ep_size`, new expert-parallel sizes, 4 or {"": 2, "moe": 4} (module "": every other MoE layer);
     by default each is kept where it divides `world_size`, else the largest size that does."""
-    request = reshard_request(
-        src, dest, world_size=world_size, tp=tp, ep_size=ep_size, num_shards=num_shards, max_shard_size=max_shard_size, dtype=dtype,
-        weights_only=weights_only, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix, format=format, tag=tag,
-        trust_pickle=trust_pickle, layout=layout, rename=rename, name_map=name_map, per_rank_state=per_rank_state,
-    )  # fmt: skip
-    return write(request, overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress)
+    return run("reshard", src, dest, None, options, progress)
 
 
-def merge(
-    src: str | Path,
-    dest: str | Path,
-    *,
-    keep_all: bool = False,
-    dtype: str = "keep",
-    select: Sequence[str] | None = None,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-    overwrite: bool = False,
-    dry_run: bool = False,
-    workers: int | None = None,
-    progress: Progress | None = None,
-) -> WriteReport:
-    """`ckpt merge`: every shard into one `dest` .safetensors or .pt; model weights, or everything with
-    `keep_all=True` (.pt only)."""
-    request = merge_request(
-        src, dest, keep_all=keep_all, dtype=dtype, select=select, strip_prefix=strip_prefix, add_prefix=add_prefix,
-        format=format, tag=tag, trust_pickle=trust_pickle,
-    )  # fmt: skip
-    return write(request, overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress)
+def merge(src: str | Path, dest: str | Path, *, progress: Progress | None = None, **options: Any) -> WriteReport:
+    """`ckpt merge`: every shard into one `dest` .safetensors or .pt; model weights, or everything with `all=True`
+    (.pt only)."""
+    return run("merge", src, dest, None, options, progress)
 
 
-def split(
-    src: str | Path,
-    dest: str | Path,
-    *,
-    max_shard_size: Size | None = None,
-    num_shards: int | None = None,
-    dtype: str = "keep",
-    select: Sequence[str] | None = None,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-    overwrite: bool = False,
-    dry_run: bool = False,
-    workers: int | None = None,
-    progress: Progress | None = None,
-) -> WriteReport:
+def split(src: str | Path, dest: str | Path, *, progress: Progress | None = None, **options: Any) -> WriteReport:
     """`ckpt split`: the model weights into a Hugging Face folder of shards (default at most 5GB each) and its index."""
-    request = split_request(
-        src, dest, max_shard_size=max_shard_size, num_shards=num_shards, dtype=dtype, select=select, strip_prefix=strip_prefix,
-        add_prefix=add_prefix, format=format, tag=tag, trust_pickle=trust_pickle,
-    )  # fmt: skip
-    return write(request, overwrite=overwrite, dry_run=dry_run, workers=workers, progress=progress)
+    return run("split", src, dest, None, options, progress)
+
+
+def convert_request(src: str | Path, dest: str | Path, *, to: str, **options: Any) -> Request:
+    """The Request `convert` runs (options as convert's; `ckpt_cli.write(request)` carries it out)."""
+    return request_of("convert", src, dest, to, options)
+
+
+def reshard_request(src: str | Path, dest: str | Path, **options: Any) -> Request:
+    """The Request `reshard` runs."""
+    return request_of("reshard", src, dest, None, options)
+
+
+def merge_request(src: str | Path, dest: str | Path, **options: Any) -> Request:
+    """The Request `merge` runs."""
+    return request_of("merge", src, dest, None, options)
+
+
+def split_request(src: str | Path, dest: str | Path, **options: Any) -> Request:
+    """The Request `split` runs."""
+    return request_of("split", src, dest, None, options)
+
+
+def _with_options(function: Callable[..., Any], command: str, requests: bool) -> None:
+    """Show the command's options in the function's signature (help(), IDEs' call tips), from their declarations."""
+    declared = signature(function)
+    params = [p for p in declared.parameters.values() if p.kind is not Parameter.VAR_KEYWORD]
+    for group, f in fields(command):
+        if f.name in API_SKIPS or (requests and group.__name__ == "RunOptions"):
+            continue
+        params.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
+    function.__signature__ = declared.replace(parameters=params)  # type: ignore[attr-defined]
+
+
+for _command in COMMANDS:
+    _with_options(globals()[_command], _command, requests=False)
+    _with_options(globals()[f"{_command}_request"], _command, requests=True)

@@ -44,7 +44,10 @@ def inspect(
     """Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state."""
     _refuse_conflicts(json_, yaml_, tensors, tree or depth is not None or markdown, markdown)
     if tree or depth is not None or markdown:
-        with output.reading(f"inspect {src.name}", quiet), _api().open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt:
+        with (
+            output.reading(f"inspect {output.last_name(src)}", quiet),
+            _api().open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt,
+        ):
             view = ckpt.tree(depth, filter_ or ())
         if json_ or yaml_:
             output.emit_json(view.to_json()) if json_ else output.emit_yaml(view.to_json())
@@ -55,7 +58,7 @@ def inspect(
         for note in opened:
             output.info(f"note: {note}", quiet)
         return
-    with output.reading(f"inspect {src.name}", quiet):
+    with output.reading(f"inspect {output.last_name(src)}", quiet):
         doc = _api().inspect(src, filters=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
     if json_:
         output.emit_json(doc)

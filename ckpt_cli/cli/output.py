@@ -115,3 +115,8 @@ class _Passes:
         self._stop_clock()
         if self.bar is not None:
             self.bar.close()
+
+
+def last_name(path: str) -> str:
+    """The last component of a path or URL as typed (SRC stays a string: an s3:// URL is no Path)."""
+    return path.rstrip("/").rsplit("/", 1)[-1] or path

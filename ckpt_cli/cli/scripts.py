@@ -8,20 +8,18 @@ from typing import Any
 
 from ckpt_cli import __version__
 from ckpt_cli.cli.examples import EXAMPLES
-from ckpt_cli.core.training import PER_RANK_RULES
 from ckpt_cli.formats import registry
-from ckpt_cli.formats.dcp.training import LAYOUTS
+from ckpt_cli.options import every_flag
 
 SHELLS = {"bash": "completions/ckpt.bash", "zsh": "completions/_ckpt", "fish": "completions/ckpt.fish"}  # and where each is kept
 ARGUMENT_CHOICES = {"completion": list(SHELLS)}  # commands whose argument is a word, not a path
+# The words an option's value completes to: every declared option's choices (ckpt_cli/options.py), --to, and diff's
+# per-side --format.
 VALUE_CHOICES = {
     "--to": [name for name, f in registry.FORMATS.items() if f.writable],
-    "--format": list(registry.FORMATS),
     "--format-a": list(registry.FORMATS),
     "--format-b": list(registry.FORMATS),
-    "--dtype": ["keep", "fp32", "bf16", "fp16"],
-    "--layout": list(LAYOUTS),
-    "--per-rank-state": list(PER_RANK_RULES),
+    **{flag.flag: list(flag.choices()) for _, flag in every_flag() if flag.choices is not None},
 }
 
 

@@ -48,7 +48,7 @@ def verify(
     quiet: Quiet = False,
 ) -> None:
     """Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare."""
-    with output.reading(f"verify {src.name}", quiet):
+    with output.reading(f"verify {output.last_name(src)}", quiet):
         report = _api().verify(
             src, deep=deep, finite=finite, against=against, atol=atol, rtol=rtol, manifest=manifest, write_manifest=write_manifest,
             overwrite=overwrite, policy=policy, format=format_, tag=tag, trust_pickle=trust_pickle,

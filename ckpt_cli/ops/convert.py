@@ -22,10 +22,10 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry
 from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops import crossframework, name_map, quant_views, runs, structure, transform
-from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
+from ckpt_cli.ops.request import CrossSettings, Job, Request
 from ckpt_cli.ops.source import missing_marker, open_checkpoint
 
-__all__ = ["CrossOptions", "Job", "Request", "SourceOptions", "prepare", "run"]
+__all__ = ["CrossSettings", "Job", "Request", "prepare", "run"]
 
 # Measured floors of resident memory: the CLI alone (plain byte copies never import torch), and
 # with torch imported (casts, checksums, strided pieces).
@@ -83,7 +83,7 @@ def with_hf_config(ckpt: Checkpoint, folder: Path | None) -> Checkpoint:
     return dataclasses.replace(ckpt, companions={**ckpt.companions, **found}, notes=[*ckpt.notes, *notes])
 
 
-def preset_hint(ckpt: Checkpoint, target: registry.Format, cross: CrossOptions) -> list[str]:
+def preset_hint(ckpt: Checkpoint, target: registry.Format, cross: CrossSettings) -> list[str]:
     """A note naming the preset whose layout the source's names show, for an export that gave no name map."""
     if cross.names_given or not target.tensors_only:
         return []
@@ -108,7 +108,7 @@ def _targets_by(kind: str) -> str:
     return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
-def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transform.Transform, cross: CrossOptions) -> bool:
+def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transform.Transform, cross: CrossSettings) -> bool:
     """Whether the write goes through the framework-neutral training state: between two training formats, into a
     format whose writer needs one (DeepSpeed from a state dict), a layout change (ZeRO stage, DCP key layout), or
     parameter renames in a training target."""
@@ -122,12 +122,12 @@ def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transfo
     return target.training.changes_layout(ckpt, _state_options(write_world=None, cross=cross))
 
 
-def _state_options(write_world: int | None, cross: CrossOptions) -> StateOptions:
+def _state_options(write_world: int | None, cross: CrossSettings) -> StateOptions:
     return StateOptions(write_world or 0, cross.per_rank, cross.layout, cross.zero_stage, cross.ds_config)
 
 
 def training_view(
-    ckpt: Checkpoint, target: registry.Format, t: transform.Transform, write: WriteOptions, cross: CrossOptions
+    ckpt: Checkpoint, target: registry.Format, t: transform.Transform, write: WriteOptions, cross: CrossSettings
 ) -> Checkpoint:
     """The source's training state laid out for the target framework (names by FQN, moments, groups, step)."""
     assert target.training is not None

@@ -84,7 +84,7 @@ def _write_deepspeed(dcp_dir: Path, dest: Path) -> None:
         dest,
         "deepspeed",
         write=WriteOptions(world_size=DS_WORLD_SIZE),
-        cross=convert.CrossOptions(zero_stage=DS_ZERO_STAGE),
+        cross=convert.CrossSettings(zero_stage=DS_ZERO_STAGE),
     )
     convert.run(convert.prepare(request), overwrite=False)
 

@@ -10,18 +10,13 @@ from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.training import NameMap
 from ckpt_cli.core.write.plan import WritePlan
 from ckpt_cli.ops import transform
+from ckpt_cli.options import SourceOptions
 
 
 @dataclass(frozen=True)
-class SourceOptions:
-    format: str | None = None
-    tag: str | None = None
-    trust_pickle: bool = False
-
-
-@dataclass(frozen=True)
-class CrossOptions:
-    """Carrying a run's training state between frameworks (convert --to dcp|deepspeed)."""
+class CrossSettings:
+    """Carrying a run's training state between frameworks (convert --to dcp|deepspeed), and an export's names: the
+    --layout ... --hf-config options (options.CrossOptions) checked and loaded."""
 
     layout: str | None = None  # DCP key layout to write: get_state_dict or torchtitan
     zero_stage: int | None = None  # DeepSpeed target
@@ -42,7 +37,7 @@ class Request:
     source: SourceOptions = SourceOptions()
     transform: transform.Transform = transform.Transform()
     write: WriteOptions = WriteOptions()
-    cross: CrossOptions = CrossOptions()
+    cross: CrossSettings = CrossSettings()
 
 
 @dataclass

@@ -10,9 +10,11 @@ import dataclasses
 import fnmatch
 from dataclasses import dataclass
 
+from ckpt_cli.core import dtypes
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
-from ckpt_cli.errors import UsageError
+from ckpt_cli.errors import TORCH_INSTALL, UsageError
+from ckpt_cli.options import SelectOptions
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,24 @@ class Transform:
     weights_only: bool = False
     dtype: DType | None = None  # cast floating-point model weights (optimizer state keeps its precision)
     quantize: str | None = None  # "fp8": model weights to FP8 block-scaled (ops/quantized.py)
+
+
+def from_options(select: SelectOptions, weights_only: bool) -> Transform:
+    """The transform the selection options ask for (`weights_only`: as the command decides it, e.g. merge without --all)."""
+    cast = dtypes.cast_target(select.dtype)
+    if (cast is not None or select.quantize is not None) and not _have_torch():  # before any work, not after the plan's notes
+        raise UsageError(f"converting dtypes needs torch, which is not installed: {TORCH_INSTALL}")
+    if select.quantize is not None and select.quantize != "fp8":
+        raise UsageError(f"--quantize {select.quantize!r}: ckpt quantizes to fp8 (block-scaled, 128 x 128) only")
+    return Transform(tuple(select.filter or ()), select.strip_prefix, select.add_prefix, weights_only, cast, select.quantize)
+
+
+def _have_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def matches(name: str, globs: tuple[str, ...]) -> bool:

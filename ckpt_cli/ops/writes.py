@@ -13,46 +13,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
-from ckpt_cli import presets
-from ckpt_cli.core import dtypes
+from ckpt_cli import options, presets
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.sizes import parse_size
 from ckpt_cli.core.training import PER_RANK_RULES, NameMap
 from ckpt_cli.core.write.distributed import is_main_process
-from ckpt_cli.errors import TORCH_INSTALL, UsageError
+from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats.dcp.training import LAYOUTS
 from ckpt_cli.ops import convert as convert_op
-from ckpt_cli.ops.request import CrossOptions, Job, Request, SourceOptions
-from ckpt_cli.ops.transform import Transform
+from ckpt_cli.ops import transform
+from ckpt_cli.ops.request import CrossSettings, Job, Request
+from ckpt_cli.ops.verify import VerifyOptions, check_manifest_destination, verify
+from ckpt_cli.options import CrossOptions, LayoutOptions, Options
 from ckpt_cli.store import location
 
+Progress = Callable[[int], None]  # called with the number of bytes written since the last call
 Size = int | str  # bytes, or as users write them: 5GB, 500MB, 2GiB
-
-
-def transform(
-    dtype: str = "keep",
-    weights_only: bool = False,
-    select: Sequence[str] | None = None,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    quantize: str | None = None,
-) -> Transform:
-    cast = dtypes.cast_target(dtype)
-    if (cast is not None or quantize is not None) and not _have_torch():  # before any work, not after the plan's notes
-        raise UsageError(f"converting dtypes needs torch, which is not installed: {TORCH_INSTALL}")
-    if quantize is not None and quantize != "fp8":
-        raise UsageError(f"--quantize {quantize!r}: ckpt quantizes to fp8 (block-scaled, 128 x 128) only")
-    return Transform(tuple(select or ()), strip_prefix, add_prefix, weights_only, cast, quantize)
-
-
-def _have_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 EpSize = Union[int, str, Sequence[str], Mapping[str, int], None]  # 4, "moe=4", ["2", "layers.3.moe=4"], {"": 2, "moe": 4}
 
 
@@ -77,13 +53,8 @@ def ep_sizes(value: EpSize) -> tuple[tuple[str, int], ...] | None:
     return tuple(out.items())
 
 
-def write_options(
-    world_size: int | None,
-    max_shard_size: Size | None,
-    num_shards: int | None,
-    tp: int | None = None,
-    ep_size: EpSize = None,
-) -> WriteOptions:
+def write_options(layout: LayoutOptions) -> WriteOptions:
+    world_size, tp, num_shards, max_shard_size = layout.world_size, layout.tp, layout.num_shards, layout.max_shard_size
     if max_shard_size and num_shards:
         raise UsageError("give --max-shard-size or --num-shards, not both")
     if world_size is not None and world_size < 1 or num_shards is not None and num_shards < 1 or tp is not None and tp < 1:
@@ -92,34 +63,27 @@ def write_options(
         raise UsageError("--tp T needs --world-size N: the mesh is (N / T) x T (dp x tp)")
     if tp is not None and world_size is not None and world_size % tp:
         raise UsageError(f"--tp {tp} does not divide --world-size {world_size}: the mesh is (N / T) x T (dp x tp)")
-    if ep_size is not None and world_size is None:
+    if layout.ep_size is not None and world_size is None:
         raise UsageError("--ep-size E needs --world-size N (DeepSpeed MoE: E must divide N and the layer's expert count)")
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     if size is not None and size <= 0:
         raise UsageError(f"size must be positive, got '{max_shard_size}'")
-    return WriteOptions(size or None, num_shards, world_size, tp, ep_size=ep_sizes(ep_size))
+    return WriteOptions(size or None, num_shards, world_size, tp, ep_size=ep_sizes(layout.ep_size))
 
 
-def cross_options(
-    layout: str | None = None,
-    zero_stage: int | None = None,
-    ds_config: str | Path | None = None,
-    rename: Sequence[str] | None = None,
-    name_map: str | Path | None = None,
-    per_rank: str = "wrap",
-    preset: str | None = None,
-    hf_config: str | Path | None = None,
-) -> CrossOptions:
-    if layout is not None and layout not in LAYOUTS:
-        raise UsageError(f"--layout is one of {', '.join(LAYOUTS)}, not '{layout}'")
-    if per_rank not in PER_RANK_RULES:
-        raise UsageError(f"--per-rank-state is one of {', '.join(PER_RANK_RULES)}, not '{per_rank}'")
-    if preset and name_map:
+def cross_settings(cross: CrossOptions) -> CrossSettings:
+    if cross.layout is not None and cross.layout not in LAYOUTS:
+        raise UsageError(f"--layout is one of {', '.join(LAYOUTS)}, not '{cross.layout}'")
+    if cross.per_rank_state not in PER_RANK_RULES:
+        raise UsageError(f"--per-rank-state is one of {', '.join(PER_RANK_RULES)}, not '{cross.per_rank_state}'")
+    if cross.preset and cross.name_map:
         raise UsageError("give --preset or --name-map, not both (a preset is a name map; add --rename for more)")
-    base = presets.load(preset) if preset else NameMap.from_yaml(Path(name_map)) if name_map else NameMap()
-    names = base.with_renames(list(rename or []))
-    config = Path(ds_config) if ds_config is not None else None
-    return CrossOptions(layout, zero_stage, config, names, per_rank, bool(rename or name_map or preset), _hf_config_dir(hf_config))
+    name_map = Path(cross.name_map) if cross.name_map else None
+    base = presets.load(cross.preset) if cross.preset else NameMap.from_yaml(name_map) if name_map else NameMap()
+    names = base.with_renames(list(cross.rename or []))
+    config = Path(cross.ds_config) if cross.ds_config is not None else None
+    given = bool(cross.rename or cross.name_map or cross.preset)
+    return CrossSettings(cross.layout, cross.zero_stage, config, names, cross.per_rank_state, given, _hf_config_dir(cross.hf_config))
 
 
 def _hf_config_dir(path: str | Path | None) -> Path | None:
@@ -130,6 +94,27 @@ def _hf_config_dir(path: str | Path | None) -> Path | None:
     if not folder.is_dir() or not (folder / "config.json").is_file():
         raise UsageError(f"--hf-config {path}: not a folder holding config.json (the Hugging Face model's config)")
     return folder
+
+
+def request(command: str, src: str | Path, dest: str | Path, to: str | None, chosen: Options) -> Request:
+    """The Request of writing command `command` (convert, reshard, merge, split) with its options' groups: its target
+    (convert: `to`; reshard: the source's own format; merge: by the destination's suffix; split: hf) and what it keeps
+    (merge: the weights unless --all; split: the weights)."""
+    dest = location(dest)
+    select = chosen.select
+    target = {"convert": to, "reshard": None, "merge": None, "split": "hf"}[command]
+    weights_only = {"merge": not select.all, "split": True}.get(command, select.weights_only)
+    if command == "merge":
+        target = convert_op.merge_target(dest, select.all)
+    return Request(
+        location(src),
+        dest,
+        target,
+        chosen.source,
+        transform.from_options(select, weights_only),
+        write_options(chosen.layout),
+        cross_settings(chosen.cross),
+    )
 
 
 @dataclass
@@ -229,15 +214,29 @@ class PreparedWrite:
             self.job.notes.append(f"the real run will refuse: {exc}")
         return WriteReport(self.job, written=False)
 
-    def check_destination(self, overwrite: bool = False) -> None:
-        """UsageError (before any work) when the destination exists and may not be replaced; under torchrun, rank 0 checks."""
+    def check_destination(self, overwrite: bool = False, manifest: str | Path | None = None) -> None:
+        """UsageError (before any work) when the destination, or the manifest file to write, exists and may not be
+        replaced; under torchrun, rank 0 checks."""
         if is_main_process():
             convert_op.check_destination(self.job, overwrite)
+            if manifest is not None:
+                check_manifest_destination(location(manifest), overwrite)  # before any work, as verify does
 
-    def write(self, overwrite: bool = False, progress: Callable[[int], None] | None = None, workers: int | None = None) -> WriteReport:
-        """Run the write (staged, then committed at once; on error or interrupt nothing is left at the destination)."""
-        self.check_destination(overwrite)
+    def write(
+        self,
+        overwrite: bool = False,
+        progress: Callable[[int], None] | None = None,
+        workers: int | None = None,
+        manifest: str | Path | None = None,
+    ) -> WriteReport:
+        """Run the write (staged, then committed at once; on error or interrupt nothing is left at the destination),
+        then record the output's digests in `manifest` (--write-manifest) when given."""
+        self.check_destination(overwrite, manifest)
         convert_op.run(self.job, overwrite, progress, workers)
+        if manifest is not None and is_main_process():
+            checked = verify(self.request.dest, VerifyOptions(write_manifest=location(manifest), overwrite=overwrite))
+            if not checked.ok:  # the output fails its own structural check: a bug, said as one
+                raise DataError(f"{self.request.dest}: the output fails verify, no manifest written: {checked.problems[0]}")
         return WriteReport(self.job, written=True)
 
 
@@ -246,125 +245,17 @@ def prepare(request: Request) -> PreparedWrite:
     return PreparedWrite(request, convert_op.prepare(request))
 
 
-def convert_request(
-    src: str | Path,
-    dest: str | Path,
-    *,
-    to: str,
-    world_size: int | None = None,
-    tp: int | None = None,
-    dtype: str = "keep",
-    max_shard_size: Size | None = None,
-    num_shards: int | None = None,
-    weights_only: bool = False,
-    select: Sequence[str] | None = None,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-    layout: str | None = None,
-    zero_stage: int | None = None,
-    ds_config: str | Path | None = None,
-    rename: Sequence[str] | None = None,
-    name_map: str | Path | None = None,
-    per_rank_state: str = "wrap",
-    quantize: str | None = None,
-    preset: str | None = None,
-    hf_config: str | Path | None = None,
-) -> Request:
-    """`convert`: any readable checkpoint to the format `to` (`preset`: a built-in name map, ckpt_cli/presets;
-    `hf_config`: the folder whose config.json, generation config and tokenizer files a Hugging Face export carries)."""
-    return Request(
-        location(src),
-        location(dest),
-        to,
-        SourceOptions(format, tag, trust_pickle),
-        transform(dtype, weights_only, select, strip_prefix, add_prefix, quantize),
-        write_options(world_size, max_shard_size, num_shards, tp),
-        cross_options(layout, zero_stage, ds_config, rename, name_map, per_rank_state, preset, hf_config),
-    )
+def run(
+    command: str, src: str | Path, dest: str | Path, to: str | None, values: Mapping[str, Any], progress: Progress | None = None
+) -> WriteReport:
+    """A writing command from keyword values named as its options (the API's call): plan, and write unless dry_run."""
+    chosen = options.gather(command, values)
+    prepared = prepare(request(command, src, dest, to, chosen))
+    if chosen.run.dry_run:
+        return prepared.dry_run(chosen.run.overwrite)
+    return prepared.write(chosen.run.overwrite, progress, chosen.run.workers, chosen.run.write_manifest)
 
 
-def reshard_request(
-    src: str | Path,
-    dest: str | Path,
-    *,
-    world_size: int | None = None,
-    tp: int | None = None,
-    ep_size: EpSize = None,
-    num_shards: int | None = None,
-    max_shard_size: Size | None = None,
-    dtype: str = "keep",
-    weights_only: bool = False,
-    select: Sequence[str] | None = None,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-    layout: str | None = None,
-    rename: Sequence[str] | None = None,
-    name_map: str | Path | None = None,
-    per_rank_state: str = "wrap",
-) -> Request:
-    """`reshard`: the source's own format in a new layout (world size, a dp x tp mesh for dcp with `tp`, or shards;
-    `ep_size`: DeepSpeed MoE at a new expert-parallel size)."""
-    return Request(
-        location(src),
-        location(dest),
-        None,  # the source's own format
-        SourceOptions(format, tag, trust_pickle),
-        transform(dtype, weights_only, select, strip_prefix, add_prefix),
-        write_options(world_size, max_shard_size, num_shards, tp, ep_size),
-        cross_options(layout, None, None, rename, name_map, per_rank_state),
-    )
-
-
-def merge_request(
-    src: str | Path,
-    dest: str | Path,
-    *,
-    keep_all: bool = False,
-    dtype: str = "keep",
-    select: Sequence[str] | None = None,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-) -> Request:
-    """`merge`: every shard into one DEST.safetensors or DEST.pt (model weights, unless `keep_all`)."""
-    dest = location(dest)
-    return Request(
-        location(src),
-        dest,
-        convert_op.merge_target(dest, keep_all),
-        SourceOptions(format, tag, trust_pickle),
-        transform(dtype, not keep_all, select, strip_prefix, add_prefix),
-    )
-
-
-def split_request(
-    src: str | Path,
-    dest: str | Path,
-    *,
-    max_shard_size: Size | None = None,
-    num_shards: int | None = None,
-    dtype: str = "keep",
-    select: Sequence[str] | None = None,
-    strip_prefix: str | None = None,
-    add_prefix: str | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-) -> Request:
-    """`split`: the model weights into a Hugging Face sharded folder with an index."""
-    return Request(
-        location(src),
-        location(dest),
-        "hf",
-        SourceOptions(format, tag, trust_pickle),
-        transform(dtype, True, select, strip_prefix, add_prefix),
-        write_options(None, max_shard_size, num_shards),
-    )
+def request_of(command: str, src: str | Path, dest: str | Path, to: str | None, values: Mapping[str, Any]) -> Request:
+    """The Request of a writing command from keyword values named as its options."""
+    return request(command, src, dest, to, options.gather(command, values))
