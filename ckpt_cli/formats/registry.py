@@ -256,11 +256,12 @@ class Resolved:
     note: str | None  # which tag was chosen and why, to tell the user
 
 
-def resolve(path: Path, format_name: str | None = None, tag: str | None = None) -> Resolved:
-    """Find the checkpoint at `path`: its format, or the chosen tag of a run folder."""
+def resolve(path: Path, format_name: str | None = None, tag: str | None = None, detected: Format | None = None) -> Resolved:
+    """Find the checkpoint at `path`: its format, or the chosen tag of a run folder. `detected`: the format detection
+    already found at `path` (not detected again)."""
     if not path.exists():
         raise UsageError(f"{path}: no such file or folder")
-    fmt = get(format_name) if format_name else detect(path)
+    fmt = get(format_name) if format_name else detected if detected is not None else detect(path)
     if fmt is not None and (tag is None or format_name or fmt.own_tags):
         return Resolved(path, fmt, tag, None)
     tags = list_tags(path)

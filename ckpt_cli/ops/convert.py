@@ -23,7 +23,8 @@ from ckpt_cli.formats import registry
 from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops import crossframework, name_map, quant_views, runs, structure, transform
 from ckpt_cli.ops.request import CrossSettings, Job, Request
-from ckpt_cli.ops.source import missing_marker, open_checkpoint
+from ckpt_cli.ops.resolve import missing_marker
+from ckpt_cli.ops.source import open_checkpoint
 
 __all__ = ["CrossSettings", "Job", "Request", "prepare", "run"]
 
