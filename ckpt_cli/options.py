@@ -105,6 +105,13 @@ class SourceOptions:
     trust_pickle: bool = option(
         "--trust-pickle", "Allow pickled classes outside the allow list (runs code from the file).", False, kind="bool"
     )
+    adapter: str | None = option(
+        "--adapter",
+        "A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors): merged into the weights it targets "
+        "as they stream (LoRA, rsLoRA, DoRA, as peft's merge_and_unload).",
+        kind="path",
+        metavar="DIR",
+    )
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ _ckpt() {
     fi
     case "$prev" in
         --to) COMPREPLY=($(compgen -W "deepspeed dcp dtensor hf safetensors torch" -- "$cur")); return ;;
-        --format-a) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
-        --format-b) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
+        --format-a) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter hf safetensors torch" -- "$cur")); return ;;
+        --format-b) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter hf safetensors torch" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "keep fp32 bf16 fp16" -- "$cur")); return ;;
         --quantize) COMPREPLY=($(compgen -W "fp8" -- "$cur")); return ;;
-        --format) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf hf safetensors torch" -- "$cur")); return ;;
+        --format) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter hf safetensors torch" -- "$cur")); return ;;
         --layout) COMPREPLY=($(compgen -W "get_state_dict torchtitan" -- "$cur")); return ;;
         --per-rank-state) COMPREPLY=($(compgen -W "wrap first drop" -- "$cur")); return ;;
         --preset) COMPREPLY=($(compgen -W "hf-experts-pack hf-experts-unpack megatron-gpt torchtitan-deepseek-v3 torchtitan-llama3 torchtitan-qwen3" -- "$cur")); return ;;
@@ -24,15 +24,15 @@ _ckpt() {
     local opts=""
     case "${words[1]}" in
         completion) opts="--help -h" ;;
-        convert) opts="--to --world-size --tp --num-shards --max-shard-size --dtype --quantize --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --layout --zero-stage --ds-config --rename --name-map --per-rank-state --preset --hf-config --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        convert) opts="--to --world-size --tp --num-shards --max-shard-size --dtype --quantize --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --adapter --layout --zero-stage --ds-config --rename --name-map --per-rank-state --preset --hf-config --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         demo) opts="--overwrite --json --quiet -q --help -h" ;;
         diff) opts="--atol --rtol --filter --depth --json --format-a --format-b --tag-a --tag-b --trust-pickle --quiet -q --help -h" ;;
         inspect) opts="--json --yaml --tensors --filter --tree --depth --markdown --format --tag --trust-pickle --quiet -q --help -h" ;;
         ls) opts="--json --format --tag --trust-pickle --quiet -q --help -h" ;;
-        merge) opts="--dtype --all --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        merge) opts="--dtype --all --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --adapter --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         parity) opts="--against --logits --tokens --atol --json --quiet -q --help -h" ;;
-        reshard) opts="--world-size --tp --ep-size --num-shards --max-shard-size --dtype --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --layout --rename --name-map --per-rank-state --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
-        split) opts="--num-shards --max-shard-size --dtype --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        reshard) opts="--world-size --tp --ep-size --num-shards --max-shard-size --dtype --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --adapter --layout --rename --name-map --per-rank-state --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        split) opts="--num-shards --max-shard-size --dtype --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --adapter --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         verify) opts="--deep --finite --write-manifest --manifest --against --atol --rtol --policy --json --format --tag --trust-pickle --overwrite --quiet -q --help -h" ;;
     esac
     if [[ "$cur" == -* ]]; then

@@ -138,6 +138,8 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         what = f"{quant['method']} ({', '.join(quant['formats'])})" if quant["formats"] != [quant["method"]] else quant["method"]
         count = f"{quant['quantized_tensors']} weights (e.g. {quant['example']})"
         lines.append(f"{'quantized':<12} {what}{block}: {count}, from {quant['from']}")
+    if adapter := doc["details"].get("adapter"):
+        lines += adapter_lines(adapter)
     lines.append("training state")
     lines += [f"  {k:<14} {_state_line(v)}" for k, v in doc["training_state"].items()]
     lines += [_unread_line(u) for u in doc.get("unread", [])]
@@ -147,3 +149,17 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         lines.append(f"{'name':<{width}}  {'dtype':<10} {'shape':<18} {'role':<10} pieces")
         lines += [f"{t['name']:<{width}}  {t['dtype']:<10} {str(t['shape']):<18} {t['role']:<10} {t['pieces']}" for t in doc["tensors"]]
     return "\n".join(lines)
+
+
+def adapter_lines(a: dict[str, Any]) -> list[str]:
+    """A PEFT adapter: its kind, base, rank, alpha and scale rule, targets; each module's rank and alpha when the
+    config's rank_pattern or alpha_pattern gives some their own."""
+    kind = "DoRA" if a["use_dora"] else "rsLoRA" if a["use_rslora"] else "LoRA"
+    targets = a["target_modules"] if isinstance(a["target_modules"], str) else ", ".join(a["target_modules"] or [])
+    lines = [
+        f"{'adapter':<12} {kind} of base '{a['base_model'] or '-'}': r={a['r']}, lora_alpha={a['lora_alpha']}, scale = {a['scale']}; "
+        f"{len(a['modules'])} modules (target_modules: {targets or '-'})"
+    ]
+    if a["rank_pattern"] or a["alpha_pattern"]:
+        lines += [f"  {m['module']:<40} r={m['r']} lora_alpha={m['lora_alpha']:g} scale={m['scale']:g}" for m in a["modules"]]
+    return lines

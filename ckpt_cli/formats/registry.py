@@ -167,6 +167,15 @@ FORMATS: dict[str, Format] = {
             "(ckpt convert SRC DST --to hf, or --to dcp --world-size N)",
         ),
         Format(
+            "adapter",
+            "adapter:READER",
+            None,
+            "PEFT LoRA / rsLoRA / DoRA adapter: adapter_config.json + adapter_model.safetensors (applied with --adapter)",
+            False,
+            members=r"adapter_config\.json|adapter_model\.(safetensors|bin)",
+            not_resharded="an adapter is applied to its base as the base is written: ckpt convert BASE DST --to hf --adapter DIR",
+        ),
+        Format(
             "hf",
             "hf:READER",
             "hf:WRITER",

@@ -21,7 +21,7 @@ from ckpt_cli.core.write.sinks import Progress
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry
 from ckpt_cli.formats.runs import read as run_read
-from ckpt_cli.ops import crossframework, name_map, quant_views, runs, structure, transform
+from ckpt_cli.ops import adapters, crossframework, name_map, quant_views, runs, structure, transform
 from ckpt_cli.ops.request import CrossSettings, Job, Request
 from ckpt_cli.ops.resolve import missing_marker
 from ckpt_cli.ops.source import open_checkpoint
@@ -54,6 +54,9 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
     carries = carries_training_state(ckpt, target, t, cross)
     write = layout_for(target, write, None if carries else ckpt.world_size)
+    adapter = request.source.adapter
+    if adapter is not None:
+        adapters.check_combination(cross.names_given, carries, adapter)
     if carries:
         if cross.names.splits:
             raise UsageError("a name map's split applies to weight exports (hf, safetensors, torch), not to training-state conversions")
@@ -61,7 +64,11 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     else:
         source = transform.without_copies(ckpt, t) if ckpt.format != target.name else ckpt
         source = with_hf_config(source, cross.hf_config)
+        if adapter is not None and t.quantize is not None:  # merged first, then quantized
+            source = adapters.applied(source, adapter, t.dtype)
         source = quant_views.for_write(source, t.dtype, t.quantize, target.name)
+        if adapter is not None and t.quantize is None:  # into the weights a quantized source dequantizes to
+            source = adapters.applied(source, adapter, t.dtype)
         view = transform.apply(name_map.weights_view(source, cross.names) if cross.names_given else source, t)
         view.notes.extend(preset_hint(ckpt, target, cross))
     plan = writer.plan(view, request.dest, write)
