@@ -201,3 +201,24 @@ def test_adapter_usage_errors(ckpt, adapters, tmp_path):
     lora = adapters["made"]["lora"]["dir"]
     res = ckpt("convert", adapters["base"], tmp_path / "m.safetensors", "--to", "safetensors", "--adapter", lora, "--rename", "a=b")
     assert res.code == 2 and "--name-map, --preset and --rename do not apply" in res.err
+
+
+def test_keys_with_an_adapter_name_and_bands_of_rows():
+    """Keys of a live model's state dict (an FSDP/DCP save) keep the adapter name; a merged weight's bands of rows
+    are never under MIN_ROWS (a matmul of a few rows rounds otherwise than peft's whole one)."""
+    from ckpt_cli.core.dtypes import BY_NAME
+    from ckpt_cli.core.model import TensorEntry
+    from ckpt_cli.formats.adapter import split_key
+    from ckpt_cli.ops.adapters import MIN_ROWS, LoraMerged
+
+    m = "model.layers.0.self_attn.q_proj"
+    assert split_key(f"base_model.model.{m}.lora_A.weight") == (m, "lora_A")
+    assert split_key(f"base_model.model.{m}.lora_B.default.weight") == (m, "lora_B")
+    assert split_key(f"base_model.model.{m}.lora_magnitude_vector") == (m, "lora_magnitude_vector")
+    assert split_key(f"base_model.model.{m}.lora_magnitude_vector.default.weight") == (m, "lora_magnitude_vector")
+    assert split_key(f"base_model.model.{m}.lora_A.bias") is None and split_key("model.embed_tokens.weight") is None
+    f32 = BY_NAME["float32"]
+    for rows, cols in ((2048, 5632), (70, 10**6), (5, 8)):
+        entry = TensorEntry("w", f32, (rows, cols), "model", [])
+        bands = [count // cols for _, count in LoraMerged(entry, entry, entry, None, 1.0, f32).windows()]
+        assert sum(bands) == rows and (len(bands) == 1 or min(bands) >= MIN_ROWS), bands

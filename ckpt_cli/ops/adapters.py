@@ -26,6 +26,7 @@ from ckpt_cli.formats import registry
 from ckpt_cli.store import location
 
 MERGEABLE = ("float32", "bfloat16", "float16", "float64")
+MIN_ROWS = 64  # rows a band holds at least (torch's CPU matmul of under 12 rows rounds otherwise than the whole's)
 
 
 @dataclass(eq=False)
@@ -40,10 +41,16 @@ class LoraMerged:
     out: DType  # the written dtype: the base's, or --dtype's
 
     def windows(self) -> Iterator[tuple[int, int]]:
+        """Bands of about BLOCK_BYTES of float32 rows, none under MIN_ROWS (a trailing short band joins the one before):
+        a matmul of a few rows takes another kernel than the whole matrix's, and rounds differently."""
         rows, cols = self.base.shape
-        step = max(1, BLOCK_BYTES // max(cols * 4, 1))
-        for r0 in range(0, rows, step):
-            yield r0 * cols, min(step, rows - r0) * cols
+        step = max(MIN_ROWS, BLOCK_BYTES // max(cols * 4, 1))
+        starts = list(range(0, rows, step))
+        if len(starts) > 1 and rows - starts[-1] < MIN_ROWS:
+            starts.pop()
+        for k, r0 in enumerate(starts):
+            r1 = starts[k + 1] if k + 1 < len(starts) else rows
+            yield r0 * cols, (r1 - r0) * cols
 
     def read(self, start: int, count: int, sources: Any) -> Any:
         rows, cols = self.base.shape
