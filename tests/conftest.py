@@ -209,6 +209,33 @@ def fsdp2_saves(tmp_path_factory) -> dict[int, Path]:
     return {world: root / f"w{world}" for world in (1, 2, 3, 4)}
 
 
+@pytest.fixture(scope="session")
+def orbax_saves(tmp_path_factory) -> Path:
+    """Real Orbax saves of a JAX train state over 8 simulated CPU devices (tests/producers/orbax_train_state.py):
+    ocdbt/7 (Orbax's defaults), zarr3/7 (OCDBT off), multi/7 (two JAX processes), and the arrays as .npy files."""
+    pytest.importorskip("orbax.checkpoint")
+
+    def build(root: Path) -> None:
+        script = str(PRODUCERS / "orbax_train_state.py")
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+        subprocess.run([sys.executable, script, str(root)], check=True, capture_output=True, timeout=300, env=env)
+        port, env["XLA_FLAGS"] = str(free_port()), "--xla_force_host_platform_device_count=4"
+        procs = [
+            subprocess.Popen(
+                [sys.executable, script, str(root), "--process", str(i), "--processes", "2", "--port", port],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+            )
+            for i in range(2)
+        ]
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+        if any(p.returncode for p in procs):
+            raise AssertionError(f"two-process Orbax save failed:\n{errors[0][-3000:].decode()}\n{errors[1][-3000:].decode()}")
+
+    return built_once(tmp_path_factory, "orbax", build)
+
+
 DS_CONFIGS = ["stage1-fp32", "stage2-fp32", "stage3-fp32", "stage1-bf16", "stage2-bf16", "stage3-bf16", "stage1-bf16acc32", "stage2-fp32rr"]
 
 

@@ -4,6 +4,9 @@ the source's pieces without reading them."""
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
 
 from ckpt_cli.core.model import FlatRange, Piece, Run, TensorEntry, box_runs
 
@@ -16,6 +19,8 @@ def sub_box(
     `source`: entry.runs(), when the caller cuts several boxes from one tensor."""
     if offsets == (0,) * len(entry.shape) and sizes == entry.shape:
         return dataclasses.replace(entry, name=name)
+    if entry.derived is not None:  # computed as read (an Orbax array, a dequantized weight): the box reads it by runs
+        return TensorEntry(name, entry.dtype, sizes, entry.role, entry.pieces, entry.path, derived=DerivedBox(entry, offsets, sizes))
     box = tuple(box_runs(offsets, sizes, entry.shape))
     if source is None and box and entry.made_by_range():  # only the source pieces the box's extent meets are made
         first, last = box[0][0], box[-1][0] + box[-1][1]
@@ -34,3 +39,34 @@ def sub_box(
                 pieces.append(Piece(FlatRange(lstart + lo - gstart, hi - lo), piece.data, local + lo - g))
             j += 1
     return TensorEntry(name, entry.dtype, sizes, entry.role, pieces, entry.path)
+
+
+class DerivedBox:
+    """A box of a computed tensor (core/model.Derived), read as the runs of the tensor it covers: a row range is one
+    run, read in the tensor's own windows' size."""
+
+    __slots__ = ("entry", "offsets", "sizes", "numel")
+
+    def __init__(self, entry: TensorEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        self.entry, self.offsets, self.sizes, self.numel = entry, offsets, sizes, math.prod(sizes)
+
+    def windows(self) -> Iterator[tuple[int, int]]:
+        from ckpt_cli.core.reading import BLOCK_BYTES
+
+        step = max(BLOCK_BYTES // self.entry.dtype.itemsize, 1)
+        for start in range(0, self.numel, step):
+            yield start, min(step, self.numel - start)
+
+    def read(self, start: int, count: int, sources: Any) -> Any:
+        import torch
+
+        from ckpt_cli.core.reading import read_elements
+
+        out = torch.empty(count, dtype=self.entry.dtype.torch())
+        for gstart, length, lstart in box_runs(self.offsets, self.sizes, self.entry.shape):
+            if lstart >= start + count:
+                break
+            lo, hi = max(lstart, start), min(lstart + length, start + count)
+            if lo < hi:
+                out[lo - start : hi - start] = read_elements(self.entry, gstart + lo - lstart, hi - lo, sources)
+        return out

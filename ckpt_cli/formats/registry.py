@@ -176,6 +176,16 @@ FORMATS: dict[str, Format] = {
             not_resharded="an adapter is applied to its base as the base is written: ckpt convert BASE DST --to hf --adapter DIR",
         ),
         Format(
+            "orbax",
+            "orbax.reader:READER",
+            None,
+            "Orbax (JAX): CheckpointManager step folders or one item; OCDBT or zarr3 arrays, read through tensorstore",
+            False,
+            members=r"_METADATA|_CHECKPOINT_METADATA|_sharding|manifest\.ocdbt|commit_success\.txt",
+            not_resharded="ckpt reads Orbax saves but does not write them; Orbax reshards a save itself when it restores it "
+            "onto another mesh, or convert it (ckpt convert SRC DST --to dcp --world-size N)",
+        ),
+        Format(
             "hf",
             "hf:READER",
             "hf:WRITER",

@@ -1,0 +1,146 @@
+"""An Orbax save's arrays, read through tensorstore (imported when first needed; never jax): the zarr (v2) or zarr3
+driver over the item's OCDBT database (`ocdbt` kvstore, the item folder its base) or over one folder per array
+(`file` kvstore). An array streams in windows of whole chunk rows (`OrbaxArray`, a TensorEntry's `derived`): a read
+decodes the chunks its window covers, never the whole array unless one chunk row is the whole array."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.reading import BLOCK_BYTES
+from ckpt_cli.errors import DataError, UsageError
+
+INSTALL_HINT = "the orbax extra: pip install 'ckpt-tools[orbax]'"
+CACHE_BYTES = 64 << 20  # tensorstore's cache of decoded chunks and OCDBT B-tree nodes, one per process
+
+
+def tensorstore() -> Any:
+    try:
+        import tensorstore as ts
+    except ImportError:
+        raise UsageError(f"reading an Orbax save needs tensorstore: {INSTALL_HINT}") from None
+    return ts
+
+
+@functools.cache
+def context() -> Any:
+    ts = tensorstore()
+    return ts.Context({"cache_pool": {"total_bytes_limit": CACHE_BYTES}, "file_io_concurrency": {"limit": 32}})
+
+
+def kvstore_spec(item: Path, name: str | None, use_ocdbt: bool) -> dict[str, Any]:
+    """The key-value store holding an array (`name`) or, with no name, the whole item."""
+    folder = str(item.resolve())
+    if use_ocdbt:
+        spec: dict[str, Any] = {"driver": "ocdbt", "base": {"driver": "file", "path": folder + "/"}}
+        if name is not None:
+            spec["path"] = name + "/"
+        return spec
+    return {"driver": "file", "path": folder + "/" + (name + "/" if name is not None else "")}
+
+
+def array_spec(item: Path, name: str, use_ocdbt: bool, zarr3: bool) -> dict[str, Any]:
+    return {"driver": "zarr3" if zarr3 else "zarr", "kvstore": kvstore_spec(item, name, use_ocdbt), "open": True}
+
+
+def what_failed(exc: Exception) -> str:
+    """tensorstore's message, on one line and short (it names the key or file it could not read)."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def read_keys(item: Path, keys: list[str], use_ocdbt: bool) -> dict[str, bytes | None]:
+    """The values of `keys` in the item's store (None: absent), read concurrently."""
+    ts = tensorstore()
+    try:
+        kv = ts.KvStore.open(kvstore_spec(item, None, use_ocdbt), context=context()).result()
+        futures = [(key, kv.read(key)) for key in keys]
+        out: dict[str, bytes | None] = {}
+        for key, future in futures:
+            result = future.result()
+            out[key] = bytes(result.value) if result.state == "value" else None
+        return out
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise DataError(f"{item}: cannot read its {'OCDBT database' if use_ocdbt else 'arrays'}: {what_failed(exc)}") from exc
+
+
+def list_keys(item: Path, use_ocdbt: bool) -> list[str]:
+    ts = tensorstore()
+    kv = ts.KvStore.open(kvstore_spec(item, None, use_ocdbt), context=context()).result()
+    return [k.decode("utf-8", "replace") for k in kv.list().result()]
+
+
+@functools.lru_cache(maxsize=16)  # a write reads an array window by window: opened once, a few kept
+def _open(spec_json: str) -> Any:
+    ts = tensorstore()
+    return ts.open(json.loads(spec_json), read=True, context=context()).result()
+
+
+class OrbaxArray:
+    """How a tensor of an Orbax save is read (core/model.Derived): element windows of whole chunk rows, each read as
+    the few boxes of the array that hold it, decoded by tensorstore."""
+
+    __slots__ = ("spec", "shape", "dtype", "chunks", "where", "name")
+
+    def __init__(self, spec: dict[str, Any], shape: tuple[int, ...], dtype: DType, chunks: tuple[int, ...], where: str, name: str) -> None:
+        self.spec = json.dumps(spec, sort_keys=True)
+        self.shape, self.dtype, self.chunks, self.where, self.name = shape, dtype, chunks, where, name
+
+    def windows(self) -> Iterator[tuple[int, int]]:
+        numel = math.prod(self.shape)
+        if not self.shape:
+            yield 0, numel
+            return
+        inner = math.prod(self.shape[1:])
+        band = max(self.chunks[0], 1) * inner  # one row of chunks
+        per = max(band * max(BLOCK_BYTES // max(band * self.dtype.itemsize, 1), 1), 1)
+        if band == 0:
+            return
+        for start in range(0, numel, per):
+            yield start, min(per, numel - start)
+
+    def read(self, start: int, count: int, sources: Any = None) -> Any:
+        import numpy as np
+        import torch
+
+        if count == 0:
+            return torch.empty(0, dtype=self.dtype.torch())
+        try:
+            store = _open(self.spec)
+            parts = [np.ascontiguousarray(p).reshape(-1) for p in _flat_range(store, self.shape, start, count)]
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise DataError(f"{self.where}: array '{self.name}' cannot be read: {what_failed(exc)}") from exc
+        flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if flat.size != count:
+            raise DataError(f"{self.where}: array '{self.name}' gave {flat.size} elements for a read of {count}")
+        return torch.from_numpy(flat.view(np.uint8).copy()).view(self.dtype.torch())
+
+
+def _flat_range(store: Any, shape: tuple[int, ...], start: int, count: int) -> list[Any]:
+    """Elements [start, start + count) of `store` (row-major) as a few boxes read whole: partial rows at either end
+    (read dimension by dimension), the whole rows between them at once."""
+    if len(shape) <= 1:
+        return [store[start : start + count].read().result()] if shape else [store.read().result()]
+    inner = math.prod(shape[1:])
+    first = start // inner
+    out: list[Any] = []
+    pos, stop = start, start + count
+    if pos % inner:  # a partial first row
+        row_end = min((first + 1) * inner, stop)
+        out += _flat_range(store[first], shape[1:], pos - first * inner, row_end - pos)
+        pos = row_end
+    whole = (stop - pos) // inner
+    if whole:
+        row = pos // inner
+        out.append(store[row : row + whole].read().result())
+        pos += whole * inner
+    if pos < stop:
+        row = pos // inner
+        out += _flat_range(store[row], shape[1:], 0, stop - pos)
+    return out
