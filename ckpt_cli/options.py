@@ -56,12 +56,6 @@ def _formats() -> list[str]:
     return list(FORMATS)
 
 
-def _writable() -> list[str]:
-    from ckpt_cli.formats.registry import FORMATS
-
-    return [n for n, f in FORMATS.items() if f.writable]
-
-
 def _world_size_formats() -> str:
     """The formats `--world-size` lays out, from the registry rows that reshard by world size: 'deepspeed, dcp, dtensor
     (a deepspeed-universal source becomes deepspeed)'."""
