@@ -105,7 +105,7 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=2)
         self.known = known
         if persistent is not None:
-            self.persistent_id = persistent  # only then: the pickler calls it for every object
+            self.persistent_id = persistent  # type: ignore[method-assign]  # only then: the pickler calls it for every object
 
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)

@@ -26,7 +26,15 @@ import secrets
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+if TYPE_CHECKING:  # typing has it from Python 3.11 (3.12 for frozen_default); the checker alone needs it
+    from typing_extensions import dataclass_transform
+else:
+
+    def dataclass_transform(**_: Any) -> Callable[[Any], Any]:
+        return lambda function: function
+
 
 from ckpt_cli.core import heap
 from ckpt_cli.core.dtypes import BY_NAME, BY_STORAGE_CLASS, DType
@@ -64,13 +72,21 @@ def _refuse_state(self: Any, state: Any) -> None:
     raise PickleRefused(f"a pickle may not change the allow list's {getattr(self, 'name', type(self).__name__)}")
 
 
-def frozen(cls: type | None = None, **options: Any) -> Any:
+_T = TypeVar("_T")
+
+
+@overload
+def frozen(cls: type[_T], /) -> type[_T]: ...
+@overload
+def frozen(*, eq: bool = ...) -> Callable[[type[_T]], type[_T]]: ...
+@dataclass_transform(frozen_default=True)
+def frozen(cls: type[_T] | None = None, /, **options: Any) -> type[_T] | Callable[[type[_T]], type[_T]]:
     """A frozen slots dataclass a pickle's BUILD cannot change: no `__dict__` to write, and the `__setstate__`
     that dataclasses adds to frozen slots classes (it bypasses `frozen`) replaced by one that refuses."""
 
-    def make(cls: type) -> type:
-        made = dataclass(frozen=True, slots=True, **options)(cls)
-        made.__setstate__ = _refuse_state  # type: ignore[attr-defined]
+    def make(cls: type[_T]) -> type[_T]:
+        made = dataclass(cls, frozen=True, slots=True, **options)
+        made.__setstate__ = _refuse_state  # type: ignore[attr-defined]  # replaces the method dataclasses added
         return made
 
     return make(cls) if cls is not None else make
@@ -87,7 +103,7 @@ class Allowed(Frozen):
         return self.function(*args)
 
 
-class TorchSize(tuple):  # type: ignore[type-arg]
+class TorchSize(tuple[int, ...]):
     """A torch.Size read from a pickle: a tuple that is written back as torch.Size."""
 
     __slots__ = ()
@@ -460,7 +476,7 @@ def safe_loads(
     through its __setitem__ (so that they need never be held together); elsewhere it is a dict as usual. An OwnCopy
     is closed once loaded (or refused)."""
     small = isinstance(data, bytes) and not trust and len(data) <= _TENSOR_PICKLE_BYTES
-    key = (data, id(_table(extra))) if small else None
+    key = (data, id(_table(extra))) if isinstance(data, bytes) and small else None
     if key is not None and key in _TENSOR_PICKLES:
         return _TENSOR_PICKLES[key]
     own_copy = data if isinstance(data, pickle_stream.OwnCopy) else None
