@@ -22,9 +22,9 @@ from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, Opaque, TensorEntry
 from ckpt_cli.core.paths import open_regular, present, read_regular_text
 from ckpt_cli.core.pickles import pickler, zipio
+from ckpt_cli.core.pickles.frozen import Frozen, Sealed, frozen
 from ckpt_cli.core.pickles.pickle_guard import PickleRefused, charge
 from ckpt_cli.core.pickles.pickler import Global, Instance, Reduce
-from ckpt_cli.core.pickles.safe_pickle import Frozen, Sealed, frozen
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats.dcp import reader as dcp
 from ckpt_cli.formats.torch_save import entries_from_tree, load_archive

@@ -14,9 +14,10 @@ from typing import Any, ClassVar
 
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.paths import plain_component, shown
+from ckpt_cli.core.pickles.frozen import Sealed
 from ckpt_cli.core.pickles.pickle_guard import PickleRefused, charge
 from ckpt_cli.core.pickles.pickle_stream import OwnCopy, read_pickle_file
-from ckpt_cli.core.pickles.safe_pickle import Sealed, safe_loads
+from ckpt_cli.core.pickles.safe_pickle import safe_loads
 from ckpt_cli.errors import DataError
 
 

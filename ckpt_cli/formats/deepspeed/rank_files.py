@@ -13,9 +13,10 @@ from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import LazyPieces, StoredArray
 from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.pickles import pickler, zipio
+from ckpt_cli.core.pickles.frozen import Sealed
 from ckpt_cli.core.pickles.pickle_guard import charge
 from ckpt_cli.core.pickles.pickler import Global, Instance, Reduce
-from ckpt_cli.core.pickles.safe_pickle import Sealed, TensorRef
+from ckpt_cli.core.pickles.safe_pickle import TensorRef
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats.deepspeed.partitions import WholePiece
 from ckpt_cli.formats.torch_save import Shared, check_archive, load_archive, stored_array

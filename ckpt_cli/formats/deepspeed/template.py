@@ -107,6 +107,7 @@ class TreeFile:
     """A built file's tree (a ZeroFile): its tensors are TensorEntries already, with no stored references."""
 
     tree: Any
+    path: str = "the built DeepSpeed tree"
 
     def array(self, ref: TensorRef) -> StoredArray:
         raise TypeError("a built DeepSpeed tree holds TensorEntries, not stored tensor references")
