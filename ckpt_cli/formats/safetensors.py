@@ -202,7 +202,7 @@ def file_segments(tensors: list[TensorEntry], metadata: dict[str, str]) -> list[
         pos += t.nbytes
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * ((8 - len(raw) % 8) % 8)
-    return [Literal(struct.pack("<Q", len(raw)) + raw)] + [TensorData(t, t.dtype) for t in ordered]
+    return [Literal(struct.pack("<Q", len(raw)) + raw), *(TensorData(t, t.dtype) for t in ordered)]
 
 
 def model_tensors(ckpt: Checkpoint, notes: list[str]) -> list[TensorEntry]:
