@@ -41,6 +41,7 @@ from ckpt_cli.ops.diff import DiffOptions, DiffReport
 from ckpt_cli.ops.diff import diff as diff_op
 from ckpt_cli.ops.parity import ParityReport
 from ckpt_cli.ops.request import Request
+from ckpt_cli.ops.resolve import resolve
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.tree_view import Tree
 from ckpt_cli.ops.verify import Report, VerifyOptions, check_manifest_destination  # noqa: F401 - the CLI's writes use it
@@ -224,8 +225,9 @@ def inspect(
     path: str | Path, *, filters: Sequence[str] = (), format: str | None = None, tag: str | None = None, trust_pickle: bool = False
 ) -> dict[str, Any]:
     """The `ckpt inspect --json` document; for a run root, `tags` lists every checkpoint under it."""
-    runs = inspect_op.run_root(Path(path)) if tag is None and format is None else None
-    doc = inspect_op.summary(open_checkpoint(path, format, tag, trust_pickle, layout_only=True), tuple(filters))
+    resolved = resolve(path, format, tag)  # once: the run root's members and the checkpoint read come from it
+    runs = inspect_op.run_root(resolved) if tag is None and format is None else None
+    doc = inspect_op.summary(open_checkpoint(resolved, trust_pickle=trust_pickle, layout_only=True), tuple(filters))
     if runs:
         doc["tags"] = runs
     return doc

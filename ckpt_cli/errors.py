@@ -2,13 +2,44 @@
 
 from __future__ import annotations
 
+import contextvars
+import re
 from dataclasses import dataclass
+
+# Who reads the messages: the CLI (options as flags, `--world-size`) or a Python caller (as keyword arguments,
+# `world_size`). Messages are written once, naming options as the CLI's flags; the API's names are the same words
+# with `_` for `-` (ckpt_cli/options.py), so a message is worded for a Python caller by rewriting each flag.
+_READER: contextvars.ContextVar[str] = contextvars.ContextVar("ckpt_reader", default="api")
+_FLAG = re.compile(r"(?<![\w-])--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
+_CLI_SPANS = re.compile(r"`[^`]*`|\bckpt [a-z]+ [^);]*")  # a command line quoted in a message stays a command line
+
+
+def for_cli() -> contextvars.Token[str]:
+    """Word messages for the CLI (flags) from here on in this context; the CLI's main sets it, and resets it after."""
+    return _READER.set("cli")
+
+
+def reset_reader(token: contextvars.Token[str]) -> None:
+    _READER.reset(token)
+
+
+def worded(text: str) -> str:
+    """`text` (written with the CLI's flags) for whoever reads it now: unchanged for the CLI; for a Python caller each
+    option flag becomes its keyword name (`--world-size N` -> `world_size N`), quoted command lines aside."""
+    if _READER.get() == "cli":
+        return text
+    out, last = [], 0
+    for span in _CLI_SPANS.finditer(text):
+        out += [_FLAG.sub(lambda m: m.group(1).replace("-", "_"), text[last : span.start()]), span.group(0)]
+        last = span.end()
+    out.append(_FLAG.sub(lambda m: m.group(1).replace("-", "_"), text[last:]))
+    return "".join(out)
 
 
 @dataclass(frozen=True)
 class Fix:
-    """How the caller can act on an error, as an option of the call (`overwrite=True` in Python): the message states
-    the facts, and a front end words the fix in its own terms (the CLI: `--overwrite`)."""
+    """How the caller can act on an error, as an option of the call: the message states the facts, and the fix is
+    worded for its reader (the CLI: `pass --overwrite`; Python: `pass overwrite=True`)."""
 
     option: str  # the Python keyword; the CLI flag is the same name with dashes
     value: object = True
@@ -18,10 +49,14 @@ class Fix:
         flag = "--" + self.option.replace("_", "-")
         return f"pass {flag}" + ("" if self.value is True else f" {self.value}") + (f" {self.why}" if self.why else "")
 
+    def api(self) -> str:
+        return f"pass {self.option}={self.value!r}" + (f" {self.why}" if self.why else "")
+
 
 class CkptError(Exception):
-    """Base class: the message states the facts (what failed, which file); a front end adds how to act on them
-    (`fix`, an option of the call; the CLI words it as a flag in `cli_message()`)."""
+    """Base class: the message states the facts (what failed, which file) naming options as the CLI's flags, and how to
+    act on them (`fix`, an option of the call). `str(exc)` words both for whoever reads it (errors.worded): a Python
+    caller reads keyword names (`world_size`, `pass overwrite=True`), the CLI flags (`cli_message()`)."""
 
     exit_code = 1
 
@@ -31,6 +66,13 @@ class CkptError(Exception):
 
     def cli_message(self) -> str:
         return self.fact if self.fix is None else f"{self.fact}; {self.fix.cli()}"
+
+    def api_message(self) -> str:
+        fact = worded(self.fact) if _READER.get() != "cli" else self.fact
+        return fact if self.fix is None else f"{fact}; {self.fix.api()}"
+
+    def __str__(self) -> str:
+        return self.cli_message() if _READER.get() == "cli" else self.api_message()
 
 
 class DataError(CkptError):

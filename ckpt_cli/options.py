@@ -136,6 +136,9 @@ class SelectOptions:
     filter: Sequence[str] | None = option(
         "--filter", "Keep tensors whose names match this glob (repeatable).", kind="strs", metavar="GLOB", former="--select"
     )
+    exclude: Sequence[str] | None = option(
+        "--exclude", "Leave out tensors whose names match this glob (repeatable; after --filter).", kind="strs", metavar="GLOB"
+    )
     strip_prefix: str | None = option("--strip-prefix", "Remove this prefix from tensor names.", metavar="PREFIX")
     add_prefix: str | None = option("--add-prefix", "Add this prefix to tensor names.", metavar="PREFIX")
 

@@ -24,15 +24,15 @@ _ckpt() {
     local opts=""
     case "${words[1]}" in
         completion) opts="--help -h" ;;
-        convert) opts="--to --world-size --tp --num-shards --max-shard-size --dtype --quantize --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --layout --zero-stage --ds-config --rename --name-map --per-rank-state --preset --hf-config --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        convert) opts="--to --world-size --tp --num-shards --max-shard-size --dtype --quantize --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --layout --zero-stage --ds-config --rename --name-map --per-rank-state --preset --hf-config --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         demo) opts="--overwrite --json --quiet -q --help -h" ;;
         diff) opts="--atol --rtol --filter --depth --json --format-a --format-b --tag-a --tag-b --trust-pickle --quiet -q --help -h" ;;
         inspect) opts="--json --yaml --tensors --filter --tree --depth --markdown --format --tag --trust-pickle --quiet -q --help -h" ;;
         ls) opts="--json --format --tag --trust-pickle --quiet -q --help -h" ;;
-        merge) opts="--dtype --all --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        merge) opts="--dtype --all --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         parity) opts="--against --logits --tokens --atol --json --quiet -q --help -h" ;;
-        reshard) opts="--world-size --tp --ep-size --num-shards --max-shard-size --dtype --weights-only --filter --strip-prefix --add-prefix --format --tag --trust-pickle --layout --rename --name-map --per-rank-state --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
-        split) opts="--num-shards --max-shard-size --dtype --filter --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        reshard) opts="--world-size --tp --ep-size --num-shards --max-shard-size --dtype --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --layout --rename --name-map --per-rank-state --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        split) opts="--num-shards --max-shard-size --dtype --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         verify) opts="--deep --finite --write-manifest --manifest --against --atol --rtol --policy --json --format --tag --trust-pickle --overwrite --quiet -q --help -h" ;;
     esac
     if [[ "$cur" == -* ]]; then

@@ -162,7 +162,7 @@ def test_errors_are_ckpt_errors(demo, tmp_path):
     src = demo / "demo" / "hf"
     with pytest.raises(UsageError, match="no such file or folder"):
         ckpt_cli.open(tmp_path / "missing")
-    with pytest.raises(UsageError, match="--world-size applies to deepspeed, dcp and dtensor targets, not hf"):
+    with pytest.raises(UsageError, match="world_size applies to deepspeed, dcp and dtensor targets, not hf"):
         ckpt_cli.convert(src, tmp_path / "x", to="hf", world_size=2)
     with pytest.raises(UsageError, match="not both"):
         ckpt_cli.split(src, tmp_path / "x", num_shards=2, max_shard_size="1MB")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fnmatch
 import inspect
 import re
 
@@ -134,3 +135,40 @@ def test_help_mentions_the_declared_flags_only(tmp_path):
     shown = set(re.findall(r"(--[a-z][a-z-]+)", result.output))
     declared = {flag.flag for _, flag in options.every_flag()} | {flag.secondary for _, flag in options.every_flag() if flag.secondary}
     assert shown <= declared | {"--to", "--help"}, shown - declared
+
+
+def _loaded(path) -> dict:
+    from safetensors.torch import load_file
+
+    files = [path] if path.suffix == ".safetensors" else sorted(path.glob("*.safetensors"))
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("globs", [["*.mlp.*"], ["*.mlp.*", "model.norm.weight"], ["*layers.1.*"]])
+def test_exclude_leaves_out_what_it_names_in_every_writing_command(ckpt, tiny_llama, tmp_path, command, globs):
+    """--exclude, the option added by one declaration (options.SelectOptions) and its use (ops/transform.py): every
+    writing command leaves out the tensors it names and writes the rest bit for bit (safetensors' own loader reads
+    them); the API takes it under the same name."""
+    from conftest import assert_same_tensors
+
+    _, root = tiny_llama
+    src = root / "sharded"
+    source = _loaded(src)
+    want = {k: v for k, v in source.items() if not any(fnmatch.fnmatchcase(k, g) for g in globs)}
+    assert 0 < len(want) < len(source)
+    dest = tmp_path / ("out.safetensors" if command == "merge" else "out")
+    extra = {"convert": ["--to", "hf"], "reshard": ["--num-shards", "2"], "merge": [], "split": []}[command]
+    res = ckpt(command, src, dest, *extra, *[a for g in globs for a in ("--exclude", g)], "--quiet")
+    assert res.code == 0, res.err
+    assert_same_tensors(_loaded(dest), want)
+    kwargs = {"convert": {"to": "hf"}, "reshard": {"num_shards": 2}}.get(command, {})
+    report = getattr(ckpt_cli, command)(src, tmp_path / ("api.safetensors" if command == "merge" else "api"), exclude=globs, **kwargs)
+    assert sum(f["tensors"] for f in report.files) == len(want)
+
+
+def test_exclude_of_everything_is_refused(ckpt, tiny_llama, tmp_path):
+    _, root = tiny_llama
+    res = ckpt("merge", root / "single", tmp_path / "m.safetensors", "--exclude", "*")
+    assert res.code == 2 and res.err.strip() == "ckpt: error: --exclude * leaves no tensor to write"
+    assert not (tmp_path / "m.safetensors").exists()

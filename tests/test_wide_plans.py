@@ -14,6 +14,7 @@ import torch
 from conftest import assert_fails
 from test_dcp import assert_same_state, flat_state
 
+import ckpt_cli
 from ckpt_cli.core.model import box_runs
 from ckpt_cli.core.pickles import zipio
 from ckpt_cli.core.write.crc import RecordCheck
@@ -39,7 +40,7 @@ def _count_archives(monkeypatch) -> list[int]:
 def test_dcp_rank_files_are_made_when_written(fsdp2_saves, tmp_path, monkeypatch):
     made = _count_archives(monkeypatch)
     dest = tmp_path / "w5"
-    prepared = writes.prepare(writes.reshard_request(fsdp2_saves[2] / "ckpt", dest, world_size=5))
+    prepared = writes.prepare(ckpt_cli.reshard_request(fsdp2_saves[2] / "ckpt", dest, world_size=5))
     rank_files = [f for f in prepared.job.plan.files if f.relpath.endswith(".distcp")]
     assert len(rank_files) == 5 and all(f.build is not None and not f.segments for f in rank_files)
     assert made[0] == 0  # planned from sizes: no chunk's segments exist yet
@@ -81,7 +82,7 @@ def test_deepspeed_stage3_files_are_made_when_written(ckpt, ds_saves, tmp_path, 
 
     src = ds_saves[2] / "stage3-fp32"
     dest = tmp_path / "w5"
-    prepared = writes.prepare(writes.reshard_request(src, dest, world_size=5))
+    prepared = writes.prepare(ckpt_cli.reshard_request(src, dest, world_size=5))
     files = prepared.job.plan.files
     built = [f for f in files if f.build is not None]
     assert len(built) == 2 * 5 - 1  # every rank's model states but rank 0's (it sets the notes) and every optimizer file
@@ -435,7 +436,7 @@ def test_spans_of_a_tensor_made_by_range_follow_its_pieces(ds_saves, tmp_path, m
     from ckpt_cli.ops.structure import format_check
 
     wide = tmp_path / "w5"
-    writes.prepare(writes.reshard_request(ds_saves[2] / "stage3-fp32", wide, world_size=5)).write()
+    writes.prepare(ckpt_cli.reshard_request(ds_saves[2] / "stage3-fp32", wide, world_size=5)).write()
     seen: list[tuple[int, int]] = []
     real = reading.byte_runs_in
 
@@ -448,7 +449,7 @@ def test_spans_of_a_tensor_made_by_range_follow_its_pieces(ds_saves, tmp_path, m
     monkeypatch.setattr(sinks, "SPAN_PIECES", 4)
     monkeypatch.setattr(sinks, "FIRST_SPAN", 64)
     dest = tmp_path / "w3"
-    writes.prepare(writes.reshard_request(wide, dest, world_size=3)).write()
+    writes.prepare(ckpt_cli.reshard_request(wide, dest, world_size=3)).write()
     later = [n for start, n in seen if start]  # spans after a tensor's first: none when one span takes it whole
     assert len(later) >= 10 and max(later) <= 16  # partitions in several spans, each of a few pieces
     want = get_fp32_state_dict_from_zero_checkpoint(str(ds_saves[2] / "stage3-fp32"))
@@ -469,7 +470,7 @@ def test_a_new_stage3_rank_holds_no_object_per_parameter(ds_saves, tmp_path):
 
     src = ds_saves[2] / "stage3-fp32"
     dest = tmp_path / "w3"
-    prepared = writes.prepare(writes.reshard_request(src, dest, world_size=3))
+    prepared = writes.prepare(ckpt_cli.reshard_request(src, dest, world_size=3))
     files = {f.relpath.rsplit("/", 1)[-1]: f for f in prepared.job.plan.files}
     segments = files["zero_pp_rank_1_mp_rank_00_model_states.pt"].parts()
     stored = [s for s in segments if isinstance(s, TensorData) and s.size]  # buffers: only non-empty tensors stream
@@ -497,13 +498,13 @@ def test_a_zero3_reshard_of_slivers_is_written_by_one_thread_unless_asked(ds_sav
     from ckpt_cli.formats.deepspeed import writer as deepspeed_writer
 
     src = ds_saves[2] / "stage3-fp32"
-    plan = writes.prepare(writes.reshard_request(src, tmp_path / "w3", world_size=3)).job.plan
+    plan = writes.prepare(ckpt_cli.reshard_request(src, tmp_path / "w3", world_size=3)).job.plan
     assert plan.threads == 1
     monkeypatch.setattr(executor.os, "cpu_count", lambda: 8)
     assert executor.worker_count(None, plan.threads) == 1 and executor.worker_count(3, plan.threads) == 3
     assert executor.worker_count(None, WritePlan("x", tmp_path, True, []).threads) == 4
     monkeypatch.setattr(deepspeed_writer, "SLIVER", 1)  # every share "large": the plan leaves the default alone
-    assert writes.prepare(writes.reshard_request(src, tmp_path / "w3b", world_size=3)).job.plan.threads is None
+    assert writes.prepare(ckpt_cli.reshard_request(src, tmp_path / "w3b", world_size=3)).job.plan.threads is None
 
 
 def test_a_dcp_reshard_of_small_chunks_is_written_by_one_thread_unless_asked(fsdp2_saves, tmp_path, monkeypatch):
@@ -512,9 +513,9 @@ def test_a_dcp_reshard_of_small_chunks_is_written_by_one_thread_unless_asked(fsd
     from ckpt_cli.formats.dcp import writer as dcp_writer
 
     src = fsdp2_saves[2] / "ckpt"
-    assert writes.prepare(writes.reshard_request(src, tmp_path / "w3", world_size=3)).job.plan.threads == 1
+    assert writes.prepare(ckpt_cli.reshard_request(src, tmp_path / "w3", world_size=3)).job.plan.threads == 1
     monkeypatch.setattr(dcp_writer, "SMALL_CHUNK", 1)  # every chunk "large"
-    assert writes.prepare(writes.reshard_request(src, tmp_path / "w3b", world_size=3)).job.plan.threads is None
+    assert writes.prepare(ckpt_cli.reshard_request(src, tmp_path / "w3b", world_size=3)).job.plan.threads is None
 
 
 def test_a_batched_write_gives_the_heap_back_once_grown(monkeypatch):

@@ -16,7 +16,7 @@ from ckpt_cli import __version__, interrupt
 from ckpt_cli.cli import completion_cmd, convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, parity_cmd, verify_cmd
 from ckpt_cli.cli.examples import epilog
 from ckpt_cli.cli.output import error
-from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated, interrupt_inside
+from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated, for_cli, interrupt_inside, reset_reader
 
 try:  # typer >= 0.29 vendors click
     from typer._click import exceptions as click_errors
@@ -109,8 +109,12 @@ def usage_line(exc: click_errors.UsageError, argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; exit 0 on success, 1 when the data is wrong, 2 when the call is wrong, 130 on Ctrl-C, 143 on SIGTERM."""
-    with _sigterm_as_interrupt():
-        code = _run(argv)
+    reader = for_cli()  # messages name options as flags while the CLI runs (errors.worded)
+    try:
+        with _sigterm_as_interrupt():
+            code = _run(argv)
+    finally:
+        reset_reader(reader)
     sys.exit(code)
 
 

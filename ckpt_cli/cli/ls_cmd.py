@@ -44,6 +44,7 @@ def ls(
     Each row: path, framework, format, step, world size, size, and whether the structural check passes.
     Exit 1 when none is complete."""
     from ckpt_cli.ops import runs
+    from ckpt_cli.ops.resolve import not_found_message
 
     if format_ is not None:
         registry.get(format_)  # an unknown name: exit 2 before any listing
@@ -58,7 +59,7 @@ def ls(
         wanted = " and ".join(w for w in (f"--format {format_}" if format_ else "", f"--tag {tag}" if tag else "") if w)
         raise UsageError(f"{root}: no checkpoint matches {wanted} (ckpt ls {root} lists them all)")
     if not rows:
-        raise UsageError(runs.not_found_message(root, listing=True))
+        raise UsageError(not_found_message(root, listing=True))
     if json_:
         output.emit_json({"root": str(root), "checkpoints": rows})
     else:

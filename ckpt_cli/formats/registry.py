@@ -65,6 +65,9 @@ class Format:
     folders: bool = True  # detection can claim a folder
     files: str | None = None  # regex of the file names detection can claim (whole name); None: no single file
     reshards_into: str | None = None  # `reshard` writes this format (a read-only layout of a writable one's run)
+    ranks: str | None = None  # what --world-size N counts for its writer, in words (a write needs it: ops/convert.layout_for)
+    ranks_from_source: bool = False  # without --world-size, a weights write keeps the source's world size
+    takes_ep: bool = False  # the writer regroups MoE experts (--ep-size)
 
     @property
     def reader(self) -> Reader:
@@ -110,6 +113,8 @@ FORMATS: dict[str, Format] = {
             reshard_by="world_size",
             training_at="deepspeed.training:TRAINING",
             writes_any_state_dict=False,
+            ranks="the new data-parallel size",
+            takes_ep=True,
             members=r"latest|.+_(model|optim)_states\.pt",
             commit=Commit(
                 "DeepSpeed checkpoint", "latest", "'latest'", r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt", "tag folders", True
@@ -134,6 +139,8 @@ FORMATS: dict[str, Format] = {
             reshard_by="world_size",
             training_at="dcp.training:TRAINING",
             takes_tp=True,
+            ranks="the number of FSDP2 ranks to lay it out for",
+            ranks_from_source=True,
             members=r"__\d+_\d+\.distcp|(__\d+)?\.metadata",
             commit=Commit("DCP checkpoint", r"\.metadata", ".metadata", r".+\.distcp", "*.distcp objects"),
         ),
@@ -147,6 +154,7 @@ FORMATS: dict[str, Format] = {
             files=r"model_world_size_\d+_rank_\d+\.pt",  # one rank's file: named, then refused with the folder to read
             reshard_by="world_size",
             writes_any_state_dict=False,
+            ranks="the number of processes that will load it",
         ),
         Format(
             "dcp-hf",
@@ -248,11 +256,12 @@ class Resolved:
     note: str | None  # which tag was chosen and why, to tell the user
 
 
-def resolve(path: Path, format_name: str | None = None, tag: str | None = None) -> Resolved:
-    """Find the checkpoint at `path`: its format, or the chosen tag of a run folder."""
+def resolve(path: Path, format_name: str | None = None, tag: str | None = None, detected: Format | None = None) -> Resolved:
+    """Find the checkpoint at `path`: its format, or the chosen tag of a run folder. `detected`: the format detection
+    already found at `path` (not detected again)."""
     if not path.exists():
         raise UsageError(f"{path}: no such file or folder")
-    fmt = get(format_name) if format_name else detect(path)
+    fmt = get(format_name) if format_name else detected if detected is not None else detect(path)
     if fmt is not None and (tag is None or format_name or fmt.own_tags):
         return Resolved(path, fmt, tag, None)
     tags = list_tags(path)

@@ -23,7 +23,8 @@ from ckpt_cli.formats import registry
 from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops import crossframework, name_map, quant_views, runs, structure, transform
 from ckpt_cli.ops.request import CrossSettings, Job, Request
-from ckpt_cli.ops.source import missing_marker, open_checkpoint
+from ckpt_cli.ops.resolve import missing_marker
+from ckpt_cli.ops.source import open_checkpoint
 
 __all__ = ["CrossSettings", "Job", "Request", "prepare", "run"]
 
@@ -51,15 +52,9 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     target = registry.get(request.to) if request.to else reshard_target(ckpt.format, request.write)
     writer = registry.writer(target.name)
     write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
-    if write.world_size is not None and target.reshard_by != "world_size":
-        raise UsageError(f"--world-size applies to {_targets_by('world_size')} targets, not {target.name}")
-    if write.tp is not None and not target.takes_tp:
-        raise UsageError(f"--tp applies to {' and '.join(n for n, f in registry.FORMATS.items() if f.takes_tp)} targets, not {target.name}")
-    if write.ep_size is not None and target.name != "deepspeed":
-        raise UsageError(f"--ep-size applies to deepspeed targets (MoE, expert parallel), not {target.name}")
-    if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards":
-        raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
-    if carries_training_state(ckpt, target, t, cross):
+    carries = carries_training_state(ckpt, target, t, cross)
+    write = layout_for(target, write, None if carries else ckpt.world_size)
+    if carries:
         if cross.names.splits:
             raise UsageError("a name map's split applies to weight exports (hf, safetensors, torch), not to training-state conversions")
         view = training_view(ckpt, target, t, write, cross)
@@ -122,6 +117,25 @@ def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transfo
     return target.training.changes_layout(ckpt, _state_options(write_world=None, cross=cross))
 
 
+def layout_for(target: registry.Format, write: WriteOptions, source_world: int | None) -> WriteOptions:
+    """The one place the layout options meet the target's registry row: which options the target takes, and the world
+    size a target laid out by ranks needs (--world-size, or for a weights write the source's where the row allows)."""
+    if write.world_size is not None and target.reshard_by != "world_size":
+        raise UsageError(f"--world-size applies to {_targets_by('world_size')} targets, not {target.name}")
+    if write.tp is not None and not target.takes_tp:
+        raise UsageError(f"--tp applies to {' and '.join(n for n, f in registry.FORMATS.items() if f.takes_tp)} targets, not {target.name}")
+    if write.ep_size is not None and not target.takes_ep:
+        takers = " and ".join(n for n, f in registry.FORMATS.items() if f.takes_ep)
+        raise UsageError(f"--ep-size applies to {takers} targets (MoE, expert parallel), not {target.name}")
+    if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards":
+        raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
+    if target.reshard_by == "world_size" and target.writable and not write.world_size:
+        if target.ranks_from_source and source_world:
+            return dataclasses.replace(write, world_size=source_world)
+        raise UsageError(f"writing {target.name} needs --world-size N ({target.ranks})")
+    return write
+
+
 def _state_options(write_world: int | None, cross: CrossSettings) -> StateOptions:
     return StateOptions(write_world or 0, cross.per_rank, cross.layout, cross.zero_stage, cross.ds_config)
 
@@ -136,8 +150,6 @@ def training_view(
             "carrying training state between frameworks keeps every tensor as it is: --filter, --strip-prefix, --add-prefix "
             "and --dtype do not apply (rename parameters with --rename or --name-map; --weights-only writes the weights alone)"
         )
-    if not write.world_size:
-        raise UsageError(f"writing {target.name} needs --world-size N")
     state = crossframework.from_checkpoint(ckpt, cross.names)
     return target.training.write_state(state, _state_options(write.world_size, cross))
 

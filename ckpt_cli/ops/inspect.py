@@ -5,16 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_cli import store
 from ckpt_cli.core import roles
 from ckpt_cli.core.model import Checkpoint, Opaque
 from ckpt_cli.errors import UsageError
-from ckpt_cli.formats import registry
-from ckpt_cli.formats.runs import detect as runs
 from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops import quantized
 from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.quant_schemes import Scheme
+from ckpt_cli.ops.resolve import Found, Resolved, relative
 from ckpt_cli.ops.transform import matches
 
 
@@ -61,7 +59,7 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
 def shown_step(ckpt: Checkpoint) -> int | None:
     """The step `ckpt ls` shows for this checkpoint: its own, else the one its name states (run/step_200.safetensors)."""
     framework = ckpt.details.get("framework") if run_read.is_run(ckpt) else None
-    return run_roots.shown_step(run_roots.Found(Path(ckpt.path), framework, ckpt.format), ckpt)
+    return run_roots.shown_step(Found(Path(ckpt.path), framework, ckpt.format), ckpt)
 
 
 def _quantization(scheme: Scheme | None) -> dict[str, Any]:
@@ -77,11 +75,10 @@ def unread_values(ckpt: Checkpoint) -> list[dict[str, Any]]:
     return out
 
 
-def run_root(path: Path) -> list[dict[str, Any]] | None:
+def run_root(resolved: Resolved) -> list[dict[str, Any]] | None:
     """For a folder holding several checkpoints (a run root), one entry each (path under it, framework, format),
     oldest first; None when the folder is a checkpoint itself."""
-    path = store.location(path)
-    if runs.detect(path) is not None or not path.is_dir() or (registry.detect(path) is not None and not run_roots.holds_others(path)):
+    root = resolved.location
+    if resolved.level != "root":
         return None
-    found = run_roots.find(path)
-    return [{"tag": run_roots.relative(f, path), "framework": f.framework, "format": f.format, "path": str(f.path)} for f in found] or None
+    return [{"tag": relative(f, root), "framework": f.framework, "format": f.format, "path": str(f.path)} for f in resolved.members] or None

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,122 +14,35 @@ from ckpt_cli.core import dtypes
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FlatRange, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.tags import named as tags_named
-from ckpt_cli.core.tags import step_in
 from ckpt_cli.core.write.plan import OutputFile, TensorData, WritePlan
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry
 from ckpt_cli.formats.runs import detect as runs
 from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops.request import Job, Request
+from ckpt_cli.ops.resolve import Found, Resolved, find, relative, root_run, run_of
 from ckpt_cli.ops.structure import structure_problems
 
-SEARCH_DEPTH = 4  # Lightning: ROOT/lightning_logs/version_0/checkpoints/NAME.ckpt
-# Files inside run checkpoints that the root search must not take for checkpoints of their own.
-COMPANION_FILE = re.compile(r"(training_args\.bin|optimizer.*|scheduler.*|rng_state.*|random_states.*|custom_checkpoint.*|meta\.pt)")
+
+def open_found(found: Found, tag: str | None, trust_pickle: bool, layout_only: bool = False, pieces_when_read: bool = False) -> Checkpoint:
+    """The checkpoint `found` names, as detection found it (nothing is detected again): a run checkpoint read with its
+    parts and companions, or one of a core format (`tag`: one of its own tags)."""
+    if found.run is not None:
+        return run_read.read(found.run, ReadOptions(tag=tag, trust_pickle=trust_pickle, layout_only=layout_only))
+    return open_core(found.path, registry.get(found.format), False, tag, trust_pickle, layout_only, pieces_when_read)
 
 
-@dataclass(frozen=True)
-class Found:
-    """A checkpoint under a run root: where, which framework wrote it (None: a bare core format), its format."""
-
-    path: Path
-    framework: str | None
-    format: str
-
-    @property
-    def name_step(self) -> int | None:
-        """The step a name states (checkpoint-500, epoch=0-step=4.ckpt, step-100, step_100.pt, global_step7,
-        accelerate's checkpoint_3 counts saves), or its folder's (global_step_N/actor); None for names without one
-        (last.ckpt, epoch=3-val_loss=0.12.ckpt)."""
-        for part in (self.path.name, self.path.parent.name):  # verl, SkyRL: global_step_N/actor, step_N/policy
-            step = step_in(part)
-            if step is not None:
-                return step
-        return None
-
-    def order(self) -> tuple[int, int]:
-        """Oldest first: by the step in the name, then by modification time; names without a step (Lightning's
-        last.ckpt, a copy of a newer one) come first, so a stated step wins."""
-        step = self.name_step
-        try:
-            mtime = self.path.stat().st_mtime_ns
-        except OSError:
-            mtime = 0
-        return (step if step is not None else -1, mtime)
-
-
-def identify(path: Path) -> Found | None:
-    run = runs.detect(path)
-    if run is not None:
-        return Found(path, run.framework, run.parts[0].format if run.parts else "-")
-    if path.is_file() and (COMPANION_FILE.fullmatch(path.name) or registry.member_of(path) or runs.foreign(path)):
-        return None  # a run checkpoint's own file, or another tool's (np.savez, a plain pickle): never a damaged checkpoint
-    fmt = registry.detect(path)
-    return Found(path, None, fmt.name) if fmt is not None else None
-
-
-def holds_others(path: Path) -> bool:
-    """Whether a folder that reads as a checkpoint of a core format (an hf folder by its `model.safetensors`) also holds
-    checkpoints that are not its own files (demo/ beside its dcp/ and run/, a Trainer output_dir with checkpoint-N/):
-    then it is a run root like any other folder holding several, and the one rule (choose) picks among them."""
-    fmt = registry.detect(path) if path.is_dir() else None
-    if fmt is None or fmt.own_tags:  # DeepSpeed's tag folders are its own
-        return False
-    try:
-        children = [p for p in path.iterdir() if not p.name.startswith(".")]
-    except OSError:
-        return False
-    members = re.compile(fmt.members or "$^")
-    if any(members.fullmatch(p.name) for p in children if not p.is_dir()):
-        # A folder its own index or metadata names whole (an hf release beside its original/, a consolidated DCP save
-        # beside its sharded/) is that checkpoint; only a loose model.safetensors leaves the folder to the one rule.
-        return False
-    own = re.compile(f"{fmt.members or '$^'}|model\\.safetensors")  # the hf single-file layout reads model.safetensors
-    files = [p for p in children if not p.is_dir() and not own.fullmatch(p.name)]
-    if any(identify(p) is not None for p in files):
-        return True
-    return any(p.is_dir() and not p.is_symlink() and find(p, SEARCH_DEPTH - 1) for p in children)
-
-
-def find(root: Path, depth: int = SEARCH_DEPTH) -> list[Found]:
-    """Every checkpoint under `root` (none inside another), oldest first; `root` itself when it is a run checkpoint,
-    or a checkpoint with nothing below it but its own files (a DCP or hf folder)."""
-    found: list[Found] = []
-    itself = identify(root)
-    if itself is not None and itself.framework is not None:
-        return [itself]
-
-    def walk(folder: Path, left: int) -> None:
-        try:
-            children = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
-        except OSError:
-            return
-        for child in children:
-            hit = identify(child)
-            if hit is not None:
-                found.append(hit)
-            elif left > 1 and child.is_dir() and not child.is_symlink():
-                walk(child, left - 1)
-
-    walk(root, depth)
-    if not found and itself is not None:
-        return [itself]
-    return sorted(found, key=Found.order)
-
-
-def open_exact(
+def open_core(
     path: Path,
-    format_name: str | None,
+    fmt: registry.Format,
+    forced: bool,
     tag: str | None,
     trust_pickle: bool,
     layout_only: bool = False,
     pieces_when_read: bool = False,
 ) -> Checkpoint:
-    """The checkpoint at `path` itself: a run checkpoint (unless --format names a core format), or a core one."""
-    run = runs.detect(path) if format_name is None else None
-    if run is not None:
-        return run_read.read(run, ReadOptions(tag=tag, trust_pickle=trust_pickle, layout_only=layout_only))
-    resolved = registry.resolve(path, format_name, tag)
+    """The checkpoint at `path` read as `fmt`, which detection found or --format named (`forced`)."""
+    resolved = registry.resolve(path, fmt.name if forced else None, tag, detected=fmt)
     options = ReadOptions(resolved.tag, trust_pickle, layout_only, pieces_when_read)
     ckpt = resolved.format.reader.read(resolved.path, options)
     if resolved.tag and not ckpt.tag:
@@ -138,28 +50,6 @@ def open_exact(
     if resolved.note:
         ckpt.notes.insert(0, resolved.note)
     return ckpt
-
-
-def relative(found: Found, root: Path) -> str:
-    return str(found.path.relative_to(root))
-
-
-def run_of(found: Found, root: Path) -> str:
-    """Which run a checkpoint belongs to: its folder under the root, with a folder named by a step (verl's
-    global_step_N/actor) standing for the step, not for a run of its own."""
-    if found.path == root:
-        return "."
-    folder = found.path.parent.relative_to(root)
-    if found.path.name == found.path.parent.name or step_in(found.path.parent.name) is None:
-        return str(folder)
-    return str(folder.parent) + "/*"
-
-
-def root_run(root: Path, found: list[Found]) -> str | None:
-    """The run (run_of) whose newest complete checkpoint a command given `root` takes: its only run, or, when it
-    holds several, the checkpoints directly in it (demo/ beside demo/run/); None: several runs and none of its own."""
-    parents = {run_of(f, root) for f in found}
-    return parents.pop() if len(parents) == 1 else "." if "." in parents else None
 
 
 def shown_step(found: Found, ckpt: Checkpoint) -> int | None:
@@ -177,28 +67,18 @@ def choice_notes(ckpt: Checkpoint) -> list[str]:
     return [n for n in ckpt.notes if CHOSEN in n or n.startswith("skipped '")]
 
 
-def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) -> Checkpoint:
-    """The checkpoint `--tag` names (a path under the root, or a folder name), else the newest complete one of
-    root_run(): the one rule that `ckpt ls` marks, with a note naming the choice and how to pick another."""
-    if tag is not None:
-        by_path = {relative(f, root): f for f in found}
-        named = [by_path[r] for r in tags_named(tag, list(by_path))] or [f for f in found if f.path.name == tag]
-        if len(named) != 1:
-            known = ", ".join(relative(f, root) for f in found)
-            raise UsageError(f"{root}: {'no' if not named else 'more than one'} checkpoint '{tag}' under this run root (found: {known})")
-        ckpt = open_exact(named[0].path, None, None, trust_pickle)
-        ckpt.tag = ckpt.tag or relative(named[0], root)
+def choose(resolved: Resolved, trust_pickle: bool) -> Checkpoint:
+    """The checkpoint of a run root that `--tag` named (resolve), else the newest complete one of its candidates: the
+    one rule that `ckpt ls` marks, with a note naming the choice and how to pick another."""
+    root, found = resolved.location, resolved.members
+    if resolved.chosen is not None:
+        ckpt = open_found(resolved.chosen, None, trust_pickle)
+        ckpt.tag = ckpt.tag or relative(resolved.chosen, root)
         return ckpt
-    parents = sorted({run_of(f, root) for f in found})
-    run = root_run(root, found)
-    if run is None:  # several runs (or Lightning versions) in folders of their own: which is "newest" is the user's call
-        shown = ", ".join(f"{root / p.removesuffix('/*')}" for p in parents[:4])
-        shown += f" and {len(parents) - 4} more" if len(parents) > 4 else ""
-        raise UsageError(f"{root}: holds the checkpoints of {len(parents)} runs ({shown}); point at one (ckpt ls {root} lists them all)")
     skipped: list[str] = []
-    for candidate in reversed([f for f in found if run_of(f, root) == run]):
+    for candidate in resolved.candidates:
         try:
-            ckpt = open_exact(candidate.path, None, None, trust_pickle)  # a full read: its structure decides
+            ckpt = open_found(candidate, None, trust_pickle)  # a full read: its structure decides
             problems = structure_problems(ckpt)
         except DataError as exc:
             problems = [str(exc)]
@@ -207,8 +87,9 @@ def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) 
             continue
         ckpt.tag = ckpt.tag or relative(candidate, root)
         how = "the newest complete one" if skipped else "the newest"
-        where = f" in {len(parents)} runs" if len(parents) > 1 else ""
-        how += " of those directly in it" if len(parents) > 1 else ""
+        several = resolved.runs_in_root > 1
+        where = f" in {resolved.runs_in_root} runs" if several else ""
+        how += " of those directly in it" if several else ""
         ckpt.notes.insert(
             0,
             f"{root}: {len(found)} checkpoints{where} {CHOSEN}{relative(candidate, root)}', {how}; --tag PATH picks another",
@@ -216,30 +97,6 @@ def choose(root: Path, found: list[Found], tag: str | None, trust_pickle: bool) 
         ckpt.notes[1:1] = skipped
         return ckpt
     raise DataError(f"{root}: none of its {len(found)} checkpoints is complete; {skipped[0]}")
-
-
-def not_found_message(path: Path, listing: bool = False) -> str:
-    """Why `path` holds no checkpoint, and where to point instead when it is inside one (`listing`: for `ckpt ls`,
-    which takes no --format)."""
-    inside = runs.is_part_of(path)
-    if inside is not None:
-        run, at = inside
-        return f"{path}: not a checkpoint by itself; it is inside the {run.framework} checkpoint {at}: point at that folder"
-    known = ", ".join(registry.FORMATS)
-    if listing:
-        return (
-            f"{path}: no checkpoint in any known format ({known}) below it; ckpt inspect SRC --format NAME reads one that is not detected"
-        )
-    return f"{path}: not a checkpoint in any known format ({known}), and no checkpoint below it; use --format to say which"
-
-
-def part_note(path: Path) -> str | None:
-    """A checkpoint that is only one part of a run checkpoint: say where the whole one is."""
-    inside = runs.is_part_of(path)
-    if inside is None:
-        return None
-    run, at = inside
-    return f"{path} is one part of the {run.framework} checkpoint {at}; point at {at} to include its optimizer and framework state"
 
 
 # ---- ckpt ls ---------------------------------------------------------------------------------------------
@@ -264,7 +121,7 @@ def listing(root: Path, trust_pickle: bool = False, format_name: str | None = No
         row: dict[str, Any] = {"path": relative(found, root), "framework": found.framework, "format": found.format}
         try:
             try:
-                ckpt = open_exact(found.path, None, inner, trust_pickle)
+                ckpt = open_found(found, inner, trust_pickle)
             except UsageError:
                 if inner is None:
                     raise  # a layout ckpt refuses by name: listed below as unsupported

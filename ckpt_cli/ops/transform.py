@@ -20,6 +20,7 @@ from ckpt_cli.options import SelectOptions
 @dataclass(frozen=True)
 class Transform:
     select: tuple[str, ...] = ()  # shell globs over tensor names; empty keeps all
+    exclude: tuple[str, ...] = ()  # shell globs over tensor names left out (after select)
     strip_prefix: str | None = None
     add_prefix: str | None = None
     weights_only: bool = False
@@ -34,7 +35,9 @@ def from_options(select: SelectOptions, weights_only: bool) -> Transform:
         raise UsageError(f"converting dtypes needs torch, which is not installed: {TORCH_INSTALL}")
     if select.quantize is not None and select.quantize != "fp8":
         raise UsageError(f"--quantize {select.quantize!r}: ckpt quantizes to fp8 (block-scaled, 128 x 128) only")
-    return Transform(tuple(select.filter or ()), select.strip_prefix, select.add_prefix, weights_only, cast, select.quantize)
+    return Transform(
+        tuple(select.filter or ()), tuple(select.exclude or ()), select.strip_prefix, select.add_prefix, weights_only, cast, select.quantize
+    )
 
 
 def _have_torch() -> bool:
@@ -47,6 +50,11 @@ def _have_torch() -> bool:
 
 def matches(name: str, globs: tuple[str, ...]) -> bool:
     return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def kept(name: str, t: Transform) -> bool:
+    """Whether `t` keeps the tensor or value `name`: it matches --filter (if given) and no --exclude."""
+    return matches(name, t.select) and not any(fnmatch.fnmatchcase(name, g) for g in t.exclude)
 
 
 def _strip(name: str, path: PathKey, prefix: str) -> tuple[str, PathKey]:
@@ -79,7 +87,7 @@ def apply(ckpt: Checkpoint, t: Transform) -> Checkpoint:
     """The checkpoint as the writer should see it under transform `t`."""
     tensors: dict[str, TensorEntry] = {}
     for entry in ckpt.tensors.values():
-        if (t.weights_only and entry.role != "model") or not matches(entry.name, t.select):
+        if (t.weights_only and entry.role != "model") or not kept(entry.name, t):
             continue
         name, path = _rename(entry.name, entry.path, t)
         dtype = t.dtype if t.dtype is not None and entry.dtype.is_float and entry.role == "model" else entry.dtype
@@ -90,10 +98,14 @@ def apply(ckpt: Checkpoint, t: Transform) -> Checkpoint:
     objects: dict[str, ObjectEntry] = {}
     if not t.weights_only and not t.select:
         for obj in ckpt.objects.values():
+            if not kept(obj.name, t):
+                continue
             name, path = _rename(obj.name, obj.path, t)
             objects[name] = obj if name == obj.name and path == obj.path else dataclasses.replace(obj, name=name, path=path)
     if t.select and not tensors:
         raise UsageError(f"--filter {' '.join(t.select)} matches no tensor")
+    if t.exclude and not tensors:
+        raise UsageError(f"--exclude {' '.join(t.exclude)} leaves no tensor to write")
     containers = ckpt.containers if not (t.strip_prefix or t.add_prefix) else {}
     return dataclasses.replace(ckpt, tensors=tensors, objects=objects, containers=containers, notes=list(ckpt.notes))
 
@@ -106,9 +118,9 @@ def without_copies(ckpt: Checkpoint, t: Transform) -> Checkpoint:
         return ckpt
     left_out = {e.name for e in copies}
     tensors = {n: e for n, e in ckpt.tensors.items() if n not in left_out}
-    kept = [e for e in copies if not (t.weights_only and e.role != "model") and matches(e.name, t.select)]
+    wanted = [e for e in copies if not (t.weights_only and e.role != "model") and kept(e.name, t)]
     notes = list(ckpt.notes)
-    if kept:
-        first = f"{kept[0].name} of {kept[0].copy_of}"
-        notes.append(f"left out {len(kept)} tensors that copy a weight written under its own name ({first}, ...)")
+    if wanted:
+        first = f"{wanted[0].name} of {wanted[0].copy_of}"
+        notes.append(f"left out {len(wanted)} tensors that copy a weight written under its own name ({first}, ...)")
     return dataclasses.replace(ckpt, tensors=tensors, notes=notes)

@@ -20,6 +20,7 @@ from typing import Any
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.store.clients import call, count_request, names_of, reason
 from ckpt_cli.store.location import Location
+from ckpt_cli.store.objects import ObjectStore
 from ckpt_cli.store.parts import PartWriter, part_size
 
 INSTALL_HINT = "the azure extra: pip install 'ckpt-tools[azure]'"
@@ -37,27 +38,6 @@ THROTTLING = {"ServerBusy", "OperationTimedOut", "IngressOverAccountLimit", "Egr
 BLOCK_BYTES = 8 << 20
 MAX_BLOCKS = 50_000
 RETRY_BACKOFF = (2, 2)  # the Azure SDK's 3 retries after 2, 4 and 6 s (+-3 s of jitter); its own default is (15, 3)
-UNFINISHED = (
-    "blocks staged but never committed (a write killed outright, or one running now); ckpt's next --overwrite of this prefix drops them"
-)
-
-
-def make(protocol: str) -> Any:
-    try:
-        import adlfs
-    except ImportError:
-        raise UsageError(f"{protocol}:// needs {INSTALL_HINT}") from None
-    try:
-        fs = adlfs.AzureBlobFileSystem(skip_instance_cache=True)
-    except Exception as exc:
-        raise translate(exc, f"{protocol}://") or UsageError(f"{protocol}://: {reason(exc)}; set {CREDENTIALS}") from None
-    for policy in fs.service_client._pipeline._impl_policies:  # every client made from it shares these policies
-        if type(policy).__name__ == "AsyncStorageResponseHook":
-            policy._response_callback = _after_call
-        if type(policy).__name__ == "ExponentialRetry":
-            # the SDK waits 15, 18 and 24 s between attempts: an unreachable endpoint took 84 s to say so
-            policy.initial_backoff, policy.increment_base = RETRY_BACKOFF
-    return fs
 
 
 def _after_call(response: Any) -> None:
@@ -66,24 +46,7 @@ def _after_call(response: Any) -> None:
     count_request(length)
 
 
-def translate(exc: BaseException, where: object) -> Exception | None:
-    names = names_of(exc)
-    status = getattr(exc, "status_code", None)
-    if names & _CREDENTIALS or status == 403:
-        return UsageError(f"{where}: access denied or no usable credentials ({reason(exc)}); check {CREDENTIALS}")
-    if names & _UNREACHABLE:
-        return UsageError(f"{where}: cannot reach the object store ({reason(exc)}); check the account URL and the network")
-    if getattr(exc, "error_code", None) in THROTTLING or status == 503:
-        return DataError(f"{where}: the object store kept throttling requests (503 ServerBusy) through every retry; try again later")
-    return None
-
-
 # ---- writes -------------------------------------------------------------------------------------------------
-
-
-def check_key(path: Location) -> None:
-    if len(path.parts) < 3:
-        raise UsageError(f"{path}: a destination needs a name under the container ({path.protocol}://container/name)")
 
 
 def _run(path: Location, make_coroutine: Callable[..., Any], *args: Any) -> Any:
@@ -160,21 +123,63 @@ def _discard(path: Location) -> None:
     _run(path, discard)
 
 
-def unfinished(dest: Location) -> list[str]:
-    """Names at or under `dest` holding staged blocks and no committed blob (a write killed outright, or one running)."""
-    if len(dest.parts) < 3:
-        return []
-    container, key = dest.parts[1], "/".join(dest.parts[2:])
+class Azure(ObjectStore):
+    """az:// (and abfs://, abfss://): the Backend of store/backend.py for Azure Blob Storage."""
 
-    async def listing() -> list[str]:
-        client = dest.fs.service_client.get_container_client(container)
-        staged = [b.name async for b in client.list_blobs(name_starts_with=key, include=["uncommittedblobs"])]
-        committed = {b.name async for b in client.list_blobs(name_starts_with=key)}
-        return sorted(n for n in staged if n not in committed and (n == key or n.startswith(key + "/")))
+    INSTALL_HINT = INSTALL_HINT
+    CREDENTIALS = CREDENTIALS
+    ENVIRONMENT = ENVIRONMENT
+    UNFINISHED = (
+        "blocks staged but never committed (a write killed outright, or one running now); ckpt's next --overwrite of this prefix drops them"
+    )
+    Writer = Writer
 
-    return _run(dest, listing)
+    def make(self, protocol: str) -> Any:
+        try:
+            import adlfs
+        except ImportError:
+            raise UsageError(f"{protocol}:// needs {INSTALL_HINT}") from None
+        try:
+            fs = adlfs.AzureBlobFileSystem(skip_instance_cache=True)
+        except Exception as exc:
+            raise self.translate(exc, f"{protocol}://") or UsageError(f"{protocol}://: {reason(exc)}; set {CREDENTIALS}") from None
+        for policy in fs.service_client._pipeline._impl_policies:  # every client made from it shares these policies
+            if type(policy).__name__ == "AsyncStorageResponseHook":
+                policy._response_callback = _after_call
+            if type(policy).__name__ == "ExponentialRetry":
+                # the SDK waits 15, 18 and 24 s between attempts: an unreachable endpoint took 84 s to say so
+                policy.initial_backoff, policy.increment_base = RETRY_BACKOFF
+        return fs
 
+    def translate(self, exc: BaseException, where: object) -> Exception | None:
+        names = names_of(exc)
+        status = getattr(exc, "status_code", None)
+        if names & _CREDENTIALS or status == 403:
+            return UsageError(f"{where}: access denied or no usable credentials ({reason(exc)}); check {CREDENTIALS}")
+        if names & _UNREACHABLE:
+            return UsageError(f"{where}: cannot reach the object store ({reason(exc)}); check the account URL and the network")
+        if getattr(exc, "error_code", None) in THROTTLING or status == 503:
+            return DataError(f"{where}: the object store kept throttling requests (503 ServerBusy) through every retry; try again later")
+        return None
 
-def drop_unfinished(dest: Location) -> None:
-    for name in unfinished(dest):
-        _discard(Location(f"{dest.protocol}:", dest.parts[1], *name.split("/")))
+    def check_key(self, path: Location) -> None:
+        if len(path.parts) < 3:
+            raise UsageError(f"{path}: a destination needs a name under the container ({path.protocol}://container/name)")
+
+    def unfinished_keys(self, dest: Location) -> list[str]:
+        """Names at or under `dest` holding staged blocks and no committed blob (a write killed outright, or one running)."""
+        if len(dest.parts) < 3:
+            return []
+        container, key = dest.parts[1], "/".join(dest.parts[2:])
+
+        async def listing() -> list[str]:
+            client = dest.fs.service_client.get_container_client(container)
+            staged = [b.name async for b in client.list_blobs(name_starts_with=key, include=["uncommittedblobs"])]
+            committed = {b.name async for b in client.list_blobs(name_starts_with=key)}
+            return sorted(n for n in staged if n not in committed and (n == key or n.startswith(key + "/")))
+
+        return _run(dest, listing)
+
+    def drop_unfinished(self, dest: Location) -> None:
+        for name in self.unfinished_keys(dest):
+            _discard(Location(f"{dest.protocol}:", dest.parts[1], *name.split("/")))

@@ -1,11 +1,13 @@
 """The clients behind object-storage locations: one per protocol and environment, made by the protocol's backend
-module (the BACKENDS table, imported when first used), with its failures worded as one line and a count of every
-request and byte.
+(the BACKENDS table, imported when first used), with its failures worded as one line and a count of every request
+and byte.
 
-A backend module (store/s3.py, store/azure.py, store/fsspec_any.py) says which environment variables configure it
-(`ENVIRONMENT`: a change gets a new client), how to make its fsspec filesystem (`make`), how its errors read
-(`CREDENTIALS`, `translate`), and, if ckpt writes there, its object writer (`Writer`), the destination rule
-(`check_key`) and how unfinished writes are listed and dropped (`unfinished`, `drop_unfinished`).
+A backend (store/s3.py's S3, store/azure.py's Azure, store/fsspec_any.py's AnyFsspec) is one class implementing the
+`ObjectBackend` protocol (store/backend.py). What this module asks of it is the `Client` half declared here: which
+environment variables configure it (`ENVIRONMENT`: a change gets a new client), how to make its fsspec filesystem
+(`make`), and how its errors read (`CREDENTIALS`, `INSTALL_HINT`, `translate`). The rest (its object writer, the
+destination rule, unfinished writes) is what store/objects.py's ObjectStore asks. Local storage is the one backend
+that is not here (store/local.py's LOCAL).
 """
 
 from __future__ import annotations
@@ -16,25 +18,51 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ckpt_cli.errors import DataError, UsageError
 
-# protocol -> backend module; any other fsspec protocol is read through store/fsspec_any.py
+# protocol -> "module:class" of its backend; any other fsspec protocol is read through store/fsspec_any.py
 BACKENDS = {
-    "s3": "ckpt_cli.store.s3",
-    "s3a": "ckpt_cli.store.s3",
-    "az": "ckpt_cli.store.azure",
-    "abfs": "ckpt_cli.store.azure",
-    "abfss": "ckpt_cli.store.azure",
+    "s3": "ckpt_cli.store.s3:S3",
+    "s3a": "ckpt_cli.store.s3:S3",
+    "az": "ckpt_cli.store.azure:Azure",
+    "abfs": "ckpt_cli.store.azure:Azure",
+    "abfss": "ckpt_cli.store.azure:Azure",
 }
-ANY = "ckpt_cli.store.fsspec_any"
+ANY = "ckpt_cli.store.fsspec_any:AnyFsspec"
 T = TypeVar("T")
 
 
-def backend(protocol: str) -> ModuleType:
-    return importlib.import_module(BACKENDS.get(protocol, ANY))
+@runtime_checkable
+class Client(Protocol):
+    """What an object store's backend says about its client (the part of store/backend.py's ObjectBackend that this
+    module uses; declared here, below location.py, which makes filesystems through `filesystem`)."""
+
+    INSTALL_HINT: str  # what to install for the protocol (a missing client library)
+    CREDENTIALS: str  # what to check when access is denied
+    ENVIRONMENT: tuple[str, ...]  # the variables that configure the client: a change gets a new one
+
+    def make(self, protocol: str) -> Any:
+        """The fsspec filesystem for `protocol`, from the environment (UsageError where it cannot be made)."""
+        ...
+
+    def translate(self, exc: BaseException, where: object) -> Exception | None:
+        """The one-line error for a failure this store knows (credentials, endpoint, throttling); None otherwise."""
+        ...
+
+
+_backends: dict[str, Client] = {}  # "module:class" -> its one instance
+
+
+def backend(protocol: str) -> Client:
+    """The backend of an object-storage protocol (its module imported, and the backend made, when first asked)."""
+    name = BACKENDS.get(protocol, ANY)
+    found = _backends.get(name)
+    if found is None:
+        module, _, cls = name.partition(":")
+        found = _backends.setdefault(name, getattr(importlib.import_module(module), cls)())
+    return found
 
 
 def call(where: object, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -56,12 +84,12 @@ def call(where: object, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 def translate(exc: BaseException, where: object) -> Exception:
     """The one-line error for a failed request: the backend's words where it knows the failure, else a DataError."""
-    module = backend(_protocol(where))
-    known = module.translate(exc, where)
+    store = backend(_protocol(where))
+    known = store.translate(exc, where)
     if known is not None:
         return known
     if isinstance(exc, ImportError):
-        return UsageError(f"{where}: {_protocol(where)}:// needs {module.INSTALL_HINT} ({exc})")
+        return UsageError(f"{where}: {_protocol(where)}:// needs {store.INSTALL_HINT} ({exc})")
     return DataError(f"{where}: object store request failed after retries ({type(exc).__name__}: {reason(exc)})")
 
 
@@ -118,11 +146,11 @@ def count_sent(nbytes: int) -> None:
 
 def filesystem(protocol: str) -> Any:
     """The fsspec filesystem for `protocol`, one per protocol and environment (a changed endpoint or key gets a new one)."""
-    module = backend(protocol)
-    key = (protocol, *(os.environ.get(k) for k in module.ENVIRONMENT))
+    store = backend(protocol)
+    key = (protocol, *(os.environ.get(k) for k in store.ENVIRONMENT))
     with _fs_lock:
         if key not in _filesystems:
-            _filesystems[key] = module.make(protocol)
+            _filesystems[key] = store.make(protocol)
         return _filesystems[key]
 
 

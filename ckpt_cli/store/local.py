@@ -7,6 +7,9 @@ its partial behind: the next write to the same destination removes the partials 
 (os.kill(pid, 0)), and `verify` reports them. A file is committed with one os.replace; a folder replacing
 an old one is swapped with it in one step (renameat2 RENAME_EXCHANGE) where the system can, else
 renamed aside first.
+
+`LOCAL` (class `Local`) is local storage as a store backend (store/backend.py's Backend protocol): reads by
+descriptor, this transaction for writes.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckpt_cli import interrupt
 from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.store.backend import Backend, PathLike
 from ckpt_cli.store.guard import Guard, check_destination
 from ckpt_cli.store.location import is_remote
 
@@ -38,7 +42,7 @@ _KINDS = (
 )
 
 
-def open_regular_fd(path: str | Path) -> int:
+def open_regular_fd(path: PathLike) -> int:
     """A read-only descriptor of `path`, which must be a regular file (symlinks followed); DataError otherwise.
     OSError (missing, no permission) propagates for the caller to word. Local files only."""
     if is_remote(path):
@@ -278,10 +282,58 @@ class LocalWrite:
             remove(self.root)
 
 
-def begin(dest: Path, is_dir: bool, overwrite: bool, guard: Guard, owner: str) -> LocalWrite:
-    return LocalWrite(dest, prepare_partial(dest, is_dir, overwrite, owner, guard), owner=True)
+# ---- the backend ------------------------------------------------------------------------------------------
 
 
-def join(dest: Path, owner: str) -> LocalWrite:
-    """The write another process began (torchrun rank 0): files go into its temporary, which it commits."""
-    return LocalWrite(dest, partial_path(dest, owner), owner=False)
+class Local:
+    """Local storage, one Backend of store/backend.py among the object stores: reads by descriptor (pread, memory
+    maps), writes into a temporary sibling renamed into place."""
+
+    mappable = True
+    renames = True
+
+    def is_bucket(self, path: PathLike) -> bool:
+        return False
+
+    def size(self, path: PathLike) -> int:
+        return os.path.getsize(path)
+
+    def exists(self, path: PathLike) -> bool:
+        return os.path.exists(path)
+
+    def lexists(self, path: PathLike) -> bool:
+        return os.path.lexists(path)
+
+    def present(self, path: Path) -> bool:
+        """A file, or a FIFO or device that reading will refuse by name (`is_file()` would pass over it silently)."""
+        return os.path.lexists(path) and not path.is_dir()
+
+    def open_read(self, path: PathLike) -> BinaryIO:
+        """A regular file (a FIFO, socket, device or folder refused without blocking)."""
+        return os.fdopen(open_regular_fd(path), "rb")
+
+    def check_writable(self, path: Path) -> None:
+        """Every local path is a destination to try (what cannot be written is refused when the write begins)."""
+
+    def begin(self, dest: Path, is_dir: bool, overwrite: bool, guard: Guard, owner: str | None = None) -> LocalWrite:
+        """A fresh temporary sibling of `dest`, named after `owner` (default: this process)."""
+        return LocalWrite(dest, prepare_partial(dest, is_dir, overwrite, owner or str(os.getpid()), guard), owner=True)
+
+    def join(self, dest: Path, owner: str) -> LocalWrite:
+        """The write another process began (torchrun rank 0): files go into its temporary, which it commits."""
+        return LocalWrite(dest, partial_path(dest, owner), owner=False)
+
+    def put(self, path: Path, data: bytes) -> None:
+        """A temporary sibling and one rename."""
+        with staged(path, is_dir=False, overwrite=True) as tmp:
+            tmp.write_bytes(data)
+
+    def unfinished(self, dest: Path) -> list[str]:
+        """A temporary sibling whose process is gone (or a torchrun job's)."""
+        return [
+            f"{p}: temporary output of a ckpt write that did not finish (its process is gone, or a torchrun job); remove it"
+            for p in leftovers(dest)
+        ]
+
+
+LOCAL: Backend = Local()

@@ -32,9 +32,9 @@ from typing import Any
 
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.store import clients
-from ckpt_cli.store.clients import call, filesystem
+from ckpt_cli.store.clients import BACKENDS, call, filesystem
 
-PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory")  # recognised in Path's `s3:/b/k` form
+PROTOCOLS = (*BACKENDS, "gs", "gcs", "memory")  # recognised in Path's `s3:/b/k` form: every backend's, and fsspec's few
 BLOCK = 8 << 10  # a small read fetches this aligned block (zip directories, pickles and headers sit in one or two)
 SPAN_LIMIT = 1 << 20  # exact reads up to this size are kept too (a header read, then parsed from a second handle)
 CACHE_BYTES = 64 << 20

@@ -13,23 +13,123 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckpt_cli.errors import UsageError
-from ckpt_cli.store.clients import backend, call
+from ckpt_cli.store.backend import MakeWriter, ObjectWriter, PathLike
+from ckpt_cli.store.clients import call
 from ckpt_cli.store.guard import Guard, check_destination
 from ckpt_cli.store.location import Location, forget, location
 
 
-def writer_backend(path: Location) -> ModuleType:
-    """The backend that writes `path` (UsageError where ckpt only reads: gs://, memory://..., or where `path` names no
-    key under the bucket or container: every write, put and join passes here before a Writer is made)."""
-    module = backend(path.protocol)
-    if module.Writer is None:
-        raise UsageError(f"{path}: ckpt reads {path.protocol}:// but writes only to s3:// and az:// object storage")
-    module.check_key(path)
-    return module
+def _object(path: object) -> Location:
+    """`path` as the Location it is (backend_of sent it here: it names an object store)."""
+    found = location(path)  # type: ignore[arg-type]
+    assert isinstance(found, Location)
+    return found
+
+
+class ObjectStore:
+    """What every object store shares (the store-level half of the ObjectBackend protocol): reads through `Location`,
+    writes as objects with data first and markers last. A subclass gives the client (`make`, `ENVIRONMENT`), the error
+    words (`translate`, `CREDENTIALS`, `INSTALL_HINT`) and, if ckpt writes there, `Writer`, `check_key`,
+    `unfinished_keys`, `drop_unfinished` and `UNFINISHED`; the defaults here are a store ckpt only reads."""
+
+    mappable = False
+    renames = False
+    INSTALL_HINT: str
+    CREDENTIALS: str
+    ENVIRONMENT: tuple[str, ...] = ()
+    UNFINISHED = ""
+    Writer: MakeWriter | None = None
+
+    def translate(self, exc: BaseException, where: object) -> Exception | None:
+        return None
+
+    def check_key(self, path: Location) -> None:
+        """Any key is a destination (a store ckpt writes to refuses the root of a bucket here)."""
+
+    def unfinished_keys(self, dest: Location) -> list[str]:
+        return []
+
+    def drop_unfinished(self, dest: Location) -> None:
+        """Nothing is left unfinished where nothing is written."""
+
+    # ---- the Backend protocol, shared ----
+
+    def is_bucket(self, path: PathLike) -> bool:
+        return len(_object(path).parts) <= 2
+
+    def size(self, path: PathLike) -> int:
+        return _object(path).stat().st_size
+
+    def exists(self, path: PathLike) -> bool:
+        return _object(path).exists()
+
+    def lexists(self, path: PathLike) -> bool:
+        return _object(path).exists()  # object storage has no links
+
+    def present(self, path: Path) -> bool:
+        return _object(path).is_file()
+
+    def open_read(self, path: PathLike) -> BinaryIO:
+        return _object(path).open("rb")  # type: ignore[return-value]  # a RemoteFile reads as a binary file does
+
+    def check_writable(self, path: Path) -> None:
+        self.writer(_object(path))
+
+    def writer(self, path: Location) -> MakeWriter:
+        """The writer of objects at `path` (UsageError where ckpt only reads: gs://, memory://..., or where `path` names
+        no key under the bucket or container: every write, put and join passes here before a Writer is made)."""
+        if self.Writer is None:
+            raise UsageError(f"{path}: ckpt reads {path.protocol}:// but writes only to s3:// and az:// object storage")
+        self.check_key(path)
+        return self.Writer
+
+    def begin(self, dest: Path, is_dir: bool, overwrite: bool, guard: Guard, owner: str | None = None) -> ObjectWrite:
+        """Refuse an existing destination unless --overwrite, and with it delete what is there (and drop what a killed
+        write left unfinished). A one-object output replaces the old object when its upload completes."""
+        root = _object(dest)
+        make = self.writer(root)
+        check_destination(dest, overwrite, is_dir, guard)
+        if overwrite:
+            self.clear(root, keep_object=not is_dir)
+        return ObjectWrite(location(dest), make)
+
+    def join(self, dest: Path, owner: str) -> ObjectWrite:
+        return ObjectWrite(location(dest), self.writer(_object(dest)))
+
+    def put(self, path: Path, data: bytes) -> None:
+        """One small object, whole or not at all."""
+        where = _object(path)
+        out = self.writer(where)(where, len(data))
+        try:
+            out.write(data)
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
+
+    def unfinished(self, dest: Path) -> list[str]:
+        """One line for each write at or under `dest` that started and never completed (invisible, but stored)."""
+        where = _object(dest)
+        if self.Writer is None:
+            return []
+        bucket = where.parts[1]
+        return [f"{where.protocol}://{bucket}/{key}: {self.UNFINISHED}" for key in self.unfinished_keys(where)]
+
+    def clear(self, dest: Location, keep_object: bool) -> None:
+        """Delete an existing checkpoint at `dest` before it is replaced: the objects under the prefix, and the object
+        named `dest` itself unless `keep_object`."""
+        fs = dest.fs
+        if dest.is_dir():
+            keys = [k for k in call(dest, fs.find, dest.key) if k.startswith(dest.key + "/")]
+            if keys:
+                call(dest, fs.rm, keys)
+        if not keep_object and dest.is_file():
+            call(dest, fs.rm_file, dest.key)
+        self.drop_unfinished(dest)  # a killed write's parts
+        forget(dest)
 
 
 class ObjectFile:
@@ -37,7 +137,7 @@ class ObjectFile:
 
     fd = None
 
-    def __init__(self, inner: Any, done: Callable[[Location], None]) -> None:
+    def __init__(self, inner: ObjectWriter, done: Callable[[Location], None]) -> None:
         self.inner, self._done = inner, done
 
     def write(self, data: Any) -> None:
@@ -55,13 +155,13 @@ class ObjectWrite:
     """A write under `root` (the destination itself). `abort` deletes the objects this process completed; `commit`
     has nothing left to do (the markers written last were the commit)."""
 
-    def __init__(self, root: Location, module: ModuleType) -> None:
-        self.root, self.module = root, module
+    def __init__(self, root: Path, make: MakeWriter) -> None:
+        self.root, self.make = root, make  # a Location, typed as the Path it stands for (store/location.py)
         self.written: list[Location] = []
         self.lock = threading.Lock()
 
     def create(self, target: Path, total: int, progress: Callable[[int], None] | None = None) -> ObjectFile:
-        return ObjectFile(self.module.Writer(location(target), total, progress), self._add)
+        return ObjectFile(self.make(_object(target), total, progress), self._add)
 
     def _add(self, path: Location) -> None:
         with self.lock:
@@ -77,20 +177,6 @@ class ObjectWrite:
         remove(self.written)
 
 
-def begin(dest: Location, is_dir: bool, overwrite: bool, guard: Guard) -> ObjectWrite:
-    """Refuse an existing destination unless --overwrite, and with it delete what is there (and drop what a killed
-    write left unfinished). A one-object output replaces the old object when its upload completes."""
-    module = writer_backend(dest)
-    check_destination(dest, overwrite, is_dir, guard)
-    if overwrite:
-        clear(dest, keep_object=not is_dir)
-    return ObjectWrite(dest, module)
-
-
-def join(dest: Location) -> ObjectWrite:
-    return ObjectWrite(dest, writer_backend(dest))
-
-
 def remove(paths: list[Location]) -> None:
     """Delete objects (best effort: used to clean up after a failed write)."""
     for path in paths:
@@ -99,37 +185,3 @@ def remove(paths: list[Location]) -> None:
         except Exception:
             pass
         forget(path)
-
-
-def clear(dest: Location, keep_object: bool) -> None:
-    """Delete an existing checkpoint at `dest` before it is replaced: the objects under the prefix, and the object
-    named `dest` itself unless `keep_object`."""
-    fs = dest.fs
-    if dest.is_dir():
-        keys = [k for k in call(dest, fs.find, dest.key) if k.startswith(dest.key + "/")]
-        if keys:
-            call(dest, fs.rm, keys)
-    if not keep_object and dest.is_file():
-        call(dest, fs.rm_file, dest.key)
-    backend(dest.protocol).drop_unfinished(dest)  # a killed write's parts
-    forget(dest)
-
-
-def put(path: Location, data: bytes) -> None:
-    """One small object, whole or not at all."""
-    out = writer_backend(path).Writer(path, len(data))
-    try:
-        out.write(data)
-        out.commit()
-    except BaseException:
-        out.abort()
-        raise
-
-
-def unfinished(dest: Location) -> list[str]:
-    """One line for each write at or under `dest` that started and never completed (invisible, but stored)."""
-    module = backend(dest.protocol)
-    if module.Writer is None:
-        return []
-    bucket = dest.parts[1]
-    return [f"{dest.protocol}://{bucket}/{key}: {module.UNFINISHED}" for key in module.unfinished(dest)]

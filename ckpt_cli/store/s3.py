@@ -18,6 +18,7 @@ from typing import Any
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.store.clients import call, count_request, names_of, reason
 from ckpt_cli.store.location import Location
+from ckpt_cli.store.objects import ObjectStore
 from ckpt_cli.store.parts import PartWriter, part_size
 
 RETRIES = 5  # s3fs's own retries of transient errors, on top of botocore's (standard mode, MAX_ATTEMPTS)
@@ -41,21 +42,6 @@ PART_BYTES = 8 << 20
 MAX_PARTS = 10_000
 
 
-def make(protocol: str) -> Any:
-    try:
-        import s3fs
-    except ImportError:
-        raise UsageError(f"{protocol}:// needs {INSTALL_HINT}") from None
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={"retries": retry_policy(), "max_pool_connections": 64})
-    fs.retries = RETRIES  # a class attribute in s3fs: attempts of its own retry loop (throttling, 5xx, timeouts)
-    try:
-        fs.connect()
-        fs.s3.meta.events.register("after-call.s3", _after_call)
-    except Exception as exc:
-        raise translate(exc, f"{protocol}://") or DataError(f"{protocol}://: {reason(exc)}") from None
-    return fs
-
-
 def _after_call(http_response: Any = None, model: Any = None, **_: Any) -> None:
     length = 0
     if http_response is not None and not getattr(model, "name", "").startswith("Head"):
@@ -72,20 +58,6 @@ def retry_policy() -> dict[str, Any]:
     return {"mode": os.environ.get("AWS_RETRY_MODE") or "standard", "max_attempts": int(attempts) if attempts.isdigit() else MAX_ATTEMPTS}
 
 
-def translate(exc: BaseException, where: object) -> Exception | None:
-    names = names_of(exc)
-    if names & _CREDENTIALS:
-        return UsageError(f"{where}: no usable credentials ({reason(exc)}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
-    if names & _UNREACHABLE:
-        return UsageError(f"{where}: cannot reach the object store ({reason(exc)}); check AWS_ENDPOINT_URL and the network")
-    if _throttled(exc):
-        return DataError(
-            f"{where}: the object store kept throttling requests (503 SlowDown) through every retry; "
-            "try again later, with fewer --workers, or with a larger AWS_MAX_ATTEMPTS"
-        )
-    return None
-
-
 def _throttled(exc: BaseException) -> bool:
     """A throttling answer: s3fs raises OSError(EBUSY) with botocore's ClientError, which names the code, as cause."""
     for e in (exc, exc.__cause__, exc.__context__):
@@ -96,11 +68,6 @@ def _throttled(exc: BaseException) -> bool:
 
 
 # ---- writes -------------------------------------------------------------------------------------------------
-
-
-def check_key(path: Location) -> None:
-    if len(path.parts) < 3:
-        raise UsageError(f"{path}: a destination needs a key under the bucket (s3://bucket/name)")
 
 
 class Writer(PartWriter):
@@ -144,18 +111,54 @@ def _uploads(dest: Location) -> list[tuple[str, str]]:
     return sorted(set(found))
 
 
-def unfinished(dest: Location) -> list[str]:
-    """Keys at or under `dest` with a multipart upload started and neither completed nor aborted (a write killed
-    outright, or one running now): invisible, but stored (and billed) until aborted."""
-    return sorted({key for key, _ in _uploads(dest)})
+class S3(ObjectStore):
+    """s3:// (and s3a://): the Backend of store/backend.py for S3 and S3-compatible stores."""
 
+    INSTALL_HINT = INSTALL_HINT
+    CREDENTIALS = CREDENTIALS
+    ENVIRONMENT = ENVIRONMENT
+    UNFINISHED = (
+        "an upload that never completed (a write killed outright, or one running now); "
+        "ckpt's next --overwrite of this prefix aborts it, as a lifecycle rule would"
+    )
+    Writer = Writer
 
-def drop_unfinished(dest: Location) -> None:
-    for key, upload in _uploads(dest):
-        call(dest, dest.fs.call_s3, "abort_multipart_upload", Bucket=dest.parts[1], Key=key, UploadId=upload)
+    def make(self, protocol: str) -> Any:
+        try:
+            import s3fs
+        except ImportError:
+            raise UsageError(f"{protocol}:// needs {INSTALL_HINT}") from None
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={"retries": retry_policy(), "max_pool_connections": 64})
+        fs.retries = RETRIES  # a class attribute in s3fs: attempts of its own retry loop (throttling, 5xx, timeouts)
+        try:
+            fs.connect()
+            fs.s3.meta.events.register("after-call.s3", _after_call)
+        except Exception as exc:
+            raise self.translate(exc, f"{protocol}://") or DataError(f"{protocol}://: {reason(exc)}") from None
+        return fs
 
+    def translate(self, exc: BaseException, where: object) -> Exception | None:
+        names = names_of(exc)
+        if names & _CREDENTIALS:
+            return UsageError(f"{where}: no usable credentials ({reason(exc)}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
+        if names & _UNREACHABLE:
+            return UsageError(f"{where}: cannot reach the object store ({reason(exc)}); check AWS_ENDPOINT_URL and the network")
+        if _throttled(exc):
+            return DataError(
+                f"{where}: the object store kept throttling requests (503 SlowDown) through every retry; "
+                "try again later, with fewer --workers, or with a larger AWS_MAX_ATTEMPTS"
+            )
+        return None
 
-UNFINISHED = (
-    "an upload that never completed (a write killed outright, or one running now); "
-    "ckpt's next --overwrite of this prefix aborts it, as a lifecycle rule would"
-)
+    def check_key(self, path: Location) -> None:
+        if len(path.parts) < 3:
+            raise UsageError(f"{path}: a destination needs a key under the bucket (s3://bucket/name)")
+
+    def unfinished_keys(self, dest: Location) -> list[str]:
+        """Keys at or under `dest` with a multipart upload started and neither completed nor aborted (a write killed
+        outright, or one running now): invisible, but stored (and billed) until aborted."""
+        return sorted({key for key, _ in _uploads(dest)})
+
+    def drop_unfinished(self, dest: Location) -> None:
+        for key, upload in _uploads(dest):
+            call(dest, dest.fs.call_s3, "abort_multipart_upload", Bucket=dest.parts[1], Key=key, UploadId=upload)

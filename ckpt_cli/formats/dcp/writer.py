@@ -335,9 +335,8 @@ class DCPWriter:
     dest_is_dir = True
 
     def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
-        world_size = options.world_size or ckpt.world_size
-        if not world_size:
-            raise UsageError("writing dcp needs --world-size N (the number of FSDP2 ranks to lay it out for)")
+        world_size = options.world_size  # set by ops/convert.layout_for from the registry row
+        assert world_size, "a dcp write is planned with its world size"
         ckpt, per_rank_note = _per_rank_view(ckpt, world_size, options.per_rank_rule)
         notes = [per_rank_note] if per_rank_note else []
         unsafe = ckpt.unsafe_values()

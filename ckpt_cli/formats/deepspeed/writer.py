@@ -52,9 +52,8 @@ class DeepSpeedWriter:
             return Stage0Reshard(ckpt, src, options).plan(dest)
         if ckpt.format != "deepspeed" or not isinstance(src, (Source, BuiltSource)):
             raise UsageError("writing deepspeed needs a DeepSpeed source, or a training run's state (convert from dcp)")
-        world = options.world_size
-        if not world:
-            raise UsageError("writing deepspeed needs --world-size N (the new data-parallel size)")
+        world = options.world_size  # set by ops/convert.layout_for from the registry row
+        assert world, "a deepspeed write is planned with its world size"
         _refuse_views(ckpt, src.dtypes)
         zero_config = (src.model.tree.get("ds_config") or {}).get("zero_optimization") or {}
         reshard: Stage12Reshard | Stage3Reshard

@@ -183,9 +183,8 @@ class DTensorWriter:
             raise UsageError(
                 "writing dtensor (verl/SkyRL per-rank files) needs a dtensor source: reshard a verl or SkyRL checkpoint folder"
             )
-        world = options.world_size
-        if not world:
-            raise UsageError("writing dtensor needs --world-size N (the number of processes that will load it)")
+        world = options.world_size  # set by ops/convert.layout_for from the registry row
+        assert world, "a dtensor write is planned with its world size"
         if dtype_digest(ckpt.tensors) != src.dtypes:
             raise UsageError(
                 "reshard of per-rank DTensor files copies every tensor as it is: "
