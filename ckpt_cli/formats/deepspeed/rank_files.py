@@ -60,9 +60,15 @@ _STUBS = {
 DS_GLOBALS: dict[tuple[str, str], Any] = {where: cls for cls, where in _STUBS.items()}
 DS_GLOBALS[("deepspeed.runtime.zero.config", "ZeroStageEnum")] = ZeroStage
 
+
+def _as_instance(g: Global) -> Callable[[Any], Instance]:
+    """Describe a stub as an instance of `g`, its state less `args`."""
+    return lambda obj: Instance(g, {k: v for k, v in obj.__dict__.items() if k != "args"})
+
+
 # Written back with the same pickle globals, so DeepSpeed reads what ckpt writes (docs/formats.md §2.5).
 for _cls, (_module, _name) in _STUBS.items():
-    pickler.register(_cls, lambda obj, g=Global(_module, _name): Instance(g, {k: v for k, v in obj.__dict__.items() if k != "args"}))
+    pickler.register(_cls, _as_instance(Global(_module, _name)))
 pickler.register(ZeroStage, lambda v: Reduce(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(v),)))
 
 

@@ -126,7 +126,7 @@ class ZeroSource(Protocol):
     @property
     def optim_prefix(self) -> str: ...  # "bf16_" or ""
     @property
-    def dtypes(self) -> dict[str, Any]: ...  # the logical tensors as read: a writer refuses a view that selected, renamed or cast
+    def dtypes(self) -> bytes: ...  # dtypes.dtype_digest of the tensors read: a writer refuses a view that selected, renamed or cast
     @property
     def copies(self) -> Mapping[str, ZeroFile]: ...  # files written again as they are, by name (MoE expert files)
 
