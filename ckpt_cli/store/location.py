@@ -67,8 +67,7 @@ def location(path: str | os.PathLike[str]) -> Path:
     """A Location for a URL (or Path's spelling of one), else the local Path."""
     if not isinstance(path, Location) and protocol_of(path) is None:
         return path if isinstance(path, Path) else Path(path)
-    # typed as the Path it stands in for: a Location makes the calls readers make, without being a (local) Path
-    return remote(path)  # type: ignore[return-value]
+    return remote(path)  # type: ignore[return-value]  # a Location stands in for a Path (the calls readers make)
 
 
 def remote(path: str | os.PathLike[str]) -> Location:

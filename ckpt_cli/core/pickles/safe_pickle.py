@@ -133,17 +133,18 @@ def _shared(dims: tuple[int, ...]) -> tuple[int, ...]:
 _DIMS: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
-def _view(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: DType, requires_grad: Any) -> TensorRef:
+def _view(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any) -> TensorRef:
+    """The tensor over `storage`, in the storage's dtype."""
     if not isinstance(storage, StorageRef) or type(storage_offset) is not int:
         raise PickleRefused("a tensor without a storage reference")
     shape, strides = _shared(_ints(size, "size")), _shared(_ints(stride, "stride"))
     if len(shape) != len(strides):
         raise PickleRefused("a tensor whose size and stride differ in length")
-    return TensorRef(storage, storage_offset, shape, strides, dtype, requires_grad is True)
+    return TensorRef(storage, storage_offset, shape, strides, storage.dtype, requires_grad is True)
 
 
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False, *_: Any) -> TensorRef:
-    return _view(storage, storage_offset, size, stride, getattr(storage, "dtype", None), requires_grad)  # type: ignore[arg-type]
+    return _view(storage, storage_offset, size, stride, requires_grad)
 
 
 def _rebuild_tensor_v3(
@@ -153,7 +154,7 @@ def _rebuild_tensor_v3(
     if not isinstance(storage, StorageRef) or not isinstance(dtype, DType):
         raise PickleRefused("a tensor without a storage reference or dtype")
     typed = StorageRef(storage.key, dtype, storage.numel // dtype.itemsize)
-    return _view(typed, storage_offset, size, stride, dtype, requires_grad)
+    return _view(typed, storage_offset, size, stride, requires_grad)
 
 
 def _with_attrs(ref: TensorRef, state: Any, **changes: Any) -> TensorRef:
