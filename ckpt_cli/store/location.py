@@ -5,7 +5,8 @@ A location in object storage is a `Location`: protocol + key, kept as a PurePosi
 protocol (`s3:`), so format modules keep using `/`, `.name`, `.suffix`, `.parent` and the few filesystem calls they
 make (`is_dir`, `iterdir`, `glob`, `stat`, `exists`, `open`), and `str()` gives the URL back. `Path("s3://b/k")`
 (what argument parsing makes of a URL: `s3:/b/k`) is the same location; `location()` turns either into a Location,
-never into a local path.
+never into a local path, typed as the Path it stands in for; `remote()`, for a path known to be a URL, typed as what
+it is (the store's own code, which uses `.fs` and `.key`).
 
 Reads are ranged GETs through fsspec (s3fs for s3://, adlfs for az://). Metadata parses read through `RemoteFile`:
 small reads fetch one aligned BLOCK and keep it, larger ones fetch exactly the bytes asked for, and `prefetch`
