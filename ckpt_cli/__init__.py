@@ -83,6 +83,7 @@ def hold_sigint() -> bool:
 
 from ckpt_cli.errors import CkptError, DataError, UnsafePickleError, UsageError  # noqa: E402
 
+_API: tuple[str, ...]
 _API = ("Checkpoint", "Report", "TensorInfo", "Tree", "WriteReport", "convert", "diff", "inspect", "merge", "open", "reshard")
 _API += ("split", "verify", "Request", "PreparedWrite", "prepare", "write", "convert_request", "reshard_request")
 _API += ("merge_request", "split_request", "parity", "ParityReport")

@@ -378,7 +378,7 @@ def _with_options(function: Callable[..., Any], command: str, requests: bool) ->
         if f.name in API_SKIPS or (requests and group.__name__ == "RunOptions"):
             continue
         params.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
-    function.__signature__ = declared.replace(parameters=params)  # type: ignore[attr-defined]
+    function.__signature__ = declared.replace(parameters=params)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
 
 
 for _command in COMMANDS:

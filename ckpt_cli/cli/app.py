@@ -21,7 +21,7 @@ from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated, for_cli, inter
 try:  # typer >= 0.29 vendors click
     from typer._click import exceptions as click_errors
 except ImportError:  # pragma: no cover
-    from click import exceptions as click_errors  # type: ignore[no-redef]
+    from click import exceptions as click_errors  # type: ignore[no-redef]  # the same module, unvendored
 
 app = typer.Typer(
     name="ckpt",

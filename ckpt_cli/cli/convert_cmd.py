@@ -111,7 +111,7 @@ def writing_command(name: str) -> Callable[..., None]:
 
     run.__name__ = name
     run.__doc__ = command.summary
-    run.__signature__ = Signature(params)  # type: ignore[attr-defined]
+    run.__signature__ = Signature(params)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
     run.__annotations__ = {p.name: p.annotation for p in params}
     return run
 

@@ -68,7 +68,7 @@ def _leave(exit: SystemExit) -> NoReturn:
                 stream.flush()
             except (OSError, ValueError, RuntimeError):  # a closed pipe, a flush this signal interrupted
                 pass
-        os._exit(exit.code)  # type: ignore[arg-type]
+        os._exit(exit.code)
     raise exit
 
 

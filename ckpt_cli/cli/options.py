@@ -11,7 +11,7 @@ import typer
 try:  # typer >= 0.28 vendors click
     from typer._click import types as click_types
 except ImportError:  # pragma: no cover
-    from click import types as click_types  # type: ignore[no-redef]
+    from click import types as click_types  # type: ignore[no-redef]  # the same module, unvendored
 
 from ckpt_cli.options import GROUPS, Flag, flag_of
 

@@ -14,7 +14,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, final
 
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.pickles.zipio import Record
@@ -82,6 +82,7 @@ def zeros(dtype: DType, numel: int) -> StoredArray:
     return StoredArray(ZEROS, 0, dtype, (numel,), (1,))
 
 
+@final  # `type(region) is Box` then tells the checker the rest are FlatRanges
 @dataclass(frozen=True, slots=True)
 class Box:
     """An N-d box of the global tensor: `offsets` and `sizes` per dim."""
@@ -90,6 +91,7 @@ class Box:
     sizes: tuple[int, ...]
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class FlatRange:
     """Elements [start, start + length) of the flattened (row-major) global tensor."""
@@ -377,6 +379,10 @@ class Checkpoint:
     source: Any = field(default=None, repr=False)  # the reader's parsed files, for a writer of the same format
     # Files that travel with the weights (config.json, tokenizer): file name -> its path, or the bytes a view rewrote.
     companions: dict[str, str | bytes] = field(default_factory=dict)
+
+    def entries(self) -> list[TensorEntry | ObjectEntry]:
+        """The tensors, then the other values."""
+        return [*self.tensors.values(), *self.objects.values()]
 
     def unsafe_values(self) -> list[ObjectEntry]:
         """Non-tensor values left unparsed because their pickle names a global outside the allow list."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeGuard
 
 from ckpt_cli import store
 from ckpt_cli.errors import DataError
@@ -33,7 +33,7 @@ def shown(value: object) -> str:
     return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
-def is_plain(name: object) -> bool:
+def is_plain(name: object) -> TypeGuard[str]:
     """One plain file name: a non-empty string without separators, not `.` or `..`, no drive letter, no control
     character, encodable as a file name."""
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or _DRIVE.match(name):
@@ -51,7 +51,7 @@ def plain_component(name: object, where: str) -> str:
     """`name` when it is one plain file name; else DataError naming `where` (the file that holds the name)."""
     if not is_plain(name):
         raise DataError(f"{where}: names {shown(name)}, which is not a plain file name; refusing to use it as a path")
-    return name  # type: ignore[return-value]
+    return name
 
 
 def inside(root: Path, relpath: str, where: str) -> Path:

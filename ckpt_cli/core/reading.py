@@ -80,7 +80,7 @@ class SourceFiles:
             self._prefetch = None
         return map(memoryview, remote_read.stream(path, offset, nbytes))
 
-    def pread_into(self, path: str, offset: int, buf: bytearray) -> None:
+    def pread_into(self, path: str, offset: int, buf: bytearray | memoryview) -> None:
         """Fill `buf` with the bytes of `path` from `offset`; DataError if the file ends first."""
         self._pread(path, offset, memoryview(buf))
 

@@ -240,7 +240,7 @@ def renamed(state: TrainingState, names: NameMap) -> TrainingState:
     return state
 
 
-Entry = TypeVar("Entry", ObjectEntry, TensorEntry)
+Entry = TypeVar("Entry", bound="ObjectEntry | TensorEntry")  # a list of either, or of both
 
 
 def per_rank_entries(entries: list[Entry]) -> dict[tuple[PathKey, int], dict[int, Entry]]:

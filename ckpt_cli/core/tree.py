@@ -127,8 +127,10 @@ def unique_names(paths: list[PathKey], where: str) -> list[str]:
     names = [path_name(p) for p in paths]
     if len(set(names)) != len(names):
         seen: set[str] = set()
-        dup = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
-        raise DataError(f"{where}: two entries flatten to the same name '{dup}'")
+        for dup in names:  # the first name met twice
+            if dup in seen:
+                raise DataError(f"{where}: two entries flatten to the same name '{dup}'")
+            seen.add(dup)
     return names
 
 

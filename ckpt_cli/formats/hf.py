@@ -62,7 +62,8 @@ class HFReader:
     def read(self, path: Path, options: ReadOptions) -> Checkpoint:
         index = find_index(path)
         if index is None:  # a single-file folder as save_pretrained writes for small models
-            weight_map, metadata = {}, {}
+            weight_map: dict[str, str] = {}
+            metadata: dict[str, Any] = {}
             shard_files = [SINGLE]
         else:
             weight_map, metadata = load_index(index)

@@ -259,12 +259,12 @@ def _step_of(name: str) -> int:
     return int(digits[-1]) if digits else -1
 
 
-def list_tags(folder: Path) -> list[str]:
-    """Sub-checkpoints of a run folder (`step_1000/`, `checkpoint-500/`, ...), lowest step first."""
+def list_tags(folder: Path) -> dict[str, Format]:
+    """Sub-checkpoints of a run folder (`step_1000/`, `checkpoint-500/`, ...) and their formats, lowest step first."""
     if not folder.is_dir():
-        return []
-    tags = [p.name for p in folder.iterdir() if not p.name.startswith(".") and detect(p) is not None]
-    return sorted(tags, key=lambda t: (_step_of(t), t))
+        return {}
+    found = {p.name: fmt for p in folder.iterdir() if not p.name.startswith(".") and (fmt := detect(p)) is not None}
+    return {t: found[t] for t in sorted(found, key=lambda t: (_step_of(t), t))}
 
 
 @dataclass(frozen=True)
@@ -285,14 +285,12 @@ def resolve(path: Path, format_name: str | None = None, tag: str | None = None, 
         return Resolved(path, fmt, tag, None)
     tags = list_tags(path)
     if tag is not None:
-        tag = pick_tag(tag, tags, str(path), "checkpoint tag")
-        inner = path / tag
-        return Resolved(inner, get(format_name) if format_name else detect(inner), tag, None)  # type: ignore[arg-type]
+        tag = pick_tag(tag, list(tags), str(path), "checkpoint tag")
+        return Resolved(path / tag, get(format_name) if format_name else tags[tag], tag, None)
     if fmt is not None:
         return Resolved(path, fmt, None, None)
     if not tags:
         raise UsageError(f"{path}: not a checkpoint in any known format ({', '.join(FORMATS)}); use --format to say which")
-    chosen = tags[-1]
-    inner = path / chosen
+    chosen = list(tags)[-1]
     note = f"{path}: {len(tags)} checkpoints; using '{chosen}' (highest step); pass --tag to choose" if len(tags) > 1 else None
-    return Resolved(inner, detect(inner), chosen, note)  # type: ignore[arg-type]
+    return Resolved(path / chosen, tags[chosen], chosen, note)

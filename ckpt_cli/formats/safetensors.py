@@ -18,7 +18,7 @@ from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions, WriteOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, Piece, StoredArray, TensorEntry, contiguous_strides
 from ckpt_cli.core.paths import file_size, open_regular, shown
-from ckpt_cli.core.write.plan import Literal, OutputFile, TensorData, WritePlan
+from ckpt_cli.core.write.plan import Literal, OutputFile, Segment, TensorData, WritePlan
 from ckpt_cli.errors import DataError
 from ckpt_cli.store import location
 
@@ -190,7 +190,7 @@ def dedupe_tied(ckpt: Checkpoint, tensors: list[TensorEntry], notes: list[str]) 
     return [t for t in tensors if t.name not in dropped]
 
 
-def file_segments(tensors: list[TensorEntry], metadata: dict[str, str]) -> list[Literal | TensorData]:
+def file_segments(tensors: list[TensorEntry], metadata: dict[str, str]) -> list[Segment]:
     """Header and data segments of one safetensors file holding `tensors`, in the library's order."""
     ordered = sorted(tensors, key=lambda t: (-t.dtype.order, t.name))
     doc: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
@@ -202,7 +202,7 @@ def file_segments(tensors: list[TensorEntry], metadata: dict[str, str]) -> list[
         pos += t.nbytes
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * ((8 - len(raw) % 8) % 8)
-    return [Literal(struct.pack("<Q", len(raw)) + raw)] + [TensorData(t, t.dtype) for t in ordered]
+    return [Literal(struct.pack("<Q", len(raw)) + raw), *(TensorData(t, t.dtype) for t in ordered)]
 
 
 def model_tensors(ckpt: Checkpoint, notes: list[str]) -> list[TensorEntry]:

@@ -13,6 +13,7 @@ import hashlib
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -239,7 +240,7 @@ def archive_segments(records: list[tuple[str, bytes | TensorData]], scope: str =
         if isinstance(part, Literal):
             segments.append(part)
         elif isinstance(part, _Slot):
-            data = tensors[part.index]
+            data = tensors[part.nth]
             segments.append(TensorData(data.tensor, data.dtype, crc_key=f"{scope}/{part.name}"))
         elif isinstance(part, _Trailer):
             segments.append(Deferred(len(part.blank), _Patched(part, f"{scope}/{part.name}")))
@@ -324,9 +325,9 @@ TEMPLATE_CACHE_BYTES = 1 << 12
 
 
 class _Slot(NamedTuple):
-    """Where an archive template takes the data of its `index`-th tensor (record `name`)."""
+    """Where an archive template takes the data of its `nth` tensor (record `name`)."""
 
-    index: int
+    nth: int  # not `index`: a tuple's method of that name
     name: str
 
 
@@ -356,7 +357,7 @@ def _archive_template(records: tuple[tuple[str, bytes | int], ...], prefix: str)
             tensors += 1
         pos = entry.end
     joined: list[Any] = []
-    run: list[bytes] = []
+    run: list[bytes | memoryview] = []
     for part in template:  # one write for the ~20 headers and small records around a chunk's data, not one each
         if isinstance(part, Literal):
             run.append(part.data)
@@ -372,7 +373,7 @@ def _archive_template(records: tuple[tuple[str, bytes | int], ...], prefix: str)
     return joined, layouts, crcs, zipio.central_directory_size(layouts)
 
 
-def archive(data_pkl: bytes, storages: list[tuple[str, TensorEntry | bytes]], scope: str = "") -> list[Any]:
+def archive(data_pkl: bytes, storages: Sequence[tuple[str, TensorEntry | bytes]], scope: str = "") -> list[Any]:
     """The segments of a torch.save zip: `data.pkl` and each storage's data (a tensor's, or literal bytes)."""
     records: list[tuple[str, bytes | TensorData]] = [
         ("data.pkl", data_pkl),

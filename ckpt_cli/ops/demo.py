@@ -91,7 +91,7 @@ def _write_deepspeed(dcp_dir: Path, dest: Path) -> None:
 
 DEMO_NAMES = ("training_state.pt", "dcp", "deepspeed", "model.safetensors", "hf", "run", "llama")
 # A Hugging Face Llama release (config.json + safetensors) that transformers loads: what `ckpt parity` runs.
-LLAMA_CONFIG = {
+LLAMA_CONFIG: dict[str, Any] = {  # config.json: JSON values
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "vocab_size": VOCAB,

@@ -122,11 +122,11 @@ def check(ckpt: Checkpoint, policy: Policy) -> list[str]:
             if fnmatch.fnmatchcase(t.name, glob) and t.dtype.name not in allowed:
                 problems.append(f"{where}: tensor '{t.name}' is {t.dtype.name}; policy allows {', '.join(allowed)}")
     for name, shape in policy.shapes.items():
-        t = ckpt.tensors.get(name)
-        if t is None:
+        found = ckpt.tensors.get(name)
+        if found is None:
             problems.append(f"{where}: policy gives a shape for '{name}', which is missing")
-        elif list(t.shape) != shape:
-            problems.append(f"{where}: tensor '{name}' has shape {list(t.shape)}; policy expects {shape}")
+        elif list(found.shape) != shape:
+            problems.append(f"{where}: tensor '{name}' has shape {list(found.shape)}; policy expects {shape}")
     params = sum(math.prod(t.shape) for t in ckpt.tensors.values() if t.role == "model")
     if policy.min_params is not None and params < policy.min_params:
         problems.append(f"{where}: {params} parameters, fewer than the policy's min_params {policy.min_params}")

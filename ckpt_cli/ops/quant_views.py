@@ -99,21 +99,22 @@ class CompressedDequant(RowDequant):
         if q.method == "ct-pack":
             values = quant_math.unpack_int_from_int32(raw, q.bits, cols)
             if q.zero_point:
-                zero_points = self._packed_zero_points(r0, r1, sources)
+                zero_points = self._packed_zero_points(q.zero_point, r0, r1, sources)
         elif q.method == "ct-nvfp4":
             values, result = quant_math.unpack_fp4(raw)[:, :cols], torch.bfloat16
             scales = scales.to(torch.bfloat16)
-            global_scale = read_elements(self.tensors[q.global_scale], 0, 1, sources)  # type: ignore[index]
+            assert q.global_scale is not None, "an NVFP4 weight is found with its global scale (quant_ct)"
+            global_scale = read_elements(self.tensors[q.global_scale], 0, 1, sources)
         else:
             values = raw
             if q.zero_point:
                 zero_points = self._scale_rows(q.zero_point, m, r0, r1, sources)
         return quant_math.dequant_scaled(values, scales, zero_points, q.block, r0, global_scale).to(result)
 
-    def _packed_zero_points(self, r0: int, r1: int, sources: Any) -> Any:
-        """The zero points of scale rows [r0 // b, ceil(r1 / b)): compressed-tensors packs them along dim 0, 32 / bits
-        rows a word, so the words holding those rows are read and unpacked."""
-        entry = self.tensors[self.q.zero_point]  # type: ignore[index]
+    def _packed_zero_points(self, name: str, r0: int, r1: int, sources: Any) -> Any:
+        """The zero points (tensor `name`) of scale rows [r0 // b, ceil(r1 / b)): compressed-tensors packs them along
+        dim 0, 32 / bits rows a word, so the words holding those rows are read and unpacked."""
+        entry = self.tensors[name]
         groups, per_word = entry.shape[-1], 32 // self.q.bits
         s0, s1 = r0 // self.q.block[0], -(-r1 // self.q.block[0])
         w0, w1 = s0 // per_word, -(-s1 // per_word)

@@ -33,7 +33,7 @@ def scheme_of(ckpt: Checkpoint) -> Scheme | None:
     qconfig = qconfig if isinstance(qconfig, dict) else {}
     method = qconfig.get("quant_method")
     if method == "compressed-tensors":
-        where = str(ckpt.companions.get("config.json"))
+        where = _config_shown(ckpt)
         return Scheme(method, None, "config.json", quant_ct.weights(ckpt, qconfig, where), qconfig)
     block = _block_size(qconfig.get("weight_block_size"), ckpt)
     tensors = ckpt.tensors
@@ -45,19 +45,25 @@ def scheme_of(ckpt: Checkpoint) -> Scheme | None:
             weights[name[:-7]] = _mxfp4(name[:-7], entry, scale)
     if not weights:
         if method in ("fp8", "mxfp4"):
-            raise DataError(f"{ckpt.companions['config.json']}: quant_method {method!r} but no tensor stored that way")
+            raise DataError(f"{_config_shown(ckpt)}: quant_method {method!r} but no tensor stored that way")
         return None
     found = "+".join(sorted({q.method for q in weights.values()}))
     if method is not None and method != found:
-        raise DataError(f"{ckpt.companions.get('config.json')}: quant_method {method!r} but the tensors are {found}")
+        raise DataError(f"{_config_shown(ckpt)}: quant_method {method!r} but the tensors are {found}")
     return Scheme(found, block, "config.json" if method else "tensor names", weights, qconfig)
+
+
+def _config_shown(ckpt: Checkpoint) -> str:
+    """config.json as an error names it: its path, or its name where a view rewrote it (bytes)."""
+    path = ckpt.companions.get("config.json")
+    return path if isinstance(path, str) else "config.json"
 
 
 def _block_size(value: Any, ckpt: Checkpoint) -> tuple[int, int] | None:
     if value is None:
         return None
     if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and 0 < v <= 1 << 20 for v in value)):
-        raise DataError(f"{ckpt.companions.get('config.json')}: weight_block_size must be two positive integers, got {value!r}")
+        raise DataError(f"{_config_shown(ckpt)}: weight_block_size must be two positive integers, got {value!r}")
     return value[0], value[1]
 
 

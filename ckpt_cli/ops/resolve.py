@@ -95,13 +95,13 @@ def resolve(path: str | Path, format: str | None = None, tag: str | None = None)
     if not where.exists():
         raise UsageError(f"{where}: no such file or folder")
     if format is not None:
-        fmt = registry.get(format)
-        return Resolved(where, "tagged" if fmt.own_tags else "checkpoint", fmt, forced=True, tag=tag)
+        named = registry.get(format)
+        return Resolved(where, "tagged" if named.own_tags else "checkpoint", named, forced=True, tag=tag)
     holder = registry.member_of(where)
     if holder is not None:
-        folder, fmt = holder
-        run = runs.is_part_of(folder)  # the DCP folder of a Trainer or accelerate save: name the whole save
-        what, at = (f"the {run[0].framework} checkpoint", run[1]) if run else (f"the {fmt.name} checkpoint", folder)
+        folder, owner = holder
+        whole = runs.is_part_of(folder)  # the DCP folder of a Trainer or accelerate save: name the whole save
+        what, at = (f"the {whole[0].framework} checkpoint", whole[1]) if whole else (f"the {owner.name} checkpoint", folder)
         raise UsageError(
             f"{where}: one file of {what} {at}, not a checkpoint by itself; point at that folder "
             "(or name --format to read this one file alone)"

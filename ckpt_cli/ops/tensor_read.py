@@ -48,7 +48,7 @@ def _fill(runs: list[tuple[str, int, int]], out: memoryview, sources: SourceFile
         if path == ZEROS:
             window[:] = bytes(nbytes)
         else:
-            sources.pread_into(path, offset, window)  # type: ignore[arg-type]  # any writable buffer
+            sources.pread_into(path, offset, window)
         pos += nbytes
 
 
@@ -63,7 +63,7 @@ def read_numpy(entry: TensorEntry, sources: SourceFiles, dtype: DType | None = N
         return read_torch(entry, sources, target).numpy()
     out = np.empty(entry.numel, dtype=want)
     if entry.numel:
-        _fill(runs, memoryview(out.view(np.uint8)), sources)
+        _fill(runs, out.view(np.uint8).data, sources)
     return out.reshape(entry.shape)
 
 
@@ -76,7 +76,7 @@ def read_torch(entry: TensorEntry, sources: SourceFiles, dtype: DType | None = N
     runs = byte_runs(entry, target)
     if runs is not None:
         if entry.numel:
-            _fill(runs, memoryview(out.view(torch.uint8).numpy()), sources)
+            _fill(runs, out.view(torch.uint8).numpy().data, sources)
     else:
         for start, count in element_windows(entry):
             out[start : start + count] = read_elements(entry, start, count, sources).to(target.torch())

@@ -276,16 +276,23 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
     report.checks.append(f"against {pb}")
 
 
+def _object_path(value: Path | None) -> Path | None:
+    """An s3:// URL, which Path spells s3:/, names an object: its Location; a local path as it is."""
+    return location(value) if value is not None and not store.mappable(value) else value
+
+
 def verify(path: str | Path, options: VerifyOptions) -> Report:
     if not (0 <= options.atol < float("inf") and 0 <= options.rtol < float("inf")):
         raise UsageError("--atol and --rtol take finite values >= 0")
     if (options.atol or options.rtol) and options.against is None:
         raise UsageError("--atol and --rtol are tolerances of --against; give --against CKPT, or leave them out")
     report = Report(str(path))
-    for name in ("write_manifest", "manifest", "policy"):  # an s3:// URL, which Path spells s3:/, names an object
-        value = getattr(options, name)
-        if value is not None and not store.mappable(value):
-            options = replace(options, **{name: location(value)})
+    options = replace(
+        options,
+        write_manifest=_object_path(options.write_manifest),
+        manifest=_object_path(options.manifest),
+        policy=_object_path(options.policy),
+    )
     if options.write_manifest:
         check_manifest_destination(options.write_manifest, options.overwrite)
     manifest = load_manifest(options.manifest) if options.manifest else None  # the user's files: exit 2 before any work

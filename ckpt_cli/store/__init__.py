@@ -85,11 +85,11 @@ def open_read(path: PathLike) -> BinaryIO:
     return backend_of(path).open_read(path)
 
 
-def file_size(f: object) -> int:
+def file_size(f: BinaryIO) -> int:
     """The size of a file opened by open_read."""
     if isinstance(f, RemoteFile):
         return f.size
-    return os.fstat(f.fileno()).st_size  # type: ignore[attr-defined]
+    return os.fstat(f.fileno()).st_size
 
 
 def check_writable(path: Path) -> None:

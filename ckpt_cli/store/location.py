@@ -5,7 +5,8 @@ A location in object storage is a `Location`: protocol + key, kept as a PurePosi
 protocol (`s3:`), so format modules keep using `/`, `.name`, `.suffix`, `.parent` and the few filesystem calls they
 make (`is_dir`, `iterdir`, `glob`, `stat`, `exists`, `open`), and `str()` gives the URL back. `Path("s3://b/k")`
 (what argument parsing makes of a URL: `s3:/b/k`) is the same location; `location()` turns either into a Location,
-never into a local path.
+never into a local path, typed as the Path it stands in for; `remote()`, for a path known to be a URL, typed as what
+it is (the store's own code, which uses `.fs` and `.key`).
 
 Reads are ranged GETs through fsspec (s3fs for s3://, adlfs for az://). Metadata parses read through `RemoteFile`:
 small reads fetch one aligned BLOCK and keep it, larger ones fetch exactly the bytes asked for, and `prefetch`
@@ -65,15 +66,21 @@ def is_remote(path: object) -> bool:
 
 def location(path: str | os.PathLike[str]) -> Path:
     """A Location for a URL (or Path's spelling of one), else the local Path."""
+    if not isinstance(path, Location) and protocol_of(path) is None:
+        return path if isinstance(path, Path) else Path(path)
+    return remote(path)  # type: ignore[return-value]  # a Location stands in for a Path (the calls readers make)
+
+
+def remote(path: str | os.PathLike[str]) -> Location:
+    """The Location of a URL (or Path's spelling of one); for a path that names one (`is_remote`)."""
     if isinstance(path, Location):
         return path
     protocol = protocol_of(path)
-    if protocol is None:
-        return path if isinstance(path, Path) else Path(path)
+    assert protocol is not None, f"{path}: a local path, not a URL"
     rest = [p for p in str(path).split(":", 1)[1].split("/") if p]
     if not rest:
         raise UsageError(f"{protocol}://: names no bucket")
-    return Location(f"{protocol}:", *rest)  # type: ignore[return-value]
+    return Location(f"{protocol}:", *rest)
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ class Location(PurePosixPath):
         return f"{head}//{'/'.join(rest)}"
 
     @property
-    def parents(self) -> tuple[Location, ...]:  # type: ignore[override]
+    def parents(self) -> tuple[Location, ...]:
         """The prefixes above, up to the bucket (`s3://` itself is no location)."""
         return tuple(Location(*self.parts[:n]) for n in range(len(self.parts) - 1, 1, -1))
 
@@ -158,15 +165,15 @@ class Location(PurePosixPath):
 
     def glob(self, pattern: str) -> Iterator[Location]:
         if "/" in pattern or "**" in pattern:
-            yield from (location(f"{self.protocol}://{p}") for p in call(self, self.fs.glob, f"{self.key}/{pattern}"))  # type: ignore[misc]
+            yield from (remote(f"{self.protocol}://{p}") for p in call(self, self.fs.glob, f"{self.key}/{pattern}"))
             return
         yield from (p for p in self.iterdir() if fnmatch.fnmatchcase(p.name, pattern))
 
     def rglob(self, pattern: str) -> Iterator[Location]:
         for found in call(self, self.fs.find, self.key, withdirs=True):
-            path = location(f"{self.protocol}://{found}")
+            path = remote(f"{self.protocol}://{found}")
             if found != self.key and fnmatch.fnmatchcase(path.name, pattern):
-                yield path  # type: ignore[misc]
+                yield path
 
     def resolve(self, strict: bool = False) -> Location:
         return self
@@ -263,21 +270,21 @@ def fetch(path: Location, start: int, end: int) -> bytes:
 
 def read_into(url: str, offset: int, view: memoryview) -> None:
     """Fill `view` with bytes of the object from `offset` (one ranged GET, not cached); DataError if it ends first."""
-    path = location(url)
-    total = path.stat().st_size  # type: ignore[attr-defined]
+    path = remote(url)
+    total = path.stat().st_size
     if offset + len(view) > total:
         raise DataError(f"{url}: truncated: expected {len(view)} bytes at offset {offset}, file ends first")
     if len(view):
-        view[:] = fetch(path, offset, offset + len(view))  # type: ignore[arg-type]
+        view[:] = fetch(path, offset, offset + len(view))
 
 
 def prefetch_heads(paths: list[Any], nbytes: int = BLOCK) -> None:
     """The first `nbytes` of each object, in one parallel round (the headers of many files: hf shards); local
     paths and objects not found are passed over (reading them reports it)."""
-    remote = [location(p) for p in paths if is_remote(p)]
+    remote_paths = [remote(p) for p in paths if is_remote(p)]
     by_fs: dict[int, list[Location]] = {}
-    for path in remote:
-        by_fs.setdefault(id(path.fs), []).append(path)  # type: ignore[arg-type]
+    for path in remote_paths:
+        by_fs.setdefault(id(path.fs), []).append(path)
     for group in by_fs.values():
         if len(group) < 2:
             continue

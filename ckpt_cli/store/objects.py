@@ -19,14 +19,12 @@ from ckpt_cli.errors import UsageError
 from ckpt_cli.store.backend import MakeWriter, ObjectWriter, PathLike
 from ckpt_cli.store.clients import call
 from ckpt_cli.store.guard import Guard, check_destination
-from ckpt_cli.store.location import Location, forget, location
+from ckpt_cli.store.location import Location, forget, location, remote
 
 
-def _object(path: object) -> Location:
+def _object(path: PathLike) -> Location:
     """`path` as the Location it is (backend_of sent it here: it names an object store)."""
-    found = location(path)  # type: ignore[arg-type]
-    assert isinstance(found, Location)
-    return found
+    return remote(path)
 
 
 class ObjectStore:

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckpt_cli.errors import DataError
-from ckpt_cli.store.location import fetch, location
+from ckpt_cli.store.location import fetch, location, remote
 
 PIECE_BYTES = 8 << 20
 AHEAD = 3
@@ -32,7 +32,7 @@ def _fetch(url: str, start: int, end: int) -> Future[bytes]:
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(32, thread_name_prefix="ckpt-read")
-    return _pool.submit(fetch, location(url), start, end)  # type: ignore[arg-type]
+    return _pool.submit(fetch, remote(url), start, end)
 
 
 def stream(url: str, offset: int, nbytes: int) -> Iterator[bytes]:

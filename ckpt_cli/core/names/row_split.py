@@ -83,11 +83,19 @@ class RowSplit:
         per = {0: "", 1: " per layer", 2: " per layer and expert"}[int(self.layers)]
         return f"split /{self.pattern}/{per}: {how} -> {parts}"
 
+    def _numbers(self) -> tuple[int, tuple[int, ...]]:
+        """groups and shares as numbers (a split applied is a resolved one: no config.json key left)."""
+        groups, shares = self.groups, tuple(s for s in self.shares if isinstance(s, int))
+        if isinstance(groups, str) or len(shares) != len(self.shares):
+            raise ValueError(f"split /{self.pattern}/ applied before its config.json keys were resolved")
+        return groups, shares
+
     def apply(self, entry: TensorEntry, name: str) -> list[TensorEntry] | None:
         """The outputs for `entry` (known as `name`), or None when the pattern does not match the name."""
         match = re.fullmatch(self.pattern, name)
         if match is None:
             return None
+        groups, shares = self._numbers()
         shape = entry.shape
         where = f"split of '{entry.name}' {list(shape)}"
         depth = int(self.layers)
@@ -96,27 +104,27 @@ class RowSplit:
         if not inner:
             raise UsageError(f"{where}: {f'{depth} stacked dims need' if depth else 'splitting rows needs'} one more dimension")
         rows, row = inner[0], math.prod(inner[1:])
-        if layers * self.groups > max(entry.numel, 1):  # each output range holds >= 1 element: the loop is bounded by the data
-            raise UsageError(f"{where}: {layers} layers x {self.groups} groups from {entry.numel} elements; nothing to split")
-        if rows % self.groups:
-            raise UsageError(f"{where}: {rows} rows do not divide into {self.groups} groups")
-        block = rows // self.groups
-        if block % sum(self.shares):
-            raise UsageError(f"{where}: blocks of {block} rows do not split in the proportion {':'.join(map(str, self.shares))}")
-        unit = block // sum(self.shares)
+        if layers * groups > max(entry.numel, 1):  # each output range holds >= 1 element: the loop is bounded by the data
+            raise UsageError(f"{where}: {layers} layers x {groups} groups from {entry.numel} elements; nothing to split")
+        if rows % groups:
+            raise UsageError(f"{where}: {rows} rows do not divide into {groups} groups")
+        block = rows // groups
+        if block % sum(shares):
+            raise UsageError(f"{where}: blocks of {block} rows do not split in the proportion {':'.join(map(str, shares))}")
+        unit = block // sum(shares)
         runs = entry.runs()
         starts = [r[0] for r in runs]
         out = []
         for layer in range(layers):
             first = layer * rows
             index = [layer // math.prod(stacks[d + 1 :]) % stacks[d] for d in range(depth)]  # the stacked dims' indices
-            for j, (template, share) in enumerate(zip(self.names, self.shares)):
-                offset = sum(self.shares[:j]) * unit
-                ranges = [((first + g * block + offset) * row, share * unit * row) for g in range(self.groups)]
+            for j, (template, share) in enumerate(zip(self.names, shares)):
+                offset = sum(shares[:j]) * unit
+                ranges = [((first + g * block + offset) * row, share * unit * row) for g in range(groups)]
                 new = match.expand(template)
                 for placeholder, i in zip(STACKS, index):
                     new = new.replace(placeholder, str(i))
-                out.append(_gather(entry, new, runs, starts, ranges, (self.groups * share * unit, *inner[1:])))
+                out.append(_gather(entry, new, runs, starts, ranges, (groups * share * unit, *inner[1:])))
         return out
 
 

@@ -20,8 +20,11 @@ import pickle
 import pickletools
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
+from types import ModuleType
 from typing import Any
 
+_pickle_scan: ModuleType | None
+_pickle_memo: ModuleType | None
 try:  # built by `pip install` where a C compiler is at hand (pyproject.toml: an optional extension)
     from ckpt_cli.core.pickles import _pickle_scan
 except ImportError:
@@ -243,6 +246,8 @@ def in_place() -> bool:
 def lean_in_place(buffer: Any, headroom: int, replacements: dict[bytes, bytes] | None = None) -> int | None:
     """`lean` within `buffer` (its pickle after `headroom` free bytes, rewritten to its start): the new length, or
     None where the buffer is left as it was (core/pickles/_pickle_memo.c). Only for a pickle `scan` accepted."""
+    if _pickle_memo is None:
+        return None
     return _pickle_memo.lean_in_place(buffer, _KIND_BYTES, _N_BYTES, headroom, *([replacements] if replacements else []))
 
 
@@ -275,7 +280,7 @@ class _Scan:
         table, push = _OPS, stack.append
         pos, end, ops = 0, len(data), 0
         while pos < end:
-            kind, n = table[data[pos]]  # type: ignore[misc]
+            kind, n = table[data[pos]]  # type: ignore[misc]  # None (not an opcode) fails to unpack: TypeError, refused below
             pos += 1
             ops += 1
             if kind == K_GET1 or kind == K_GET4:

@@ -68,7 +68,7 @@ class Instance:
     state: Any = None
     args: tuple[Any, ...] = ()
 
-    @property  # type: ignore[misc]
+    @property  # type: ignore[misc]  # object.__class__ is settable in typeshed; this one is read-only on purpose
     def __class__(self) -> type:  # what the C pickler's NEWOBJ checks the object against: the class it names
         return _placeholder(self.cls)
 
@@ -105,7 +105,7 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=2)
         self.known = known
         if persistent is not None:
-            self.persistent_id = persistent  # only then: the pickler calls it for every object
+            self.persistent_id = persistent  # type: ignore[method-assign]  # only then: the pickler calls it for every object
 
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
@@ -130,7 +130,7 @@ class _Pickler(pickle.Pickler):
     def _newobj(self, cls: type, glob: Global, state: Any, args: tuple[Any, ...] = ()) -> Any:
         if id(cls) not in self.known:
             raise _Unknown(cls, glob)
-        return copyreg.__newobj__, (cls, *args), state  # type: ignore[attr-defined]
+        return copyreg.__newobj__, (cls, *args), state  # type: ignore[attr-defined]  # typeshed's copyreg omits __newobj__
 
 
 def register(cls: type, describe: Callable[[Any], Any]) -> None:

@@ -20,8 +20,9 @@ from typing import Any
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.pickles import pickle_guard
 from ckpt_cli.core.pickles import safe_pickle as sp
+from ckpt_cli.core.pickles.frozen import Frozen, Sealed, frozen
 from ckpt_cli.core.pickles.pickle_guard import PickleRefused, charge
-from ckpt_cli.core.pickles.safe_pickle import Frozen, Sealed, TensorRef, frozen
+from ckpt_cli.core.pickles.safe_pickle import TensorRef
 
 
 class Record(metaclass=Sealed):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 from ckpt_cli.core.pickles import pickle_guard
@@ -22,6 +23,7 @@ class NumpyDType:
     """`numpy.dtype(...)` as a pickle builds it; `dtype` is the real (simple, fresh) numpy dtype."""
 
     __slots__ = ("dtype",)
+    dtype: Any  # set once, by __init__ (or __setstate__'s byte order), through object.__setattr__
 
     def __init__(self, dtype: Any) -> None:
         object.__setattr__(self, "dtype", dtype)
@@ -57,9 +59,9 @@ def _numpy() -> Any:
 @functools.cache
 def array_class() -> type:
     """An ndarray whose BUILD takes only a NumpyDType and exactly the bytes (or objects) its shape needs."""
-    numpy = _numpy()
+    base: Any = _numpy().ndarray
 
-    class ndarray(numpy.ndarray):  # noqa: N801 - shown as numpy shows its arrays
+    class ndarray(base):  # noqa: N801 - shown as numpy shows its arrays
         def __setstate__(self, state: Any) -> None:
             if not (isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], NumpyDType)):
                 raise PickleRefused("a numpy array state of an unknown form")
@@ -77,10 +79,10 @@ def array_class() -> type:
             super().__setstate__((version, shape, real, bool(fortran), raw))
 
         def __reduce__(self) -> Any:
-            return self.view(numpy.ndarray).__reduce__()
+            return self.view(base).__reduce__()
 
         def __repr__(self) -> str:
-            return repr(self.view(numpy.ndarray))
+            return repr(self.view(base))
 
     pickle_guard.CHILDREN[ndarray] = lambda a: list(a.flat) if a.dtype.hasobject else []
     return ndarray
@@ -116,7 +118,7 @@ def _not_callable(*args: Any) -> Any:
     raise PickleRefused("numpy.ndarray called directly (it would allocate any size)")
 
 
-_CALLS = {"dtype": _dtype, "_reconstruct": _reconstruct, "scalar": _scalar, "ndarray": _not_callable}
+_CALLS: dict[str, Callable[..., Any]] = {"dtype": _dtype, "_reconstruct": _reconstruct, "scalar": _scalar, "ndarray": _not_callable}
 
 
 def call(name: str, *args: Any) -> Any:

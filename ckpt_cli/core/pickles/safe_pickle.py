@@ -25,55 +25,17 @@ import pickle
 import secrets
 import types
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from ckpt_cli.core import heap
 from ckpt_cli.core.dtypes import BY_NAME, BY_STORAGE_CLASS, DType
 from ckpt_cli.core.pickles import pickle_guard, pickle_stream
+from ckpt_cli.core.pickles.frozen import Frozen, Sealed, frozen
 from ckpt_cli.core.pickles.pickle_guard import PickleRefused, charge, printable
 from ckpt_cli.errors import DataError, UnsafePickleError
 
 MAX_DIMS = 64  # torch.Size of a real tensor; a longer one is not a shape
-
-
-class Sealed(type):
-    """Metaclass of the classes a pickle may name: their attributes cannot be set or deleted (a BUILD on the
-    class itself would otherwise change the class for every later file)."""
-
-    def __setattr__(cls, name: str, value: Any) -> None:
-        raise PickleRefused(f"a pickle may not change the class {cls.__name__} (read-only)")
-
-    def __delattr__(cls, name: str) -> None:
-        raise PickleRefused(f"a pickle may not change the class {cls.__name__} (read-only)")
-
-
-class Frozen:
-    """Base of the stand-ins a pickle may get hold of (see `frozen`); immutable, so copies are the object itself."""
-
-    __slots__ = ()
-
-    def __copy__(self) -> Any:
-        return self
-
-    def __deepcopy__(self, memo: Any) -> Any:
-        return self
-
-
-def _refuse_state(self: Any, state: Any) -> None:
-    raise PickleRefused(f"a pickle may not change the allow list's {getattr(self, 'name', type(self).__name__)}")
-
-
-def frozen(cls: type | None = None, **options: Any) -> Any:
-    """A frozen slots dataclass a pickle's BUILD cannot change: no `__dict__` to write, and the `__setstate__`
-    that dataclasses adds to frozen slots classes (it bypasses `frozen`) replaced by one that refuses."""
-
-    def make(cls: type) -> type:
-        made = dataclass(frozen=True, slots=True, **options)(cls)
-        made.__setstate__ = _refuse_state  # type: ignore[attr-defined]
-        return made
-
-    return make(cls) if cls is not None else make
 
 
 @frozen(eq=False)
@@ -87,7 +49,7 @@ class Allowed(Frozen):
         return self.function(*args)
 
 
-class TorchSize(tuple):  # type: ignore[type-arg]
+class TorchSize(tuple[int, ...]):
     """A torch.Size read from a pickle: a tuple that is written back as torch.Size."""
 
     __slots__ = ()
@@ -171,17 +133,18 @@ def _shared(dims: tuple[int, ...]) -> tuple[int, ...]:
 _DIMS: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
-def _view(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: DType, requires_grad: Any) -> TensorRef:
+def _view(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any) -> TensorRef:
+    """The tensor over `storage`, in the storage's dtype."""
     if not isinstance(storage, StorageRef) or type(storage_offset) is not int:
         raise PickleRefused("a tensor without a storage reference")
     shape, strides = _shared(_ints(size, "size")), _shared(_ints(stride, "stride"))
     if len(shape) != len(strides):
         raise PickleRefused("a tensor whose size and stride differ in length")
-    return TensorRef(storage, storage_offset, shape, strides, dtype, requires_grad is True)
+    return TensorRef(storage, storage_offset, shape, strides, storage.dtype, requires_grad is True)
 
 
 def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False, *_: Any) -> TensorRef:
-    return _view(storage, storage_offset, size, stride, getattr(storage, "dtype", None), requires_grad)  # type: ignore[arg-type]
+    return _view(storage, storage_offset, size, stride, requires_grad)
 
 
 def _rebuild_tensor_v3(
@@ -191,7 +154,7 @@ def _rebuild_tensor_v3(
     if not isinstance(storage, StorageRef) or not isinstance(dtype, DType):
         raise PickleRefused("a tensor without a storage reference or dtype")
     typed = StorageRef(storage.key, dtype, storage.numel // dtype.itemsize)
-    return _view(typed, storage_offset, size, stride, dtype, requires_grad)
+    return _view(typed, storage_offset, size, stride, requires_grad)
 
 
 def _with_attrs(ref: TensorRef, state: Any, **changes: Any) -> TensorRef:
@@ -460,7 +423,7 @@ def safe_loads(
     through its __setitem__ (so that they need never be held together); elsewhere it is a dict as usual. An OwnCopy
     is closed once loaded (or refused)."""
     small = isinstance(data, bytes) and not trust and len(data) <= _TENSOR_PICKLE_BYTES
-    key = (data, id(_table(extra))) if small else None
+    key = (data, id(_table(extra))) if isinstance(data, bytes) and small else None
     if key is not None and key in _TENSOR_PICKLES:
         return _TENSOR_PICKLES[key]
     own_copy = data if isinstance(data, pickle_stream.OwnCopy) else None

@@ -15,11 +15,13 @@ import sys
 import zipfile
 import zlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, BinaryIO, NamedTuple
 
 from ckpt_cli.core import meter
 from ckpt_cli.errors import DataError
 
+_zip_scan: ModuleType | None
 try:  # built by `pip install` where a C compiler is at hand (pyproject.toml: an optional extension)
     from ckpt_cli.core.pickles import _zip_scan
 except ImportError:
@@ -90,7 +92,8 @@ def read_archive(
     """
     if length is None:
         length = f.seek(0, 2) - start
-    window: _Window | io.BytesIO = _Window(f, start, length)
+    tail = _Window(f, start, length)
+    window: _Window | io.BytesIO = tail
     whole: bytes | None = None
     if length <= WHOLE_BYTES and getattr(f, "prefetch", None) is None:  # a small archive (a DCP chunk): one read, parsed in memory
         f.seek(start)
@@ -102,12 +105,12 @@ def read_archive(
             return shared[key], whole
         window = io.BytesIO(whole)
         if _zip_scan is not None:
-            records = _plain_records(whole, start)
-            if records is not None:
-                return records, whole
-    infos: list[Any] | None = _plain_directory(whole) if whole is not None else _tail_directory(window)  # type: ignore[arg-type]
+            plain = _plain_records(whole, start)
+            if plain is not None:
+                return plain, whole
+    infos: list[Any] | None = _plain_directory(whole) if whole is not None else _tail_directory(tail)
     try:
-        infos = infos or zipfile.ZipFile(window).infolist()  # type: ignore[arg-type]
+        infos = infos or zipfile.ZipFile(window).infolist()
     except (zipfile.BadZipFile, OSError, ValueError, struct.error, NotImplementedError) as exc:  # NotImplemented: a version past 6.3
         raise DataError(f"{where}: not a readable zip archive ({exc}); the file may be truncated") from exc
     if not infos:
@@ -143,7 +146,7 @@ def read_archive(
 def _plain_records(archive: bytes, start: int) -> dict[str, Record] | None:
     """read_records of an archive held whole, by core/pickles/_zip_scan.c: the records when the archive is laid out as
     torch.save writes one and read_records would accept every record; else None (the Python path then decides)."""
-    found = _zip_scan.records(archive)  # type: ignore[union-attr]
+    found = _zip_scan.records(archive) if _zip_scan is not None else None
     if found is None:
         return None
     # names interned: each of a wide DCP save's 200,000 chunk archives names the same few records

@@ -70,18 +70,20 @@ def write_file(
         return
     jobs: list[tuple[int, int, Callable[[SourceFiles], int]]] = []  # (segment, byte count, job -> CRC)
     deferred: list[tuple[int, Deferred]] = []
+    tensors: dict[int, TensorData] = {}  # segment index -> the tensor its jobs copy
     pos = 0
     for index, seg in enumerate(segments):
         if isinstance(seg, Literal):
             FileSink(fd, pos, None).write(seg.data)
         elif isinstance(seg, TensorData):
+            tensors[index] = seg
             jobs += _tensor_jobs(index, seg, fd, pos, advance, threads)
         elif isinstance(seg, Deferred):
             deferred.append((pos, seg))
         pos += seg.size
     assert pos == out.size, f"{out.relpath}: {pos} bytes of segments, planned {out.size}"
     crcs = _run_jobs(jobs, threads, cancel, check)
-    by_key = {segments[i].crc_key: crc for i, crc in crcs.items()}  # type: ignore[union-attr]
+    by_key = {key: crc for i, crc in crcs.items() if (key := tensors[i].crc_key) is not None}
     for offset, seg in deferred:
         data = seg.build(by_key)
         assert len(data) == seg.size, "deferred segment size differs from its plan"
@@ -123,12 +125,14 @@ def _tensor_jobs(
             return crc
 
         return [(index, seg.size, whole)]
-    jobs = []
+
+    def copy_chunk(chunk: list[ByteRun], at: int) -> Callable[[SourceFiles], int]:
+        return lambda sources: copy_runs(chunk, FileSink(fd, at, advance), sources, seg.crc_key is not None)
+
+    jobs: list[tuple[int, int, Callable[[SourceFiles], int]]] = []
     for chunk in split_runs(runs, CHUNK_BYTES):
         size = sum(n for _, _, n in chunk)
-        jobs.append(
-            (index, size, lambda sources, c=chunk, at=pos: copy_runs(c, FileSink(fd, at, advance), sources, seg.crc_key is not None))
-        )
+        jobs.append((index, size, copy_chunk(chunk, pos)))
         pos += size
     return jobs
 

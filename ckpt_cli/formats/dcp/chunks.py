@@ -17,7 +17,7 @@ import functools
 import itertools
 import math
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import Box, LazyPieces, Piece, StoredArray, contiguous_strides
@@ -122,11 +122,12 @@ def _layout(shape: tuple[int, ...], itemsize: int) -> tuple[tuple[int, ...], int
     return contiguous_strides(shape), math.prod(shape) * itemsize
 
 
-def _plain(piece: Piece, dtype: DType, record_name: str) -> bool:
-    """A chunk the packing rebuilds exactly: its own contiguous array over a record that is exactly its bytes."""
+def _plain(piece: Piece, dtype: DType, record_name: str) -> tuple[Record, Box] | None:
+    """A chunk the packing rebuilds exactly (its own contiguous array over a record that is exactly its bytes): its
+    record and box; else None."""
     data, box = piece.data, piece.region
     record = data.record
-    return (
+    plain = (
         isinstance(box, Box)
         and piece.data_start == 0
         and record is not None
@@ -138,19 +139,24 @@ def _plain(piece: Piece, dtype: DType, record_name: str) -> bool:
         and data.shape == box.sizes
         and data.stride == contiguous_strides(data.shape)
     )
+    return (record, box) if plain and record is not None and isinstance(box, Box) else None
 
 
-def pack(pieces: list[Piece], dtype: DType, shape: tuple[int, ...], paths: Paths) -> Sequence[Piece]:
+def pack(pieces: list[Piece], dtype: DType, shape: tuple[int, ...], paths: Paths) -> list[Piece] | LazyPieces:
     """`pieces` packed behind a LazyPieces when each is a plain chunk and there are several, else as they are."""
     if len(pieces) < 2 or pieces[0].data.record is None:
         return pieces
     record_name = pieces[0].data.record.name
-    if not all(_plain(p, dtype, record_name) for p in pieces):
-        return pieces
-    numbers = array("q")
+    plain: list[tuple[Record, Box]] = []
     for p in pieces:
-        numbers.extend((paths.number(p.data.path), p.data.offset, p.data.record.crc))  # type: ignore[union-attr]
-    boxes = tuple(p.region for p in pieces)
-    extents = paths.layouts.setdefault((boxes, shape), Extents(boxes, shape))  # type: ignore[arg-type]
+        found = _plain(p, dtype, record_name)
+        if found is None:
+            return pieces
+        plain.append(found)
+    numbers = array("q")
+    for p, (record, _) in zip(pieces, plain):
+        numbers.extend((paths.number(p.data.path), p.data.offset, record.crc))
+    boxes = tuple(box for _, box in plain)
+    extents = paths.layouts.setdefault((boxes, shape), Extents(boxes, shape))
     packed = PackedChunks(extents, numbers, paths, dtype, record_name)
     return LazyPieces(packed, len(pieces), span=packed.span, keep=False)

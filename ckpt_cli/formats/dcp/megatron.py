@@ -22,9 +22,9 @@ from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, Opaque, TensorEntry
 from ckpt_cli.core.paths import open_regular, present, read_regular_text
 from ckpt_cli.core.pickles import pickler, zipio
+from ckpt_cli.core.pickles.frozen import Frozen, Sealed, frozen
 from ckpt_cli.core.pickles.pickle_guard import PickleRefused, charge
 from ckpt_cli.core.pickles.pickler import Global, Instance, Reduce
-from ckpt_cli.core.pickles.safe_pickle import Frozen, Sealed, frozen
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats.dcp import reader as dcp
 from ckpt_cli.formats.torch_save import entries_from_tree, load_archive
@@ -230,7 +230,8 @@ def _expand_objects(ckpt: Checkpoint, options: ReadOptions) -> None:
             value, records = load_archive(f, f"{path} ('{name}' at {offset})", options, offset, length)
         tensors, objects, containers = entries_from_tree({name: value}, records, path)
         del ckpt.objects[name]
-        for entry in [*tensors.values(), *objects.values()]:
+        made: list[TensorEntry | ObjectEntry] = [*tensors.values(), *objects.values()]
+        for entry in made:
             entry.role = _role(name, "other")
         ckpt.tensors.update(tensors)
         ckpt.objects.update(objects)
@@ -261,7 +262,7 @@ def _details(ckpt: Checkpoint, config: dict[str, Any] | None) -> dict[str, Any]:
     details: dict[str, Any] = {
         "sharded_backend": f"{config['sharded_backend']} v{config.get('sharded_backend_version')}" if config else None,
         "layer_stacked_tensors": len(stacked),
-        "sharded_objects": len({str(x.path[0]) for x in [*ckpt.objects.values(), *ckpt.tensors.values()] if "/shard_" in str(x.path[0])}),
+        "sharded_objects": len({str(x.path[0]) for x in ckpt.entries() if "/shard_" in str(x.path[0])}),
     }
     args = next((o.value for o in ckpt.objects.values() if o.path == ("args",) and isinstance(o.value, Namespace)), None)
     if args is not None:
@@ -273,12 +274,13 @@ def _training_state(ckpt: Checkpoint) -> dict[str, Any]:
     """As inferred from names, with Megatron's own: optimizer state `optimizer.state.<kind>.<param key>`, sharded objects
     `<key>/shard_<offsets>_<grid>` (`rng_state/...`; a module's `_extra_state/...` is the model's)."""
     state = roles.infer_training_state(ckpt)
-    kinds = {t.name.split(".")[2] for t in ckpt.tensors.values() if t.role == "optimizer" and t.name.startswith("optimizer.state.")}
-    kinds = sorted(kinds - {"common_step"})
+    found = {t.name.split(".")[2] for t in ckpt.tensors.values() if t.role == "optimizer" and t.name.startswith("optimizer.state.")}
+    kinds = sorted(found - {"common_step"})
     if state["optimizer"] and kinds:
         adam = {"exp_avg", "exp_avg_sq"} <= set(kinds)
         state["optimizer"] |= {"kind": "Adam/AdamW" if adam else state["optimizer"]["kind"], "states": kinds}
-    keys = dict.fromkeys(str(x.path[0]) for x in [*ckpt.objects.values(), *ckpt.tensors.values()] if x.role != "model")
+    entries: list[ObjectEntry | TensorEntry] = [*ckpt.objects.values(), *ckpt.tensors.values()]
+    keys = dict.fromkeys(str(x.path[0]) for x in entries if x.role != "model")
     tops = {key: key.split("/", 1)[0].split(".", 1)[0].lower() for key in keys}
     rng = [name for name, top in tops.items() if top in roles.RNG_KEYS]
     if rng:

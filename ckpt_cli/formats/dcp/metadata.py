@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
 
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.paths import plain_component, shown
+from ckpt_cli.core.pickles.frozen import Sealed
 from ckpt_cli.core.pickles.pickle_guard import PickleRefused, charge
 from ckpt_cli.core.pickles.pickle_stream import OwnCopy, read_pickle_file
-from ckpt_cli.core.pickles.safe_pickle import Sealed, safe_loads
+from ckpt_cli.core.pickles.safe_pickle import safe_loads
 from ckpt_cli.errors import DataError
 
 
@@ -322,7 +323,7 @@ class SharedRecords:
             pass
 
 
-class SharedTensors(dict):  # type: ignore[type-arg]
+class SharedTensors(dict[str, Any]):
     """`.metadata`'s state_dict_metadata as the unpickler fills it (safe_loads' `fillers`): each tensor's chunk
     list and properties shared as it comes (SharedRecords), so that the 581,160 ChunkRecs of a 64-rank MoE
     checkpoint are freed a thousand at a time instead of held to the end of the load (~120 MB)."""
@@ -443,7 +444,7 @@ def _read(path: Path) -> bytes | OwnCopy:
 def load_metadata(path: Path, trust: bool, globals_table: dict[tuple[str, str], Any] = METADATA_GLOBALS) -> MetadataRec:
     """`.metadata` as records; its storage_data a StorageFiller and state_dict_metadata a SharedTensors (without
     the C rewrite, dicts): see `storage_index` and `shared_tensors`."""
-    fillers = {"storage_data": functools.partial(StorageFiller, path), "state_dict_metadata": SharedTensors}
+    fillers: dict[str, Callable[[], Any]] = {"storage_data": functools.partial(StorageFiller, path), "state_dict_metadata": SharedTensors}
     meta = safe_loads(_read(path), str(path), globals_table, trust, fillers)  # no name for the bytes: freed early
     if not isinstance(meta, MetadataRec) or not isinstance(getattr(meta, "state_dict_metadata", None), dict):
         raise DataError(f"{path}: not a DCP Metadata pickle")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,7 +81,7 @@ class _StoredAt:
 def _index_state(key: _IndexOf) -> Instance:
     if key.index is None:
         return Instance(_cls("MetadataIndex"), {"fqn": key.item.fqn, "index": None})
-    return Instance(_cls("MetadataIndex"), {"fqn": key.item.fqn, "index": key.index, "offset": TorchSize(key.item.offsets)})
+    return Instance(_cls("MetadataIndex"), {"fqn": key.item.fqn, "index": key.index, "offset": TorchSize(_offsets(key.item))})
 
 
 def _stored_state(at: _StoredAt) -> Instance:
@@ -91,7 +91,14 @@ def _stored_state(at: _StoredAt) -> Instance:
 
 def _chunk_state(item: Placed) -> Instance:
     """ChunkStorageMetadata(offsets, sizes) of a placed item: the items themselves are the tensors' chunk lists."""
-    return Instance(_cls("ChunkStorageMetadata"), {"offsets": TorchSize(item.offsets), "sizes": TorchSize(item.shape)})
+    return Instance(_cls("ChunkStorageMetadata"), {"offsets": TorchSize(_offsets(item)), "sizes": TorchSize(item.shape)})
+
+
+def _offsets(item: Placed) -> tuple[int, ...]:
+    """A tensor chunk's offsets (only a byte item, which is never indexed nor listed as a chunk, has none)."""
+    if item.offsets is None:
+        raise ValueError(f"{item.fqn}: a byte item has no chunk offsets")
+    return item.offsets
 
 
 _STORAGE_INFO = _cls("_StorageInfo", "torch.distributed.checkpoint.filesystem")
@@ -100,7 +107,7 @@ pickler.register(_StoredAt, _stored_state)
 
 
 def metadata_parts(
-    chunks: dict[str, tuple[TensorEntry, Chunks]],
+    chunks: Mapping[str, tuple[TensorEntry, Chunks]],
     planner: dict[str, Any],
     objects: list[Any],
     dest: Path,

@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeGuard
 
 from ckpt_cli import store
 from ckpt_cli.core import roles
@@ -269,7 +269,7 @@ def _object(files: _Files, fqn: str, info: StorageInfoRec, options: ReadOptions)
     return value, raw
 
 
-def _counts(values: Any) -> bool:
+def _counts(values: Any) -> TypeGuard[tuple[Any, ...] | list[Any]]:
     return isinstance(values, tuple | list) and all(is_count(v) for v in values)
 
 

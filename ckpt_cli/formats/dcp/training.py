@@ -29,11 +29,11 @@ class DCPTraining:
 
     def layout_of(self, ckpt: Checkpoint) -> str:
         """'get_state_dict', 'torchtitan' or 'flat' (a state dict with no optimizer), from key paths alone."""
-        return roles.key_layout([e.path for e in [*ckpt.tensors.values(), *ckpt.objects.values()]])
+        return roles.key_layout([e.path for e in ckpt.entries()])
 
     def read_state(self, ckpt: Checkpoint, need_optimizer: bool) -> TrainingState:
         layout = self.layout_of(ckpt)
-        tops = {str(e.path[0]) for e in [*ckpt.tensors.values(), *ckpt.objects.values()] if e.path}
+        tops = {str(e.path[0]) for e in ckpt.entries() if e.path}
         if layout == "get_state_dict":  # {"model": ..., "optimizer": ...} is common too
             return _from_nested(ckpt, "model", roles.optimizer_key(tops) or "optimizer")
         if layout == "torchtitan":
@@ -175,7 +175,8 @@ def to_dcp(state: TrainingState, layout: str, world: int, rule: str) -> Checkpoi
         containers[("optim", "param_groups")] = "list"
     if state.step is not None:
         put_object(("train_state", "step") if titan else ("step",), state.step)
-    extras, note = apply_per_rank_rule([*state.extra_objects, *state.extra_tensors], world, rule)
+    saved: list[ObjectEntry | TensorEntry] = [*state.extra_objects, *state.extra_tensors]
+    extras, note = apply_per_rank_rule(saved, world, rule)
     for extra in extras:
         if isinstance(extra, ObjectEntry):
             objects[extra.name] = extra

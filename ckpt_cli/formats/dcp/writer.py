@@ -203,7 +203,7 @@ def rank_plans(ckpt: Checkpoint, layout: Layout) -> tuple[Plan, dict[str, Any]]:
         split = layout.splits.get(entry.name)
         key = (entry.shape, split)
         if key not in boxes:  # thousands of tensors, a few shapes: each shape's boxes computed once, not per tensor
-            whole = [((0,) * len(entry.shape), None, everyone)]
+            whole: list[dcp_plan.Box] = [((0,) * len(entry.shape), None, everyone)]
             boxes[key] = whole if split is None else dcp_plan.boxes_with_holders(entry.shape, split, layout.mesh, same)
         tensors.append(TensorPlan(fqn, entry, boxes[key]))
     values = [dcp_plan.Item(obj.name, obj) for obj in byte_items(ckpt)]
@@ -246,7 +246,7 @@ def _per_rank_view(ckpt: Checkpoint, world: int, rule: str) -> tuple[Checkpoint,
     """Per-rank values (dataloader positions, RNG states) re-keyed for the new world size by `rule`."""
     if ckpt.details.get("per_rank_applied"):  # a training state laid out for `world` ranks already
         return ckpt, None
-    extras = [*ckpt.objects.values(), *(t for t in ckpt.tensors.values() if t.role == "other")]
+    extras: list[ObjectEntry | TensorEntry] = [*ckpt.objects.values(), *(t for t in ckpt.tensors.values() if t.role == "other")]
     entries, note = apply_per_rank_rule(extras, world, rule)
     if not note:
         return ckpt, None

@@ -41,7 +41,7 @@ def frozen_and_buffers(first: Any, models: Mapping[int, Any], world: int, stage:
         # Stage 1 saves no frozen_* keys (zero_to_fp32 then drops frozen params); `module` still has them whole.
         owned = {n for group in model.get("param_shapes") or [] for n in group} | set(model.get("shared_params") or {})
         for name, ref in module.items():
-            if isinstance(ref, TensorRef) and name not in owned and name not in out and math.prod(ref.shape):
+            if isinstance(ref, TensorRef) and name not in owned and name not in out and math.prod(ref.shape) != 0:
                 out[name] = TensorEntry(name, ref.dtype, ref.shape, "model", first.whole(ref))
     return out
 
@@ -55,7 +55,7 @@ def training_dtype_weights(first: Any, stage: int | None) -> dict[str, TensorEnt
     out = {}
     for name in owned if stage != 3 else []:
         ref = module.get(name)
-        if isinstance(ref, TensorRef) and math.prod(ref.shape):
+        if isinstance(ref, TensorRef) and math.prod(ref.shape) != 0:
             path, full = ("module", name), f"module.{name}"
             out[full] = TensorEntry(full, ref.dtype, ref.shape, "other", first.whole(ref), path, copy_of=name)
     return out

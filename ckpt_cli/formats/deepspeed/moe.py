@@ -167,7 +167,7 @@ def read_experts(
                 )
     num_experts = [int(n) for n in tree["num_experts"]]
     experts = load_expert_files(folder, num_experts, load)
-    module_group = {m: g for g, shapes in enumerate(tree.get("param_shapes") or []) for n in shapes if (m := zl.expert_module(n))}
+    module_group = {module: g for g, shapes in enumerate(tree.get("param_shapes") or []) for n in shapes if (module := zl.expert_module(n))}
     num_local: dict[str, int] = {}
     modules: dict[int, str] = {}
     for (layer, _), f in experts.items():

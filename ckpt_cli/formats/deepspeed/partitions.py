@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from ckpt_cli.core import dtypes
@@ -22,6 +23,9 @@ class ZeroFile(Protocol):
 
     @property
     def tree(self) -> Any: ...
+
+    @property
+    def path(self) -> Path | str: ...  # as messages name it
 
     def array(self, ref: TensorRef) -> StoredArray: ...
 

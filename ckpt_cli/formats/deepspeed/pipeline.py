@@ -129,7 +129,9 @@ def _layer_tensors(layers: Mapping[str, Any], params: Mapping[str, TensorEntry],
     anything else (a tied layer's copy, whose parameter is named after the tie) as `module.layer_XX.<key>`."""
     out = {}
     for file_name, f in layers.items():
-        index = int(LAYER_INDEX.match(file_name).group(1))  # type: ignore[union-attr]
+        match = LAYER_INDEX.match(file_name)
+        assert match, f"{file_name}: read as a layer file (PIPELINE_LAYER), so named layer_<index>"
+        index = int(match.group(1))
         for key, ref in f.tree.items():
             if not isinstance(ref, TensorRef):
                 continue

@@ -13,9 +13,10 @@ from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import LazyPieces, StoredArray
 from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.pickles import pickler, zipio
+from ckpt_cli.core.pickles.frozen import Sealed
 from ckpt_cli.core.pickles.pickle_guard import charge
 from ckpt_cli.core.pickles.pickler import Global, Instance, Reduce
-from ckpt_cli.core.pickles.safe_pickle import Sealed, TensorRef
+from ckpt_cli.core.pickles.safe_pickle import TensorRef
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats.deepspeed.partitions import WholePiece
 from ckpt_cli.formats.torch_save import Shared, check_archive, load_archive, stored_array
@@ -59,9 +60,15 @@ _STUBS = {
 DS_GLOBALS: dict[tuple[str, str], Any] = {where: cls for cls, where in _STUBS.items()}
 DS_GLOBALS[("deepspeed.runtime.zero.config", "ZeroStageEnum")] = ZeroStage
 
+
+def _as_instance(g: Global) -> Callable[[Any], Instance]:
+    """Describe a stub as an instance of `g`, its state less `args`."""
+    return lambda obj: Instance(g, {k: v for k, v in obj.__dict__.items() if k != "args"})
+
+
 # Written back with the same pickle globals, so DeepSpeed reads what ckpt writes (docs/formats.md §2.5).
 for _cls, (_module, _name) in _STUBS.items():
-    pickler.register(_cls, lambda obj, g=Global(_module, _name): Instance(g, {k: v for k, v in obj.__dict__.items() if k != "args"}))
+    pickler.register(_cls, _as_instance(Global(_module, _name)))
 pickler.register(ZeroStage, lambda v: Reduce(Global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(v),)))
 
 

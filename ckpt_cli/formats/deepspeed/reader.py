@@ -126,7 +126,7 @@ class ZeroSource(Protocol):
     @property
     def optim_prefix(self) -> str: ...  # "bf16_" or ""
     @property
-    def dtypes(self) -> dict[str, Any]: ...  # the logical tensors as read: a writer refuses a view that selected, renamed or cast
+    def dtypes(self) -> bytes: ...  # dtypes.dtype_digest of the tensors read: a writer refuses a view that selected, renamed or cast
     @property
     def copies(self) -> Mapping[str, ZeroFile]: ...  # files written again as they are, by name (MoE expert files)
 
@@ -280,7 +280,7 @@ class DeepSpeedReader:
             notes=notes,
         )
         ckpt.training_state = self._training_state(ckpt, wrapper)
-        prefix = "bf16_" if any(OPTIM_STATES.match(p.name).group(1) for p in optim_paths.values()) else ""
+        prefix = "bf16_" if any((m := OPTIM_STATES.match(p.name)) and m.group(1) for p in optim_paths.values()) else ""
         dtypes_read = dtype_digest(tensors)
         ckpt.source = Source(
             folder, stage, world, first_model, models, optims, layout, prefix, dtypes_read, moe.copies if moe else {}, stage_of
@@ -322,7 +322,7 @@ class DeepSpeedReader:
 
     def _precision(self, model: dict[str, Any], optim_paths: dict[int, Path]) -> str:
         config = model.get("ds_config") or {}
-        if any(OPTIM_STATES.match(p.name).group(1) for p in optim_paths.values()):
+        if any((m := OPTIM_STATES.match(p.name)) and m.group(1) for p in optim_paths.values()):
             return "bf16"
         if (config.get("fp16") or {}).get("enabled"):
             return "fp16"
@@ -339,9 +339,9 @@ class DeepSpeedReader:
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
         if isinstance(ckpt.source, deepspeed_pipeline.PipelineSource):  # each stage's files, then every file's CRCs
-            stages = [p for stage in ckpt.source.stages for p in self.check(stage, False)]
-            stages += deepspeed_pipeline.missing_layers(ckpt.source)
-            return list(dict.fromkeys(stages)) + (self.check(replace(ckpt, source=None), True) if deep else [])
+            found = [p for stage in ckpt.source.stages for p in self.check(stage, False)]
+            found += deepspeed_pipeline.missing_layers(ckpt.source)
+            return list(dict.fromkeys(found)) + (self.check(replace(ckpt, source=None), True) if deep else [])
         problems = []
         root = location(ckpt.path)
         if ckpt.details.get("tag_from") == "latest" and ckpt.tag:

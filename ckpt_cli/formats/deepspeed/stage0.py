@@ -48,7 +48,7 @@ def deal_in_order(
 
     def options(i: int, at: tuple[int, ...]) -> list[int]:
         shape = params[i][1]
-        out = [j for j, g in enumerate(groups) if at[j] < sizes[j] and (g[at[j]] is None or tuple(g[at[j]]) == shape)]
+        out = [j for j, g in enumerate(groups) if at[j] < sizes[j] and ((slot := g[at[j]]) is None or tuple(slot) == shape)]
         return out + [-1] if i - sum(at) < spare else out
 
     def advance(at: tuple[int, ...], j: int) -> tuple[int, ...]:

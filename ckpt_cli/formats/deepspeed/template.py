@@ -107,6 +107,7 @@ class TreeFile:
     """A built file's tree (a ZeroFile): its tensors are TensorEntries already, with no stored references."""
 
     tree: Any
+    path: str = "the built DeepSpeed tree"
 
     def array(self, ref: TensorRef) -> StoredArray:
         raise TypeError("a built DeepSpeed tree holds TensorEntries, not stored tensor references")
@@ -169,7 +170,8 @@ def build(state: TrainingState, tgt: Target, tag: str, rule: str) -> Checkpoint:
         if tensors[p].dtype != dtypes.FLOAT32 or any(e.dtype != dtypes.FLOAT32 for e in state.moments[p].values() if e.shape):
             raise UsageError(f"{p}: DeepSpeed keeps fp32 master weights and moments; the source holds {tensors[p].dtype.name}")
     training_dtype = dtypes.BY_NAME["bfloat16"] if tgt.precision == "bf16" else dtypes.FLOAT32
-    extras, note = apply_per_rank_rule([*state.extra_objects, *state.extra_tensors], tgt.world, rule)
+    saved: list[ObjectEntry | TensorEntry] = [*state.extra_objects, *state.extra_tensors]
+    extras, note = apply_per_rank_rule(saved, tgt.world, rule)
     opaque = [o.name for o in extras if isinstance(o, ObjectEntry) and isinstance(o.value, Opaque)]
     if opaque:
         raise UsageError(f"cannot write non-tensor values that were not parsed: {', '.join(opaque[:3])} (try --trust-pickle)")

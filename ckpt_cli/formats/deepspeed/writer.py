@@ -129,7 +129,9 @@ def _ranks(n: int, kind: str = "") -> str:
     return f"{n} {kind}rank{'s' if n != 1 else ''}"
 
 
-def _expert_layout(src: ZeroSource, world: int, asked: int | None, round_robin: bool) -> tuple[ZeroLayout, str | None]:
+def _expert_layout(
+    src: ZeroSource, world: int, asked: tuple[tuple[str, int], ...] | None, round_robin: bool
+) -> tuple[ZeroLayout, str | None]:
     """MoE: the layout to write (the saved one, or its MoE groups rebuilt at new expert-parallel sizes: each kept where it
     divides the new world size, else changed, or all set by --ep-size) and a note saying what the load needs."""
     experts = src.layout.experts

@@ -302,7 +302,10 @@ class DTensorRanksReader:
         model = _complete(path, "model", sets.get("model", {}), None)
         world = len(model)
         config = fsdp_config(path, world)
-        listed = {"model": model, **{k: _complete(path, k, sets[k], world) for k in ("optim", "extra_state") if k in sets}}
+        listed: dict[str, list[Path]] = {
+            "model": model,
+            **{k: _complete(path, k, sets[k], world) for k in ("optim", "extra_state") if k in sets},
+        }
         tensors: dict[str, TensorEntry] = {}
         objects: dict[str, ObjectEntry] = {}
         containers: dict[PathKey, str] = {}

@@ -163,7 +163,7 @@ class _Kinds:
 
 def _kinds(ckpt: Checkpoint) -> _Kinds:
     kinds = _Kinds([], [], [])
-    for entry in [*ckpt.tensors.values(), *ckpt.objects.values()]:
+    for entry in ckpt.entries():
         if entry.role == "optimizer" and entry.path[:1] == ("optimizer",):
             kinds.optim.append((entry.path[1:], entry))
         elif entry.role == "model":
@@ -289,12 +289,13 @@ class _RankBuild:
                 items.append((path, self.world if path == ("world_size",) else self.rank))
                 continue
             items.append((path, entry.value if isinstance(entry, ObjectEntry) else out.tensor(entry)))
-        containers = {}
+        containers: dict[PathKey, str] = {}
         for k, v in self.ckpt.containers.items():
             if k[:1] != ("rng",):
                 containers[k] = v
             elif len(k) > 1 and k[1] == keep:
-                containers[("rng", *k[2:])] = v
+                kept: PathKey = ("rng", *k[2:])  # bound first: mypy takes a starred tuple in brackets for 3.11 syntax
+                containers[kept] = v
         return items, containers
 
 

@@ -112,7 +112,7 @@ def _read_part(run: RunCheckpoint, part: Part, options: ReadOptions) -> Checkpoi
     return registry.get(part.format).reader.read(run.part_path(part), dataclasses.replace(options, tag=tag))
 
 
-def _size(path: os.PathLike[str]) -> int:
+def _size(path: str | os.PathLike[str]) -> int:
     try:
         return store.size(path)
     except OSError:
