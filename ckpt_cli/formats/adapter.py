@@ -189,10 +189,10 @@ def adapter_of(config: dict[str, Any], tensors: dict[str, TensorEntry], where: s
         if found is None:
             problems.append(f"{weights}: '{key}' is not a LoRA weight (lora_A, lora_B, lora_magnitude_vector); ckpt cannot apply it")
             continue
-        module, part = found
-        if part in parts.setdefault(module, {}):
-            problems.append(f"{weights}: '{key}' and '{parts[module][part]}' are both {part} of '{module}'")
-        parts[module][part] = key
+        path, part = found
+        if part in parts.setdefault(path, {}):
+            problems.append(f"{weights}: '{key}' and '{parts[path][part]}' are both {part} of '{path}'")
+        parts[path][part] = key
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     modules: dict[str, Module] = {}
     for name, got in parts.items():

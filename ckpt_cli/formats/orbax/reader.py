@@ -8,6 +8,7 @@ model; optax's Adam/AdamW state (`mu`, `nu`, `count` under `opt_state`) is optim
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -106,7 +107,7 @@ class OrbaxReader:
                 )
                 numel = math.prod(info.shape)
                 stored_at = StoredArray(str(where), 0, info.dtype, (numel,), (1,))
-                pieces = LazyPieces(lambda a=stored_at, n=numel: [Piece(FlatRange(0, n), a)], count=1, by_layout=True)
+                pieces = LazyPieces(functools.partial(_whole, stored_at, numel), count=1, by_layout=True)
                 tensors[name] = TensorEntry(name, info.dtype, info.shape, _role(leaf.keys, groups), pieces, derived=derived)
                 spec = shardings.get(leaf.name)
                 if spec is not None:
@@ -238,3 +239,8 @@ def _training_state(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 READER = OrbaxReader()
+
+
+def _whole(stored: StoredArray, numel: int) -> list[Piece]:
+    """The one flat piece a computed array stands on (its bytes are read through tensorstore, not this range)."""
+    return [Piece(FlatRange(0, numel), stored)]
