@@ -405,7 +405,7 @@ def ds_moe(tmp_path_factory) -> Path:
     reference.pt's layout."""
 
     def build(root: Path) -> None:
-        torchrun(2, "deepspeed/moe.py", "save", root / "w2", *DS_MOE_W2)
+        torchrun(2, "deepspeed_moe.py", "save", root / "w2", *DS_MOE_W2)
         tasks: dict[int, list[str]] = {1: [], 2: [], 4: []}
         reshards: dict[int, list[tuple[Path, Path, tuple[str, ...]]]] = {2: [], 4: []}
         for config, src, dst in DS_MOE_RESHARDS:
@@ -418,11 +418,11 @@ def ds_moe(tmp_path_factory) -> Path:
             reshards[src].append((root / f"w{src}" / config, root / "reshard" / name, ("--world-size", str(dst), *options)))
         for source, dest, options in reshards[2]:
             ckpt_quiet("reshard", source, dest, *options)
-        torchrun(4, "deepspeed/moe.py", "save", root / "w4", *DS_MOE_W4, "+", "load", *tasks[4])
+        torchrun(4, "deepspeed_moe.py", "save", root / "w4", *DS_MOE_W4, "+", "load", *tasks[4])
         for source, dest, options in reshards[4]:
             ckpt_quiet("reshard", source, dest, *options)
-        torchrun(2, "deepspeed/moe.py", "load", *tasks[2])
-        torchrun(1, "deepspeed/moe.py", "load", *tasks[1])
+        torchrun(2, "deepspeed_moe.py", "load", *tasks[2])
+        torchrun(1, "deepspeed_moe.py", "load", *tasks[1])
 
     return built_once(tmp_path_factory, "ds_moe", build)
 

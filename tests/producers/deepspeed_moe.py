@@ -1,8 +1,8 @@
 """Real DeepSpeed MoE (expert parallel, deepspeed.moe.layer.MoE) under ZeRO-1/2 on the CPU (gloo), under torchrun.
 
-    torchrun --nproc-per-node W deepspeed/moe.py save OUT CONFIG...    CONFIG = stage{0,1,2}-{fp32,bf16,bf16acc32}-ep{E}[-dbe][-mixed]
-    torchrun --nproc-per-node W deepspeed/moe.py load SRC:CONFIG:OUT...
-    torchrun --nproc-per-node W deepspeed/moe.py save OUT CONFIG... + load SRC:CONFIG:OUT...   (both, one launch)
+    torchrun --nproc-per-node W deepspeed_moe.py save OUT CONFIG...    CONFIG = stage{0,1,2}-{fp32,bf16,bf16acc32}-ep{E}[-dbe][-mixed]
+    torchrun --nproc-per-node W deepspeed_moe.py load SRC:CONFIG:OUT...
+    torchrun --nproc-per-node W deepspeed_moe.py save OUT CONFIG... + load SRC:CONFIG:OUT...   (both, one launch)
 
 CONFIG: the ZeRO stage (0: no ZeRO, DeepSpeed then writes expp_rank_* optimizer files), the precision (bf16acc32:
 BF16_Optimizer), the expert-parallel size E of the MoE layers (`moe`: 4 experts at E, `moe2`: 2 experts at min(E, 2)),
