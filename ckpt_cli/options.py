@@ -340,10 +340,16 @@ class Options:
 _GROUP_FIELD = {LayoutOptions: "layout", SelectOptions: "select", SourceOptions: "source", CrossOptions: "cross", RunOptions: "run"}
 
 
-def gather(command: str, values: Mapping[str, Any]) -> Options:
+def gather(command: str, values: Mapping[str, Any], refused: frozenset[str] = frozenset(), where: str = "") -> Options:
     """The groups from keyword values named as the fields (the API's call, the CLI's parsed flags). UsageError naming
-    an option the command does not take (and the close names it does)."""
-    taken = {f.name: group for group, f in fields(command)}
+    an option the command does not take (and the close names it does), or one of `refused` (`where` says where it
+    goes instead). A bare string given for a repeatable option is one value, not its characters."""
+    taken = {f.name: group for group, f in fields(command) if f.name not in refused}
+    misplaced = [name for name in values if name in refused]
+    if misplaced:
+        raise UsageError(f"{command} takes no option {misplaced[0]!r} here{where}")
+    repeatable = {f.name for _, f in fields(command) if flag_of(f).kind == "strs" and f.name != "ep_size"}
+    values = {k: (v,) if k in repeatable and isinstance(v, str) else v for k, v in values.items()}
     unknown = [name for name in values if name not in taken]
     renamed = [name for name in unknown if RENAMED.get(name) in taken]
     if renamed:

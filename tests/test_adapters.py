@@ -167,8 +167,10 @@ def _damaged(adapters: dict, tmp_path: Path, how: str) -> Path:
         tensors["base_model.model.model.layers.7.self_attn.q_proj.lora_B.weight"] = torch.zeros(32, 4)
     elif how == "base shape":
         tensors[f"{q}.lora_A.weight"] = torch.zeros(4, 48)
+    elif how == "bad pattern":
+        config["rank_pattern"] = {"(": 3, "q_proj": 4}
     save_file(tensors, weights)
-    if how in ("bad r", "not applicable"):
+    if how in ("bad r", "not applicable", "bad pattern"):
         (folder / "adapter_config.json").write_text(json.dumps(config))
     return folder
 
@@ -182,6 +184,7 @@ DAMAGED = [  # how, what verify and --adapter name, the exit code of a merge wit
     ("not applicable", "fan_in_fan_out", 1),
     ("not in base", "'model.layers.7.self_attn.q_proj.weight', which", 2),
     ("base shape", "is [32, 32] in the base", 2),
+    ("bad pattern", "rank_pattern key '(' is not a regular expression", 1),
 ]
 
 
@@ -222,3 +225,31 @@ def test_keys_with_an_adapter_name_and_bands_of_rows():
         entry = TensorEntry("w", f32, (rows, cols), "model", [])
         bands = [count // cols for _, count in LoraMerged(entry, entry, entry, None, 1.0, f32).windows()]
         assert sum(bands) == rows and (len(bands) == 1 or min(bands) >= MIN_ROWS), bands
+
+
+def test_an_adapter_is_refused_where_a_write_keeps_the_optimizer_partitions(ckpt, adapters, tmp_path):
+    """A DeepSpeed reshard keeps its ZeRO partitions: merged weights cannot go there. Refused when planned (exit 2,
+    nothing written), not partway through the write; --weights-only writes them."""
+    base = tmp_path / "ds"
+    assert ckpt("demo", tmp_path / "demo", "--quiet").code == 0
+    demo_ds = tmp_path / "demo" / "deepspeed"
+    res = ckpt("reshard", demo_ds, base, "--world-size", "1", "--adapter", adapters["made"]["lora"]["dir"])
+    assert res.code == 2 and "not a training state" in res.err and len(res.err.strip().splitlines()) == 1, res.err
+    assert not base.exists()
+
+
+def test_an_empty_base_weight_stays_empty(tmp_path):
+    """A weight with no columns merges to itself (nothing to add), not a division by zero."""
+    import ckpt_cli
+
+    save_file({"m.weight": torch.zeros(4, 0)}, str(tmp_path / "b.safetensors"))
+    folder = tmp_path / "a"
+    folder.mkdir()
+    save_file(
+        {"base_model.model.m.lora_A.weight": torch.zeros(2, 0), "base_model.model.m.lora_B.weight": torch.ones(4, 2)},
+        str(folder / "adapter_model.safetensors"),
+    )
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["m"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    ckpt_cli.convert(tmp_path / "b.safetensors", tmp_path / "o.safetensors", to="safetensors", adapter=folder)
+    assert load_file(tmp_path / "o.safetensors")["m.weight"].shape == (4, 0)

@@ -172,3 +172,19 @@ def test_exclude_of_everything_is_refused(ckpt, tiny_llama, tmp_path):
     res = ckpt("merge", root / "single", tmp_path / "m.safetensors", "--exclude", "*")
     assert res.code == 2 and res.err.strip() == "ckpt: error: --exclude * leaves no tensor to write"
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_run_options_belong_to_the_run_and_a_string_is_one_glob(tiny_llama, tmp_path):
+    """A request carries what is written; how it runs goes to ckpt_cli.write (a dry_run given to a request is refused,
+    not dropped). A bare string for a repeatable option is one value, not its characters."""
+    _, root = tiny_llama
+    src = root / "single"
+    with pytest.raises(UsageError, match="'dry_run' here: pass it to ckpt_cli.write"):
+        ckpt_cli.split_request(src, tmp_path / "s", num_shards=2, dry_run=True)
+    with pytest.raises(UsageError, match="'quiet' here"):
+        ckpt_cli.split(src, tmp_path / "s", quiet=True)
+    report = ckpt_cli.convert(src, tmp_path / "one", to="safetensors", filter="model.norm.weight")
+    assert sum(f["tensors"] for f in report.files) == 1
+    report = ckpt_cli.convert(src, tmp_path / "most", to="safetensors", exclude="model.norm.weight")
+    assert sum(f["tensors"] for f in report.files) == len(ckpt_cli.open(src)) - 1
+    assert not (tmp_path / "s").exists()

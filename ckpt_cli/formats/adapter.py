@@ -135,12 +135,21 @@ class Adapter:
 def pattern_key(patterns: dict[str, Any], module: str) -> str | None:
     """peft's get_pattern_key: the first pattern key that matches the end of the module's path (as a regex)."""
     for key in patterns:
-        try:
-            if re.match(rf"(.*\.)?({key})$", module):
-                return key
-        except re.error:
-            return None
+        if re.match(rf"(.*\.)?({key})$", module):  # keys are checked as expressions when the config is read
+            return key
     return None
+
+
+def pattern_problems(config: dict[str, Any], where: str) -> list[str]:
+    """A rank_pattern or alpha_pattern key that is no regular expression (peft raises on it): one problem each."""
+    problems = []
+    for table in ("rank_pattern", "alpha_pattern"):
+        for key in config.get(table) or {}:
+            try:
+                re.compile(rf"(.*\.)?({key})$")
+            except re.error as exc:
+                problems.append(f"{where}: {table} key {key!r} is not a regular expression ({exc})")
+    return problems
 
 
 def split_key(key: str) -> tuple[str, str] | None:
@@ -193,6 +202,9 @@ def adapter_of(config: dict[str, Any], tensors: dict[str, TensorEntry], where: s
         if part in parts.setdefault(path, {}):
             problems.append(f"{weights}: '{key}' and '{parts[path][part]}' are both {part} of '{path}'")
         parts[path][part] = key
+    bad_patterns = pattern_problems(config, where)
+    if bad_patterns:
+        return Adapter(str(Path(where).parent), config, {}, problems + bad_patterns)
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     modules: dict[str, Module] = {}
     for name, got in parts.items():

@@ -54,6 +54,10 @@ class LoraMerged:
 
     def read(self, start: int, count: int, sources: Any) -> Any:
         rows, cols = self.base.shape
+        if count == 0 or cols == 0:  # nothing to merge into: an empty weight stays empty
+            import torch
+
+            return torch.empty(count, dtype=self.out.torch())
         first, last = start // cols, -(-(start + count) // cols)
         merged = self.rows(first, last, sources).reshape(-1)
         skip = start - first * cols

@@ -56,7 +56,7 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     write = layout_for(target, write, None if carries else ckpt.world_size)
     adapter = request.source.adapter
     if adapter is not None:
-        adapters.check_combination(cross.names_given, carries, adapter)
+        adapters.check_combination(cross.names_given, carries or _keeps_partitions(ckpt, target, t), adapter)
     if carries:
         if cross.names.splits:
             raise UsageError("a name map's split applies to weight exports (hf, safetensors, torch), not to training-state conversions")
@@ -124,6 +124,12 @@ def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transfo
     return target.training.changes_layout(ckpt, _state_options(write_world=None, cross=cross))
 
 
+def _keeps_partitions(ckpt: Checkpoint, target: registry.Format, t: transform.Transform) -> bool:
+    """A write whose writer lays out its own format's partitions from the source's (a DeepSpeed or dtensor reshard: the
+    registry row's writes_any_state_dict False) keeps them: merged weights cannot go there, only into a weights write."""
+    return not target.writes_any_state_dict and ckpt.format == target.name and not t.weights_only
+
+
 def layout_for(target: registry.Format, write: WriteOptions, source_world: int | None) -> WriteOptions:
     """The one place the layout options meet the target's registry row: which options the target takes, and the world
     size a target laid out by ranks needs (--world-size, or for a weights write the source's where the row allows)."""
@@ -154,7 +160,7 @@ def training_view(
     assert target.training is not None
     if t != transform.Transform():
         raise UsageError(
-            "carrying training state between frameworks keeps every tensor as it is: --filter, --strip-prefix, --add-prefix "
+            "carrying training state between frameworks keeps every tensor as it is: --filter, --exclude, --strip-prefix, --add-prefix "
             "and --dtype do not apply (rename parameters with --rename or --name-map; --weights-only writes the weights alone)"
         )
     state = crossframework.from_checkpoint(ckpt, cross.names)

@@ -7,6 +7,7 @@ and run them, so that both check, plan and word things the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -249,7 +250,7 @@ def run(
     command: str, src: str | Path, dest: str | Path, to: str | None, values: Mapping[str, Any], progress: Progress | None = None
 ) -> WriteReport:
     """A writing command from keyword values named as its options (the API's call): plan, and write unless dry_run."""
-    chosen = options.gather(command, values)
+    chosen = options.gather(command, values, options.API_SKIPS, " (the API returns reports; it prints nothing)")
     prepared = prepare(request(command, src, dest, to, chosen))
     if chosen.run.dry_run:
         return prepared.dry_run(chosen.run.overwrite)
@@ -258,4 +259,5 @@ def run(
 
 def request_of(command: str, src: str | Path, dest: str | Path, to: str | None, values: Mapping[str, Any]) -> Request:
     """The Request of a writing command from keyword values named as its options."""
-    return request(command, src, dest, to, options.gather(command, values))
+    run_only = frozenset(f.name for f in dataclasses.fields(options.RunOptions))
+    return request(command, src, dest, to, options.gather(command, values, run_only, ": pass it to ckpt_cli.write(request, ...)"))
