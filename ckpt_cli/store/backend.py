@@ -128,7 +128,7 @@ class ObjectBackend(Backend, Client, Protocol):
         ...
 
     def unfinished_keys(self, dest: Location) -> list[str]:
-        """Keys at or under `dest` whose write started and never completed (invisible, but stored)."""
+        """Keys at or under `dest` (a key, never a root) whose write started and never completed (invisible, but stored)."""
         ...
 
     def drop_unfinished(self, dest: Location) -> None:

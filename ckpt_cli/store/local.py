@@ -80,9 +80,7 @@ def process_gone(owner: str) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OverflowError:  # no process can have such a PID
+    except (ProcessLookupError, OverflowError):  # gone, or no process can have such a PID
         return True
     except PermissionError:  # alive, another user's
         return False
