@@ -95,14 +95,10 @@ class Backend(Protocol):
         ...
 
 
-class ObjectWriter(Protocol):
-    """One object being written in order (store/parts.py's PartWriter): visible only after `commit`."""
+class ObjectWriter(File, Protocol):
+    """One object being written in order (store/parts.py's PartWriter; `fd` None): visible only after `commit`."""
 
     path: Location
-
-    def write(self, data: Any) -> None: ...
-    def commit(self) -> None: ...
-    def abort(self) -> None: ...
 
 
 class MakeWriter(Protocol):
