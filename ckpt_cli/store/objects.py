@@ -62,8 +62,7 @@ class ObjectStore:
     def exists(self, path: PathLike) -> bool:
         return remote(path).exists()
 
-    def lexists(self, path: PathLike) -> bool:
-        return remote(path).exists()  # object storage has no links
+    lexists = exists  # object storage has no links
 
     def present(self, path: Path) -> bool:
         return remote(path).is_file()
