@@ -103,34 +103,4 @@ def __getattr__(name: str) -> object:  # no typing import: ckpt starts without i
 
 
 __version__ = "0.1.0"
-__all__ = [
-    "Checkpoint",
-    "CkptError",
-    "PreparedWrite",
-    "Request",
-    "DataError",
-    "Report",
-    "TensorInfo",
-    "Tree",
-    "UnsafePickleError",
-    "UsageError",
-    "WriteReport",
-    "__version__",
-    "convert",
-    "convert_request",
-    "diff",
-    "inspect",
-    "merge",
-    "merge_request",
-    "open",
-    "open_checkpoint",
-    "parity",
-    "ParityReport",
-    "prepare",
-    "reshard",
-    "reshard_request",
-    "split",
-    "split_request",
-    "verify",
-    "write",
-]
+__all__ = ["CkptError", "DataError", "UnsafePickleError", "UsageError", "__version__", "open_checkpoint", *_API]

@@ -115,11 +115,6 @@ def from_safetensors(code: str, where: str) -> DType:
         raise DataError(f"{where}: unsupported safetensors dtype '{code}'") from None
 
 
-def from_torch(dtype: Any) -> DType:
-    """Map a torch.dtype to the table."""
-    return by_name(str(dtype).removeprefix("torch."))
-
-
 def dtype_digest(tensors: Mapping[str, Any]) -> bytes:
     """A digest of the tensors' names and dtypes, in order: a source keeps it to tell whether a view selected, renamed
     or cast tensors before a reshard that copies them as they are. A dict of them held 3.7 MB for 82,080 tensors, to

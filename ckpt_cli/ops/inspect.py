@@ -68,11 +68,8 @@ def _quantization(scheme: Scheme | None) -> dict[str, Any]:
 
 def unread_values(ckpt: Checkpoint) -> list[dict[str, Any]]:
     """Every value ckpt left unparsed: a pickle the allow list refused (its global named) or one it cannot read."""
-    out = []
-    for obj in ckpt.objects.values():
-        if isinstance(obj.value, Opaque):
-            out.append({"name": obj.name, "reason": obj.value.reason, "refused_global": obj.value.unsafe_global})
-    return out
+    opaque = [obj for obj in ckpt.objects.values() if isinstance(obj.value, Opaque)]
+    return [{"name": o.name, "reason": o.value.reason, "refused_global": o.value.unsafe_global} for o in opaque]
 
 
 def run_root(resolved: Resolved) -> list[dict[str, Any]] | None:

@@ -33,10 +33,6 @@ class Quantized:
         """The stored tensors its dequantized value is computed from."""
         return tuple(n for n in (self.values, self.scales, self.zero_point, self.global_scale) if n)
 
-    def values_per_element(self) -> int:
-        """Weight values a stored element of `values` holds (packed formats hold several)."""
-        return {"mxfp4": 2, "ct-nvfp4": 2, "ct-pack": 32 // self.bits}.get(self.method, 1)
-
 
 @dataclass
 class Scheme:

@@ -29,7 +29,6 @@ from ckpt_cli.options import CrossOptions, LayoutOptions, Options
 from ckpt_cli.store import location
 
 Progress = Callable[[int], None]  # called with the number of bytes written since the last call
-Size = int | str  # bytes, or as users write them: 5GB, 500MB, 2GiB
 EpSize = Union[int, str, Sequence[str], Mapping[str, int], None]  # 4, "moe=4", ["2", "layers.3.moe=4"], {"": 2, "moe": 4}
 
 

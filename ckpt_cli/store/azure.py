@@ -23,15 +23,6 @@ from ckpt_cli.store.location import Location
 from ckpt_cli.store.objects import ObjectStore
 from ckpt_cli.store.parts import PartWriter, part_size
 
-INSTALL_HINT = "the azure extra: pip install 'ckpt-tools[azure]'"
-CREDENTIALS = "the credentials (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME and _KEY) and the container's access"
-ENVIRONMENT: tuple[str, ...] = (
-    "AZURE_STORAGE_CONNECTION_STRING",
-    "AZURE_STORAGE_ACCOUNT_NAME",
-    "AZURE_STORAGE_ACCOUNT_KEY",
-    "AZURE_STORAGE_SAS_TOKEN",
-)
-ENVIRONMENT += ("AZURE_STORAGE_CLIENT_ID", "AZURE_STORAGE_CLIENT_SECRET", "AZURE_STORAGE_TENANT_ID", "AZURE_STORAGE_ANON")
 _CREDENTIALS = {"ClientAuthenticationError", "CredentialUnavailableError"}
 _UNREACHABLE = {"ServiceRequestError", "ClientConnectorError", "ServiceRequestTimeoutError", "ConnectionError"}
 THROTTLING = {"ServerBusy", "OperationTimedOut", "IngressOverAccountLimit", "EgressOverAccountLimit"}
@@ -60,6 +51,16 @@ def _blob(path: Location) -> Any:
     return path.fs.service_client.get_blob_client(path.parts[1], "/".join(path.parts[2:]))
 
 
+def _on_blob(path: Location, method: str, *args: Any, **kwargs: Any) -> Any:
+    """One request of the blob client at `path` (`method`: stage_block, upload_blob, ...), run as _run runs it."""
+
+    async def request() -> Any:
+        async with _blob(path) as blob:
+            return await getattr(blob, method)(*args, **kwargs)
+
+    return _run(path, request)
+
+
 class Writer(PartWriter):
     """One blob as staged blocks committed by one block list (one Put Blob when it fits in a block); on failure the
     staged blocks are dropped (store/parts.py)."""
@@ -69,31 +70,16 @@ class Writer(PartWriter):
 
     def _upload_part(self, number: int, body: bytes) -> str:
         block_id = base64.b64encode(f"{number:010d}".encode()).decode()  # the ids of one blob have one length
-
-        async def stage() -> None:
-            async with _blob(self.path) as blob:
-                await blob.stage_block(block_id, body, length=len(body))
-
-        _run(self.path, stage)
+        _on_blob(self.path, "stage_block", block_id, body, length=len(body))
         return block_id
 
     def _put_whole(self, body: bytes) -> None:
-        async def put() -> None:
-            async with _blob(self.path) as blob:
-                await blob.upload_blob(body, overwrite=True)
-
-        _run(self.path, put)
+        _on_blob(self.path, "upload_blob", body, overwrite=True)
 
     def _finish(self, tokens: list[Any]) -> None:
         from azure.storage.blob import BlobBlock
 
-        blocks = [BlobBlock(block_id) for block_id in tokens]
-
-        async def put_list() -> None:
-            async with _blob(self.path) as blob:
-                await blob.commit_block_list(blocks)
-
-        _run(self.path, put_list)
+        _on_blob(self.path, "commit_block_list", [BlobBlock(block_id) for block_id in tokens])
 
     def _drop(self) -> None:
         _discard(self.path)
@@ -126,9 +112,16 @@ def _discard(path: Location) -> None:
 class Azure(ObjectStore):
     """az:// (and abfs://, abfss://): the Backend of store/backend.py for Azure Blob Storage."""
 
-    INSTALL_HINT = INSTALL_HINT
-    CREDENTIALS = CREDENTIALS
-    ENVIRONMENT = ENVIRONMENT
+    INSTALL_HINT = "the azure extra: pip install 'ckpt-tools[azure]'"
+    CREDENTIALS = "the credentials (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME and _KEY) and the container's access"
+    ENVIRONMENT: tuple[str, ...] = (
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "AZURE_STORAGE_ACCOUNT_NAME",
+        "AZURE_STORAGE_ACCOUNT_KEY",
+        "AZURE_STORAGE_SAS_TOKEN",
+    )
+    ENVIRONMENT += ("AZURE_STORAGE_CLIENT_ID", "AZURE_STORAGE_CLIENT_SECRET", "AZURE_STORAGE_TENANT_ID", "AZURE_STORAGE_ANON")
+    DESTINATION = "a name under the container ({protocol}://container/name)"
     UNFINISHED = (
         "blocks staged but never committed (a write killed outright, or one running now); ckpt's next --overwrite of this prefix drops them"
     )
@@ -138,11 +131,11 @@ class Azure(ObjectStore):
         try:
             import adlfs
         except ImportError:
-            raise UsageError(f"{protocol}:// needs {INSTALL_HINT}") from None
+            raise UsageError(f"{protocol}:// needs {self.INSTALL_HINT}") from None
         try:
             fs = adlfs.AzureBlobFileSystem(skip_instance_cache=True)
         except Exception as exc:
-            raise self.translate(exc, f"{protocol}://") or UsageError(f"{protocol}://: {reason(exc)}; set {CREDENTIALS}") from None
+            raise self.translate(exc, f"{protocol}://") or UsageError(f"{protocol}://: {reason(exc)}; set {self.CREDENTIALS}") from None
         for policy in fs.service_client._pipeline._impl_policies:  # every client made from it shares these policies
             if type(policy).__name__ == "AsyncStorageResponseHook":
                 policy._response_callback = _after_call
@@ -155,21 +148,15 @@ class Azure(ObjectStore):
         names = names_of(exc)
         status = getattr(exc, "status_code", None)
         if names & _CREDENTIALS or status == 403:
-            return UsageError(f"{where}: access denied or no usable credentials ({reason(exc)}); check {CREDENTIALS}")
+            return UsageError(f"{where}: access denied or no usable credentials ({reason(exc)}); check {self.CREDENTIALS}")
         if names & _UNREACHABLE:
             return UsageError(f"{where}: cannot reach the object store ({reason(exc)}); check the account URL and the network")
         if getattr(exc, "error_code", None) in THROTTLING or status == 503:
             return DataError(f"{where}: the object store kept throttling requests (503 ServerBusy) through every retry; try again later")
         return None
 
-    def check_key(self, path: Location) -> None:
-        if len(path.parts) < 3:
-            raise UsageError(f"{path}: a destination needs a name under the container ({path.protocol}://container/name)")
-
     def unfinished_keys(self, dest: Location) -> list[str]:
         """Names at or under `dest` holding staged blocks and no committed blob (a write killed outright, or one running)."""
-        if len(dest.parts) < 3:
-            return []
         container, key = dest.parts[1], "/".join(dest.parts[2:])
 
         async def listing() -> list[str]:

@@ -95,14 +95,10 @@ class Backend(Protocol):
         ...
 
 
-class ObjectWriter(Protocol):
-    """One object being written in order (store/parts.py's PartWriter): visible only after `commit`."""
+class ObjectWriter(File, Protocol):
+    """One object being written in order (store/parts.py's PartWriter; `fd` None): visible only after `commit`."""
 
     path: Location
-
-    def write(self, data: Any) -> None: ...
-    def commit(self) -> None: ...
-    def abort(self) -> None: ...
 
 
 class MakeWriter(Protocol):
@@ -128,7 +124,7 @@ class ObjectBackend(Backend, Client, Protocol):
         ...
 
     def unfinished_keys(self, dest: Location) -> list[str]:
-        """Keys at or under `dest` whose write started and never completed (invisible, but stored)."""
+        """Keys at or under `dest` (a key, never a root) whose write started and never completed (invisible, but stored)."""
         ...
 
     def drop_unfinished(self, dest: Location) -> None:

@@ -80,9 +80,7 @@ def process_gone(owner: str) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OverflowError:  # no process can have such a PID
+    except (ProcessLookupError, OverflowError):  # gone, or no process can have such a PID
         return True
     except PermissionError:  # alive, another user's
         return False
@@ -184,12 +182,6 @@ def _renameat2() -> Callable[[Path, Path], bool] | None:
     return lambda a, b: call(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two existing paths atomically; False where the system or filesystem cannot."""
-    swap = _renameat2()
-    return swap is not None and swap(a, b)
-
-
 def commit(tmp: Path, dest: Path) -> None:
     """Make the finished temporary the destination, replacing an old one only once the new one is complete:
     one os.replace for a file over a file (or nothing), one swap for a folder, two renames where no swap exists."""
@@ -197,7 +189,8 @@ def commit(tmp: Path, dest: Path) -> None:
     if not os.path.lexists(dest) or (not tmp.is_dir() and not dest_is_dir):
         os.replace(tmp, dest)
         return
-    if _exchange(tmp, dest):
+    swap = _renameat2()  # one atomic swap where the system and filesystem can
+    if swap is not None and swap(tmp, dest):
         remove(tmp)  # the old destination, now under the temporary name
         return
     old = dest.parent / f".{dest.name}{OLD}{os.getpid()}"

@@ -22,11 +22,6 @@ from ckpt_cli.store.guard import Guard, check_destination
 from ckpt_cli.store.location import Location, forget, location, remote
 
 
-def _object(path: PathLike) -> Location:
-    """`path` as the Location it is (backend_of sent it here: it names an object store)."""
-    return remote(path)
-
-
 class ObjectStore:
     """What every object store shares (the store-level half of the ObjectBackend protocol): reads through `Location`,
     writes as objects with data first and markers last. A subclass gives the client (`make`, `ENVIRONMENT`), the error
@@ -39,13 +34,16 @@ class ObjectStore:
     CREDENTIALS: str
     ENVIRONMENT: tuple[str, ...] = ()
     UNFINISHED = ""
+    DESTINATION = ""  # what a destination must name under the root, "{protocol}" filled in: "a key under the bucket"
     Writer: MakeWriter | None = None
 
     def translate(self, exc: BaseException, where: object) -> Exception | None:
         return None
 
     def check_key(self, path: Location) -> None:
-        """Any key is a destination (a store ckpt writes to refuses the root of a bucket here)."""
+        """A store ckpt writes to (`DESTINATION` set) refuses the root of a bucket or container; any key is a destination."""
+        if self.DESTINATION and len(path.parts) < 3:
+            raise UsageError(f"{path}: a destination needs {self.DESTINATION.format(protocol=path.protocol)}")
 
     def unfinished_keys(self, dest: Location) -> list[str]:
         return []
@@ -56,25 +54,24 @@ class ObjectStore:
     # ---- the Backend protocol, shared ----
 
     def is_bucket(self, path: PathLike) -> bool:
-        return len(_object(path).parts) <= 2
+        return len(remote(path).parts) <= 2
 
     def size(self, path: PathLike) -> int:
-        return _object(path).stat().st_size
+        return remote(path).stat().st_size
 
     def exists(self, path: PathLike) -> bool:
-        return _object(path).exists()
+        return remote(path).exists()
 
-    def lexists(self, path: PathLike) -> bool:
-        return _object(path).exists()  # object storage has no links
+    lexists = exists  # object storage has no links
 
     def present(self, path: Path) -> bool:
-        return _object(path).is_file()
+        return remote(path).is_file()
 
     def open_read(self, path: PathLike) -> BinaryIO:
-        return _object(path).open("rb")  # type: ignore[return-value]  # a RemoteFile reads as a binary file does
+        return remote(path).open("rb")  # type: ignore[return-value]  # a RemoteFile reads as a binary file does
 
     def check_writable(self, path: Path) -> None:
-        self.writer(_object(path))
+        self.writer(remote(path))
 
     def writer(self, path: Location) -> MakeWriter:
         """The writer of objects at `path` (UsageError where ckpt only reads: gs://, memory://..., or where `path` names
@@ -87,7 +84,7 @@ class ObjectStore:
     def begin(self, dest: Path, is_dir: bool, overwrite: bool, guard: Guard, owner: str | None = None) -> ObjectWrite:
         """Refuse an existing destination unless --overwrite, and with it delete what is there (and drop what a killed
         write left unfinished). A one-object output replaces the old object when its upload completes."""
-        root = _object(dest)
+        root = remote(dest)
         make = self.writer(root)
         check_destination(dest, overwrite, is_dir, guard)
         if overwrite:
@@ -95,11 +92,11 @@ class ObjectStore:
         return ObjectWrite(location(dest), make)
 
     def join(self, dest: Path, owner: str) -> ObjectWrite:
-        return ObjectWrite(location(dest), self.writer(_object(dest)))
+        return ObjectWrite(location(dest), self.writer(remote(dest)))
 
     def put(self, path: Path, data: bytes) -> None:
         """One small object, whole or not at all."""
-        where = _object(path)
+        where = remote(path)
         out = self.writer(where)(where, len(data))
         try:
             out.write(data)
@@ -110,11 +107,10 @@ class ObjectStore:
 
     def unfinished(self, dest: Path) -> list[str]:
         """One line for each write at or under `dest` that started and never completed (invisible, but stored)."""
-        where = _object(dest)
-        if self.Writer is None:
+        where = remote(dest)
+        if self.Writer is None or len(where.parts) < 3:  # no key: a bucket's root holds no write of ckpt's
             return []
-        bucket = where.parts[1]
-        return [f"{where.protocol}://{bucket}/{key}: {self.UNFINISHED}" for key in self.unfinished_keys(where)]
+        return [f"{where.protocol}://{where.parts[1]}/{key}: {self.UNFINISHED}" for key in self.unfinished_keys(where)]
 
     def clear(self, dest: Location, keep_object: bool) -> None:
         """Delete an existing checkpoint at `dest` before it is replaced: the objects under the prefix, and the object
@@ -159,7 +155,7 @@ class ObjectWrite:
         self.lock = threading.Lock()
 
     def create(self, target: Path, total: int, progress: Callable[[int], None] | None = None) -> ObjectFile:
-        return ObjectFile(self.make(_object(target), total, progress), self._add)
+        return ObjectFile(self.make(remote(target), total, progress), self._add)
 
     def _add(self, path: Location) -> None:
         with self.lock:

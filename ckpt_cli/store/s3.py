@@ -23,18 +23,6 @@ from ckpt_cli.store.parts import PartWriter, part_size
 
 RETRIES = 5  # s3fs's own retries of transient errors, on top of botocore's (standard mode, MAX_ATTEMPTS)
 MAX_ATTEMPTS = 8
-INSTALL_HINT = "the s3 extra: pip install 'ckpt-tools[s3]'"
-CREDENTIALS = "the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE) and the bucket policy"
-# a change of any of these gets a new filesystem (tests and the Python API may change them in one process)
-ENVIRONMENT: tuple[str, ...] = (
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_PROFILE",
-)
-ENVIRONMENT += ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")
 _CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "ProfileNotFound"}
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionError", "InvalidEndpointError"}
 THROTTLING = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
@@ -101,8 +89,6 @@ class Writer(PartWriter):
 
 def _uploads(dest: Location) -> list[tuple[str, str]]:
     """(key, upload id) of the multipart uploads at `dest` or under the prefix `dest/`, neither completed nor aborted."""
-    if len(dest.parts) < 3:
-        return []
     bucket, key = dest.parts[1], "/".join(dest.parts[2:])
     found: list[tuple[str, str]] = []
     for prefix in (key, key + "/"):
@@ -114,9 +100,19 @@ def _uploads(dest: Location) -> list[tuple[str, str]]:
 class S3(ObjectStore):
     """s3:// (and s3a://): the Backend of store/backend.py for S3 and S3-compatible stores."""
 
-    INSTALL_HINT = INSTALL_HINT
-    CREDENTIALS = CREDENTIALS
-    ENVIRONMENT = ENVIRONMENT
+    INSTALL_HINT = "the s3 extra: pip install 'ckpt-tools[s3]'"
+    CREDENTIALS = "the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE) and the bucket policy"
+    # a change of any of these gets a new filesystem (tests and the Python API may change them in one process)
+    ENVIRONMENT: tuple[str, ...] = (
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+    )
+    ENVIRONMENT += ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")
+    DESTINATION = "a key under the bucket (s3://bucket/name)"
     UNFINISHED = (
         "an upload that never completed (a write killed outright, or one running now); "
         "ckpt's next --overwrite of this prefix aborts it, as a lifecycle rule would"
@@ -127,7 +123,7 @@ class S3(ObjectStore):
         try:
             import s3fs
         except ImportError:
-            raise UsageError(f"{protocol}:// needs {INSTALL_HINT}") from None
+            raise UsageError(f"{protocol}:// needs {self.INSTALL_HINT}") from None
         fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={"retries": retry_policy(), "max_pool_connections": 64})
         fs.retries = RETRIES  # a class attribute in s3fs: attempts of its own retry loop (throttling, 5xx, timeouts)
         try:
@@ -149,10 +145,6 @@ class S3(ObjectStore):
                 "try again later, with fewer --workers, or with a larger AWS_MAX_ATTEMPTS"
             )
         return None
-
-    def check_key(self, path: Location) -> None:
-        if len(path.parts) < 3:
-            raise UsageError(f"{path}: a destination needs a key under the bucket (s3://bucket/name)")
 
     def unfinished_keys(self, dest: Location) -> list[str]:
         """Keys at or under `dest` with a multipart upload started and neither completed nor aborted (a write killed

@@ -299,12 +299,12 @@ class _Scan:
             elif kind == K_ATOM:
                 pos += n
                 push(_ATOM)
-            elif kind == K_TUPLE:
+            elif kind == K_TUPLE or kind == K_CALL:
                 if len(stack) - n < (marks[-1] if marks else 0):
                     raise PickleRefused("stack underflow")
                 items = stack[-n:]
                 del stack[-n:]
-                push(_container(items))
+                push(_container(items))  # a call's new object, too, may hold what it was built from
             elif kind == K_MARK:
                 marks.append(len(stack))
             elif kind == K_ATOM_LEN:
@@ -327,12 +327,6 @@ class _Scan:
                     raise PickleRefused("memo index out of range")  # the C unpickler would allocate a memo this large
                 memo[index] = stack[-1]
                 memo_at[len(stack) - 1] = index
-            elif kind == K_CALL:
-                if len(stack) - n < (marks[-1] if marks else 0):
-                    raise PickleRefused("stack underflow")
-                items = stack[-n:]
-                del stack[-n:]
-                push(_container(items))  # a new object: it may hold what it was built from
             elif kind == K_BUILD or kind == K_FILL or kind == K_FILL_MARK:
                 start = marks.pop() if kind == K_FILL_MARK else len(stack) - (n if kind == K_FILL else 1)
                 if start <= (marks[-1] if marks else 0):

@@ -311,9 +311,6 @@ def _base_globals() -> dict[tuple[str, str], Any]:
     return table
 
 
-IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: a builtin type whose attributes cannot be set
-
-
 def immune(table: dict[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
     """The table as handed to pickles: functions wrapped in Allowed; everything else must be immutable already."""
     out = {}

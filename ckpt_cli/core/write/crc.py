@@ -76,12 +76,8 @@ def _libz_combine() -> Callable[[int, int, int], int] | None:
     return lambda crc1, crc2, len2: call(crc1, crc2, len2) if len2 > 0 else crc1
 
 
-_combine = _libz_combine() or _crc32_combine_py
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32 of A+B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python's zlib lacks)."""
-    return _combine(crc1, crc2, len2)
+# crc32_combine(crc1, crc2, len2): CRC32 of A+B from crc32(A), crc32(B) and len(B) (zlib's, which Python's zlib lacks)
+crc32_combine: Callable[[int, int, int], int] = _libz_combine() or _crc32_combine_py
 
 
 # A record read in more pieces than this is checked whole at once (read again), not piece by piece: a ZeRO-3 flat

@@ -42,7 +42,6 @@ LATEST = "latest_universal"
 ZERO = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
 STATES = ("fp32", "exp_avg", "exp_avg_sq", "step")
-MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def is_universal_tag(path: Path) -> bool:

@@ -26,7 +26,6 @@ SHARDING = "_sharding"  # metadata/sharding.py
 ARRAY_METADATAS = "array_metadatas"  # metadata/array_metadata_store.py: one file per process, process_N
 MANIFEST = "manifest.ocdbt"
 PROCESS_DIR = re.compile(r"ocdbt\.process_(\d+)")  # ocdbt_process_spec.PROCESS_PREFIX + index
-MEMBERS = rf"{TREE_METADATA}|{STEP_METADATA}|{SHARDING}|{re.escape(MANIFEST)}|{re.escape(COMMIT)}"
 
 
 def is_item(path: Path) -> bool:

@@ -18,7 +18,6 @@ from ckpt_cli.formats.orbax.layout import ARRAY_METADATAS, SHARDING, TREE_METADA
 
 MAX_METADATA = 1 << 30
 ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")  # value_metadata.value_type of leaves stored as arrays
-SEQUENCE_KEY = 1  # key_metadata key_type: 1 a sequence index (tuples, lists), 2 a dict key (tree_metadata.py KeyType)
 
 
 @dataclass(frozen=True)

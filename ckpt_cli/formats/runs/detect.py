@@ -150,13 +150,9 @@ def _parts(path: Path, entries: dict[str, Path], dcp_prefix: str) -> tuple[list[
         return [Part("", "deepspeed")], set()
     if (path / ".metadata").is_file() and _is("dcp", path):
         return [Part("", "dcp", None, dcp_prefix)], {".metadata", *(n for n in entries if n.endswith(".distcp"))}
-    parts: list[Part] = []
-    for name, p in sorted(entries.items()):
-        if p.is_dir() and FSDP_MODEL.fullmatch(name) and _is("dcp", p):
-            parts.append(Part(name, "dcp", "model", "model."))
-    for name, p in sorted(entries.items()):
-        if p.is_dir() and FSDP_OPTIM.fullmatch(name) and _is("dcp", p):
-            parts.append(Part(name, "dcp", "optimizer"))
+    folders = [(name, p) for name, p in sorted(entries.items()) if p.is_dir()]
+    parts = [Part(name, "dcp", "model", "model.") for name, p in folders if FSDP_MODEL.fullmatch(name) and _is("dcp", p)]
+    parts += [Part(name, "dcp", "optimizer") for name, p in folders if FSDP_OPTIM.fullmatch(name) and _is("dcp", p)]
     if not parts:
         if "model.safetensors.index.json" in entries:
             parts.append(Part("", "hf", "model"))
