@@ -24,15 +24,22 @@ def reset_reader(token: contextvars.Token[str]) -> None:
 
 
 def worded(text: str) -> str:
-    """`text` (written with the CLI's flags) for whoever reads it now: unchanged for the CLI; for a Python caller each
-    option flag becomes its keyword name (`--world-size N` -> `world_size N`), quoted command lines aside."""
-    if _READER.get() == "cli":
-        return text
+    """`text` (written with the CLI's flags) for whoever reads it now: unchanged for the CLI, else `api_words(text)`."""
+    return text if _READER.get() == "cli" else api_words(text)
+
+
+def api_words(text: str) -> str:
+    """`text` for a Python caller: each option flag becomes its keyword name (`--world-size N` -> `world_size N`),
+    quoted command lines aside."""
+
+    def rewrite(part: str) -> str:
+        return _FLAG.sub(lambda m: m.group(1).replace("-", "_"), part)
+
     out, last = [], 0
     for span in _CLI_SPANS.finditer(text):
-        out += [_FLAG.sub(lambda m: m.group(1).replace("-", "_"), text[last : span.start()]), span.group(0)]
+        out += [rewrite(text[last : span.start()]), span.group(0)]
         last = span.end()
-    out.append(_FLAG.sub(lambda m: m.group(1).replace("-", "_"), text[last:]))
+    out.append(rewrite(text[last:]))
     return "".join(out)
 
 
@@ -68,7 +75,7 @@ class CkptError(Exception):
         return self.fact if self.fix is None else f"{self.fact}; {self.fix.cli()}"
 
     def api_message(self) -> str:
-        fact = worded(self.fact) if _READER.get() != "cli" else self.fact
+        fact = api_words(self.fact)
         return fact if self.fix is None else f"{fact}; {self.fix.api()}"
 
     def __str__(self) -> str:
