@@ -211,7 +211,7 @@ def test_keys_with_an_adapter_name_and_bands_of_rows():
     are never under MIN_ROWS (a matmul of a few rows rounds otherwise than peft's whole one)."""
     from ckpt_cli.core.dtypes import BY_NAME
     from ckpt_cli.core.model import TensorEntry
-    from ckpt_cli.formats.adapter import split_key
+    from ckpt_cli.formats.hf.adapter import split_key
     from ckpt_cli.ops.adapters import MIN_ROWS, LoraMerged
 
     m = "model.layers.0.self_attn.q_proj"

@@ -158,7 +158,7 @@ def test_help_imports_no_format_and_inspect_no_writer(tmp_path):
     assert not inspect_modules & writers, inspect_modules & writers
     # detection asks only the rows that can claim a file of this name: no folder format's reader is imported
     folder_readers = {"ckpt_cli.formats.dcp.reader", "ckpt_cli.formats.deepspeed.reader", "ckpt_cli.formats.dcp.megatron"}
-    folder_readers.add("ckpt_cli.formats.hf")
+    folder_readers.add("ckpt_cli.formats.hf.folder")
     assert not inspect_modules & folder_readers, inspect_modules & folder_readers
     assert "ckpt_cli.formats.safetensors" in inspect_modules
 

@@ -20,7 +20,7 @@ from ckpt_cli.core.sizes import parse_size
 from ckpt_cli.core.write.executor import execute
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats import safetensors, torch_save
-from ckpt_cli.formats.hf import shard_groups
+from ckpt_cli.formats.hf.folder import shard_groups
 
 F32 = dtypes.FLOAT32
 

@@ -168,7 +168,7 @@ FORMATS: dict[str, Format] = {
         ),
         Format(
             "adapter",
-            "adapter:READER",
+            "hf.adapter:READER",
             None,
             "PEFT LoRA / rsLoRA / DoRA adapter: adapter_config.json + adapter_model.safetensors (applied with --adapter)",
             False,
@@ -187,8 +187,8 @@ FORMATS: dict[str, Format] = {
         ),
         Format(
             "hf",
-            "hf:READER",
-            "hf:WRITER",
+            "hf.folder:READER",
+            "hf.folder:WRITER",
             "Hugging Face sharded safetensors + model.safetensors.index.json",
             False,
             reshard_by="shards",

@@ -1,4 +1,4 @@
-"""`--adapter DIR`: a PEFT LoRA adapter (formats/adapter.py reads it) merged into its base as the base streams.
+"""`--adapter DIR`: a PEFT LoRA adapter (formats/hf/adapter.py reads it) merged into its base as the base streams.
 
 Each targeted weight W becomes a computed tensor (`derived=`), read a band of rows at a time, as peft's
 `merge_and_unload` computes it (peft/tuners/lora/layer.py `Linear.get_delta_weight`, variants.py `DoraLinearVariant`,
@@ -83,7 +83,7 @@ class LoraMerged:
 
 
 def open_adapter(folder: str | Path) -> Checkpoint:
-    """--adapter DIR read (formats/adapter.py); UsageError when DIR is not a PEFT adapter folder, DataError naming
+    """--adapter DIR read (formats/hf/adapter.py); UsageError when DIR is not a PEFT adapter folder, DataError naming
     the first thing in it ckpt cannot apply (verify DIR lists them all)."""
     where = location(folder)
     fmt = registry.get("adapter")

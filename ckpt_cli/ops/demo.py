@@ -14,7 +14,7 @@ from typing import Any
 
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.write.executor import execute
-from ckpt_cli.formats import hf
+from ckpt_cli.formats.hf import folder as hf
 from ckpt_cli.store import Guard
 from ckpt_cli.store.local import staged
 
