@@ -221,7 +221,8 @@ class CrossOptions:
     hf_config: str | None = option(
         "--hf-config",
         "hf target: the folder whose config.json, generation_config.json and tokenizer files the release carries "
-        "(its dtype set to the weights written); a preset's head counts come from it.",
+        "(its dtype set to the weights written); a preset's head counts come from it. adapter target: the folder holding "
+        "the run's adapter_config.json.",
         kind="path",
         metavar="DIR",
     )

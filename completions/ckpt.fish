@@ -14,7 +14,7 @@ complete -c ckpt -n '__fish_use_subcommand' -a verify -d 'Check integrity: files
 complete -c ckpt -n '__fish_seen_subcommand_from completion' -x -a 'bash zsh fish'
 complete -c ckpt -n '__fish_seen_subcommand_from completion' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -F
-complete -c ckpt -n '__fish_seen_subcommand_from convert' -l to -x -a 'deepspeed dcp dtensor hf safetensors torch' -d 'Target format: deepspeed, dcp, dtensor, hf, safetensors, torch.'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l to -x -a 'deepspeed dcp dtensor adapter hf safetensors torch' -d 'Target format: deepspeed, dcp, dtensor, adapter, hf, safetensors, torch.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l world-size -r -d 'deepspeed, dcp, dtensor (a deepspeed-universal source becomes deepspeed): number of ranks to write for.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l tp -r -d 'dcp: tensor-parallel size T: lay out FSDP2 + tensor parallel on a (N/T) x T (dp x tp) mesh of the --world-size N ranks, each tensor split along the dim its source chunks show.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l num-shards -r -d 'hf: exact number of shards.'
@@ -37,7 +37,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -l rename -r -d 'Renam
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l name-map -r -d 'YAML name map: strip_segments, rename [{from, to}], tied {alias: owner}; weight exports (hf, safetensors, torch) also split [{from, to, groups, layers}] (fused QKV, gate/up, layer-stacked tensors by rows), permute [{from, rope, heads}] (q/k rotary layout) and stack [{from, to, parts}] (per-expert tensors into one).'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l per-rank-state -x -a 'wrap first drop' -d 'Per-rank values (keys rank_R / dp_rank_R; a run folders rng_state_R / random_states_R files) under a new world size: wrap (new rank r takes old rank r mod W), first (all take rank 0s) or drop.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l preset -x -a 'hf-experts-pack hf-experts-unpack megatron-gpt torchtitan-deepseek-v3 torchtitan-llama3 torchtitan-qwen3' -d 'A built-in name map for an export (ckpt_cli/presets): hf-experts-pack, hf-experts-unpack, megatron-gpt, torchtitan-deepseek-v3, torchtitan-llama3, torchtitan-qwen3.'
-complete -c ckpt -n '__fish_seen_subcommand_from convert' -l hf-config -r -d 'hf target: the folder whose config.json, generation_config.json and tokenizer files the release carries (its dtype set to the weights written); a presets head counts come from it.'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l hf-config -r -d 'hf target: the folder whose config.json, generation_config.json and tokenizer files the release carries (its dtype set to the weights written); a presets head counts come from it. adapter target: the folder holding the runs adapter_config.json.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l overwrite -d 'Replace an existing checkpoint, empty folder or (one-file output) file; never a source or a folder holding one.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dry-run -d 'Print the plan (files, sizes, placement, memory) and write nothing.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l quiet -s q -d 'No progress bar or notes on stderr.'

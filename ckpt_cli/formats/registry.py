@@ -169,10 +169,14 @@ FORMATS: dict[str, Format] = {
         Format(
             "adapter",
             "hf.adapter:READER",
-            None,
+            "hf.adapter_writer:WRITER",
             "PEFT LoRA / rsLoRA / DoRA adapter: adapter_config.json + adapter_model.safetensors (applied with --adapter)",
             False,
             members=r"adapter_config\.json|adapter_model\.(safetensors|bin)",
+            tensors_only=True,
+            commit=Commit(
+                "PEFT adapter", r"adapter_config\.json", "adapter_config.json", r"adapter_model\.(safetensors|bin)", "adapter weights"
+            ),
             not_resharded="an adapter is applied to its base as the base is written: ckpt convert BASE DST --to hf --adapter DIR",
         ),
         Format(

@@ -63,7 +63,7 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
         view = training_view(ckpt, target, t, write, cross)
     else:
         source = transform.without_copies(ckpt, t) if ckpt.format != target.name else ckpt
-        source = with_hf_config(source, cross.hf_config)
+        source = with_hf_config(source, cross.hf_config, target.name)
         if adapter is not None and t.quantize is not None:  # merged first, then quantized
             source = adapters.applied(source, adapter, t.dtype)
         source = quant_views.for_write(source, t.dtype, t.quantize, target.name)
@@ -75,13 +75,14 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     return Job(plan, list(view.notes) + plan.notes, (str(request.src), *(f.path for f in ckpt.files)), ckpt.format)
 
 
-def with_hf_config(ckpt: Checkpoint, folder: Path | None) -> Checkpoint:
-    """The checkpoint with --hf-config's companions (config.json, generation config, tokenizer) in place of its own."""
+def with_hf_config(ckpt: Checkpoint, folder: Path | None, target: str) -> Checkpoint:
+    """The checkpoint with --hf-config's companions (config.json, generation config, tokenizer) in place of its own;
+    for an adapter folder, its adapter_config.json."""
     if folder is None:
         return ckpt
-    from ckpt_cli.formats.companions import companions_in
+    from ckpt_cli.formats.companions import COMPANIONS, companions_in
 
-    found, notes = companions_in(folder)
+    found, notes = companions_in(folder, ("adapter_config.json",) if target == "adapter" else COMPANIONS)
     return dataclasses.replace(ckpt, companions={**ckpt.companions, **found}, notes=[*ckpt.notes, *notes])
 
 
