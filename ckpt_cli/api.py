@@ -155,13 +155,13 @@ class Checkpoint:
         """Optimizer, lr scheduler, RNG, dataloader and client state, summarised as `inspect` shows them."""
         return roles.describe_training_state(self._ckpt)
 
-    def summary(self, filters: Sequence[str] = ()) -> dict[str, Any]:
-        """The `ckpt inspect --json` document (tensors matching the globs `filters`, or all)."""
-        return inspect_op.summary(self._ckpt, tuple(filters))
+    def summary(self, filter: str | Sequence[str] = ()) -> dict[str, Any]:
+        """The `ckpt inspect --json` document (tensors matching the globs `filter`, or all)."""
+        return inspect_op.summary(self._ckpt, _globs(filter))
 
-    def tree(self, depth: int | None = None, filters: Sequence[str] = (), expand: Sequence[str] | None = None) -> Tree:
+    def tree(self, depth: int | None = None, filter: str | Sequence[str] = (), expand: Sequence[str] | None = None) -> Tree:
         """The module tree `ckpt inspect --tree` prints (`str(tree)`, `tree.markdown()`, `tree.to_json()`)."""
-        return tree_view.build(self._ckpt, tuple(filters), depth, tuple(expand) if expand is not None else None)
+        return tree_view.build(self._ckpt, _globs(filter), depth, tuple(expand) if expand is not None else None)
 
     # Data ------------------------------------------------------------------------------------------------
 
@@ -222,12 +222,12 @@ def open(path: str | Path, *, format: str | None = None, tag: str | None = None,
 
 
 def inspect(
-    path: str | Path, *, filters: Sequence[str] = (), format: str | None = None, tag: str | None = None, trust_pickle: bool = False
+    path: str | Path, *, filter: str | Sequence[str] = (), format: str | None = None, tag: str | None = None, trust_pickle: bool = False
 ) -> dict[str, Any]:
     """The `ckpt inspect --json` document; for a run root, `tags` lists every checkpoint under it."""
     resolved = resolve(path, format, tag)  # once: the run root's members and the checkpoint read come from it
     runs = inspect_op.run_root(resolved) if tag is None and format is None else None
-    doc = inspect_op.summary(open_checkpoint(resolved, trust_pickle=trust_pickle, layout_only=True), tuple(filters))
+    doc = inspect_op.summary(open_checkpoint(resolved, trust_pickle=trust_pickle, layout_only=True), _globs(filter))
     if runs:
         doc["tags"] = runs
     return doc
@@ -275,14 +275,14 @@ def diff(
     *,
     atol: float = 0.0,
     rtol: float = 0.0,
-    filters: tuple[str, ...] = (),
+    filter: str | Sequence[str] = (),
     depth: int | None = None,
     trust_pickle: bool = False,
 ) -> DiffReport:
     """Compare two checkpoints as `ckpt diff` does (across formats and key layouts, streamed) and return its
     DiffReport: `equal` within atol/rtol, the tensors only in A or B, renamed, reshaped or recast, per-group and
     per-tensor max |a-b|, relative L2 and cosine, training-state differences, `to_json()`."""
-    return diff_op(a, b, DiffOptions(atol=atol, rtol=rtol, filters=tuple(filters), depth=depth, trust_pickle=trust_pickle))
+    return diff_op(a, b, DiffOptions(atol=atol, rtol=rtol, filters=_globs(filter), depth=depth, trust_pickle=trust_pickle))
 
 
 def parity(
@@ -303,6 +303,11 @@ def parity(
 
 def _path(value: str | Path | None) -> Path | None:
     return Path(value) if value is not None else None
+
+
+def _globs(value: str | Sequence[str]) -> tuple[str, ...]:
+    """`filter=`: one glob or several, as the writing commands take it."""
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def write(

@@ -59,7 +59,7 @@ def inspect(
             output.info(f"note: {note}", quiet)
         return
     with output.reading(f"inspect {output.last_name(src)}", quiet):
-        doc = _api().inspect(src, filters=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
+        doc = _api().inspect(src, filter=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
     if json_:
         output.emit_json(doc)
     elif yaml_:
