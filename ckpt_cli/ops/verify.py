@@ -66,16 +66,7 @@ class Report:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "format": self.format,
-            "ok": self.ok,
-            "checks": self.checks,
-            "problems": self.problems,
-            "nonfinite": self.nonfinite,
-            "stats": self.stats,
-            "notes": self.notes,
-        }
+        return {key: getattr(self, key) for key in ("path", "format", "ok", "checks", "problems", "nonfinite", "stats", "notes")}
 
 
 def _root(ckpt: Checkpoint) -> Path:
