@@ -187,12 +187,6 @@ def write_manifest_file(path: Path, manifest: dict[str, Any]) -> None:
     store.put(path, (json.dumps(manifest, indent=2) + "\n").encode())
 
 
-def leftover_problems(ckpt: Checkpoint) -> list[str]:
-    """Temporary siblings of the checkpoint that an interrupted or killed ckpt write left behind; in object storage,
-    multipart uploads under it that were neither completed nor aborted."""
-    return store.unfinished(location(ckpt.path))
-
-
 def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], digests: Digests, report: Report, where: Path) -> None:
     root, algo, hashes = _root(ckpt), manifest_hash(manifest), digests.tensors
     if manifest.get("format") == ckpt.format:
@@ -299,7 +293,8 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     report.stats = {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": sum(f.bytes for f in ckpt.files)}
     report.problems += file_and_tiling_problems(ckpt)
     report.checks.append("structure")
-    report.problems += leftover_problems(ckpt)
+    # temporary siblings that an interrupted or killed ckpt write left; in object storage, uploads never completed
+    report.problems += store.unfinished(location(ckpt.path))
     report.problems += quantized.problems(ckpt, options.deep)
     if options.deep and has_checksums(ckpt):
         meter.stage("checking CRCs", sum(f.bytes for f in ckpt.files))
