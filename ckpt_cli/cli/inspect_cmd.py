@@ -90,14 +90,9 @@ def _state_line(value: Any) -> str:
     if not value:
         return "-"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" if not isinstance(v, list) else f"{k}=[{_few(v)}]" for k, v in value.items())
+        # a list shows its first items (Lightning's loop counters run to dozens)
+        return ", ".join(f"{k}={v}" if not isinstance(v, list) else f"{k}=[{output.few(v, 8)}]" for k, v in value.items())
     return str(value)
-
-
-def _few(items: list[Any], shown: int = 8) -> str:
-    """A list on one line: its first items, then how many more (Lightning's loop counters run to dozens)."""
-    more = f", ... ({len(items) - shown} more)" if len(items) > shown else ""
-    return ", ".join(map(str, items[:shown])) + more
 
 
 def _unread_line(value: dict[str, Any]) -> str:
