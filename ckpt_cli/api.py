@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ckpt_cli import _API
 from ckpt_cli.core import model as core_model
 from ckpt_cli.core import roles
 from ckpt_cli.core.dtypes import by_name
@@ -44,34 +45,12 @@ from ckpt_cli.ops.request import Request
 from ckpt_cli.ops.resolve import resolve
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.tree_view import Tree
-from ckpt_cli.ops.verify import Report, VerifyOptions, check_manifest_destination  # noqa: F401 - the CLI's writes use it
+from ckpt_cli.ops.verify import Report, VerifyOptions
 from ckpt_cli.ops.verify import verify as verify_op
-from ckpt_cli.ops.writes import PreparedWrite, WriteReport, prepare, request_of, run
+from ckpt_cli.ops.writes import PreparedWrite, WriteReport, prepare, request_of, run  # noqa: F401 - PreparedWrite: in __all__
 from ckpt_cli.options import API_SKIPS, COMMANDS, fields
 
-__all__ = [
-    "Checkpoint",
-    "PreparedWrite",
-    "Report",
-    "Request",
-    "TensorInfo",
-    "Tree",
-    "WriteReport",
-    "convert",
-    "convert_request",
-    "diff",
-    "inspect",
-    "merge",
-    "merge_request",
-    "open",
-    "prepare",
-    "reshard",
-    "reshard_request",
-    "split",
-    "split_request",
-    "verify",
-    "write",
-]
+__all__ = list(_API)  # the names ckpt_cli itself serves (on first use), listed once there
 
 Progress = Callable[[int], None]  # called with the number of bytes written since the last call
 
