@@ -22,13 +22,15 @@ output is removed. The CLI is a thin layer over these functions; this module nev
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import Field, dataclass
+from dataclasses import fields as dataclass_fields
 from inspect import Parameter, signature
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ckpt_cli import _API
 from ckpt_cli.core import model as core_model
 from ckpt_cli.core import roles
 from ckpt_cli.core.dtypes import by_name
@@ -44,34 +46,12 @@ from ckpt_cli.ops.request import Request
 from ckpt_cli.ops.resolve import resolve
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.tree_view import Tree
-from ckpt_cli.ops.verify import Report, VerifyOptions, check_manifest_destination  # noqa: F401 - the CLI's writes use it
+from ckpt_cli.ops.verify import Report, VerifyOptions
 from ckpt_cli.ops.verify import verify as verify_op
-from ckpt_cli.ops.writes import PreparedWrite, WriteReport, prepare, request_of, run
+from ckpt_cli.ops.writes import PreparedWrite, WriteReport, prepare, request_of, run  # noqa: F401 - PreparedWrite: in __all__
 from ckpt_cli.options import API_SKIPS, COMMANDS, fields
 
-__all__ = [
-    "Checkpoint",
-    "PreparedWrite",
-    "Report",
-    "Request",
-    "TensorInfo",
-    "Tree",
-    "WriteReport",
-    "convert",
-    "convert_request",
-    "diff",
-    "inspect",
-    "merge",
-    "merge_request",
-    "open",
-    "prepare",
-    "reshard",
-    "reshard_request",
-    "split",
-    "split_request",
-    "verify",
-    "write",
-]
+__all__ = list(_API)  # the names ckpt_cli itself serves (on first use), listed once there
 
 Progress = Callable[[int], None]  # called with the number of bytes written since the last call
 
@@ -233,40 +213,13 @@ def inspect(
     return doc
 
 
-def verify(
-    path: str | Path,
-    *,
-    deep: bool = False,
-    finite: bool = False,
-    against: str | Path | None = None,
-    atol: float = 0.0,
-    rtol: float = 0.0,
-    manifest: str | Path | None = None,
-    write_manifest: str | Path | None = None,
-    overwrite: bool = False,
-    policy: str | Path | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-) -> Report:
+def verify(path: str | Path, **options: Any) -> Report:
     """Check a checkpoint as `ckpt verify` does and return its Report: `ok`, `problems` (one line each, naming
     the file), `checks`, `stats`, `nonfinite`, `to_json()`. A damaged checkpoint is a report with problems, not
-    an exception; a wrong call (a missing `against`, an unreadable policy) raises UsageError."""
-    options = VerifyOptions(
-        format=format,
-        tag=tag,
-        trust_pickle=trust_pickle,
-        deep=deep,
-        finite=finite,
-        write_manifest=_path(write_manifest),
-        overwrite=overwrite,
-        manifest=_path(manifest),
-        against=_path(against),
-        atol=atol,
-        rtol=rtol,
-        policy=_path(policy),
-    )
-    return verify_op(path, options)
+    an exception; a wrong call (a missing `against`, an unreadable policy) raises UsageError. The options are
+    verify's flags with `_` for `-` (`deep`, `finite`, `against`, `atol`, `rtol`, `manifest`, `write_manifest`,
+    `overwrite`, `policy`, `format`, `tag`, `trust_pickle`: ops/verify.py's VerifyOptions)."""
+    return verify_op(path, VerifyOptions(**options))
 
 
 def diff(
@@ -375,17 +328,15 @@ def split_request(src: str | Path, dest: str | Path, **options: Any) -> Request:
     return request_of("split", src, dest, None, options)
 
 
-def _with_options(function: Callable[..., Any], command: str, requests: bool) -> None:
-    """Show the command's options in the function's signature (help(), IDEs' call tips), from their declarations."""
-    declared = signature(function)
-    params = [p for p in declared.parameters.values() if p.kind is not Parameter.VAR_KEYWORD]
-    for group, f in fields(command):
-        if f.name in API_SKIPS or (requests and group.__name__ == "RunOptions"):
-            continue
-        params.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
-    function.__signature__ = declared.replace(parameters=params)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
+def _with_options(function: Callable[..., Any], declared: Iterable[Field[Any]]) -> None:
+    """Show a function's keyword options in its signature (help(), IDEs' call tips), from their declarations."""
+    own = [p for p in signature(function).parameters.values() if p.kind is not Parameter.VAR_KEYWORD]
+    options = [Parameter(f.name, Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type) for f in declared]
+    function.__signature__ = signature(function).replace(parameters=own + options)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
 
 
 for _command in COMMANDS:
-    _with_options(globals()[_command], _command, requests=False)
-    _with_options(globals()[f"{_command}_request"], _command, requests=True)
+    _taken = [(group, f) for group, f in fields(_command) if f.name not in API_SKIPS]
+    _with_options(globals()[_command], [f for _, f in _taken])
+    _with_options(globals()[f"{_command}_request"], [f for group, f in _taken if group.__name__ != "RunOptions"])
+_with_options(verify, dataclass_fields(VerifyOptions))

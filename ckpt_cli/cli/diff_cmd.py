@@ -68,11 +68,6 @@ def _num(x: float | None, spec: str = ".3g") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _few(items: list[str]) -> str:
-    more = f", ... ({len(items) - MAX_NAMES} more)" if len(items) > MAX_NAMES else ""
-    return ", ".join(items[:MAX_NAMES]) + more
-
-
 def _value(v: Any) -> str:
     if v is None:
         return "-"
@@ -132,8 +127,8 @@ def render(report: DiffReport) -> str:
     casts: dict[str, list[str]] = {}
     for d in report.dtype_changed:
         casts.setdefault(f"{d['a']} -> {d['b']}", []).append(d["name"])
-    shown = [f"{label} ({len(items)}): {_few(items)}" for label, items in lists if items]
-    shown += [f"dtype changed ({len(names)}): {cast}: {_few(names)}" for cast, names in casts.items()]
+    shown = [f"{label} ({len(items)}): {output.few(items, MAX_NAMES)}" for label, items in lists if items]
+    shown += [f"dtype changed ({len(names)}): {cast}: {output.few(names, MAX_NAMES)}" for cast, names in casts.items()]
     if shown:
         lines += ["", *shown]
     if report.training_state:

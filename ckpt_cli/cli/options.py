@@ -43,11 +43,11 @@ _TYPES: dict[str, Any] = {
 }
 
 
-def typer_option(flag: Flag, default: Any, hidden: bool = False) -> Any:
+def typer_option(flag: Flag, default: Any) -> Any:
     """The Annotated type typer reads for a declared option."""
     names = [f"{flag.flag}/{flag.secondary}" if flag.secondary else flag.flag] + ([flag.short] if flag.short else [])
     kind = str if flag.kind == "str" and isinstance(default, str) else _TYPES[flag.kind]
-    how: dict[str, Any] = {"help": flag.text(), "hidden": hidden}
+    how: dict[str, Any] = {"help": flag.text()}
     if flag.metavar:
         how["metavar"] = flag.metavar
     if flag.kind == "path":

@@ -10,13 +10,6 @@ import typer
 from ckpt_cli.cli import output
 from ckpt_cli.cli.options import Format, Json, Quiet, Source, Tag, TrustPickle
 
-
-def _api():  # noqa: ANN202 - the API module, imported when a command runs (`ckpt --help` imports no format)
-    from ckpt_cli import api
-
-    return api
-
-
 MAX_SHOWN = 20
 
 
@@ -48,8 +41,10 @@ def verify(
     quiet: Quiet = False,
 ) -> None:
     """Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare."""
+    from ckpt_cli import api  # imported when a command runs (`ckpt --help` imports no format)
+
     with output.reading(f"verify {output.last_name(src)}", quiet):
-        report = _api().verify(
+        report = api.verify(
             src, deep=deep, finite=finite, against=against, atol=atol, rtol=rtol, manifest=manifest, write_manifest=write_manifest,
             overwrite=overwrite, policy=policy, format=format_, tag=tag, trust_pickle=trust_pickle,
         )  # fmt: skip

@@ -82,15 +82,7 @@ class GroupDiff:
     worst: str  # the tensor with the largest relative L2
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "group": self.group,
-            "tensors": self.tensors,
-            "differ": self.differ,
-            "max_abs": _finite(self.max_abs),
-            "rel_l2": _finite(self.rel_l2),
-            "cosine": self.cosine,
-            "worst": self.worst,
-        }
+        return {**vars(self), "max_abs": _finite(self.max_abs), "rel_l2": _finite(self.rel_l2)}
 
 
 @dataclass

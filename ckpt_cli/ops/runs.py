@@ -24,12 +24,12 @@ from ckpt_cli.ops.resolve import Found, Resolved, find, relative, root_run, run_
 from ckpt_cli.ops.structure import structure_problems
 
 
-def open_found(found: Found, tag: str | None, trust_pickle: bool, layout_only: bool = False, pieces_when_read: bool = False) -> Checkpoint:
-    """The checkpoint `found` names, as detection found it (nothing is detected again): a run checkpoint read with its
-    parts and companions, or one of a core format (`tag`: one of its own tags)."""
+def open_found(found: Found, tag: str | None, trust_pickle: bool) -> Checkpoint:
+    """The checkpoint `found` names, read whole as detection found it (nothing is detected again): a run checkpoint
+    read with its parts and companions, or one of a core format (`tag`: one of its own tags)."""
     if found.run is not None:
-        return run_read.read(found.run, ReadOptions(tag=tag, trust_pickle=trust_pickle, layout_only=layout_only))
-    return open_core(found.path, registry.get(found.format), False, tag, trust_pickle, layout_only, pieces_when_read)
+        return run_read.read(found.run, ReadOptions(tag=tag, trust_pickle=trust_pickle))
+    return open_core(found.path, registry.get(found.format), False, tag, trust_pickle)
 
 
 def open_core(

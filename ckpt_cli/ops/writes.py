@@ -169,18 +169,8 @@ class WriteReport:
         return convert_op.estimate_peak(self.job.plan)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "destination": self.destination,
-            "files": self.files,
-            "total_bytes": self.total_bytes,
-            "tensor_bytes": self.tensor_bytes,
-            "largest_tensor_bytes": self.largest_tensor_bytes,
-            "estimated_peak_rss": self.estimated_peak_rss,
-            "notes": self.notes,
-            "placement": self.placement,
-            "written": self.written,
-        }
+        keys = ("format", "destination", "files", "total_bytes", "tensor_bytes", "largest_tensor_bytes", "estimated_peak_rss")
+        return {key: getattr(self, key) for key in (*keys, "notes", "placement", "written")}
 
 
 @dataclass

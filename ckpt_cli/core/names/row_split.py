@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_cli.core import structured
 from ckpt_cli.core.model import FlatRange, Piece, TensorEntry
 from ckpt_cli.errors import UsageError
 
@@ -55,10 +56,7 @@ class RowSplit:
             raise UsageError(f"{where}: split '{item['from']}' has layers: {layers}, so every output name needs {' and '.join(needed)}")
         if len({n for n, _ in pairs}) != len(pairs):
             raise UsageError(f"{where}: split '{item['from']}' names an output twice")
-        try:
-            re.compile(str(item["from"]))
-        except re.error as exc:
-            raise UsageError(f"{where}: bad regular expression '{item['from']}' ({exc})") from exc
+        structured.regex(str(item["from"]), where)
         return cls(str(item["from"]), tuple(n for n, _ in pairs), tuple(s for _, s in pairs), groups, layers)
 
     def needs_config(self) -> bool:

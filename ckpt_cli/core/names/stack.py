@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_cli.core import structured
 from ckpt_cli.core.model import FlatRange, Piece, TensorEntry
 from ckpt_cli.errors import UsageError
 
@@ -30,10 +31,7 @@ class Stack:
     def parse(cls, item: Any, where: str) -> Stack:
         if not isinstance(item, dict) or not {"from", "to"} <= set(item) or set(item) - {"from", "to", "parts"}:
             raise UsageError(f"{where}: each stack is {{from: REGEX with (?P<index>...), to: NAME, parts: [NAMES]}}")
-        try:
-            groups = re.compile(str(item["from"])).groupindex
-        except re.error as exc:
-            raise UsageError(f"{where}: bad regular expression '{item['from']}' ({exc})") from exc
+        groups = structured.regex(str(item["from"]), where).groupindex
         parts = item.get("parts") or []
         if "index" not in groups or (parts and "part" not in groups):
             raise UsageError(f"{where}: stack '{item['from']}' needs a group (?P<index>...){' and (?P<part>...)' if parts else ''}")
