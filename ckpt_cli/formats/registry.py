@@ -181,6 +181,7 @@ FORMATS: dict[str, Format] = {
             None,
             "Orbax (JAX): CheckpointManager step folders or one item; OCDBT or zarr3 arrays, read through tensorstore",
             False,
+            training_at="orbax.training:TRAINING",
             members=r"_METADATA|_CHECKPOINT_METADATA|_sharding|manifest\.ocdbt|commit_success\.txt",
             not_resharded="ckpt reads Orbax saves but does not write them; Orbax reshards a save itself when it restores it "
             "onto another mesh, or convert it (ckpt convert SRC DST --to dcp --world-size N)",
