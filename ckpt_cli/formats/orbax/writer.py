@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_cli import store
+from ckpt_cli.core import heap
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, PathKey, TensorEntry
 from ckpt_cli.core.write.plan import Literal, OutputFile, TensorData, WritePlan
@@ -32,8 +33,8 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats.orbax import arrays, layout
 from ckpt_cli.formats.orbax.reader import Source
 
-CHUNK_BYTES = 64 << 20  # the most bytes of one zarr chunk (rows of the array): one read window, one compressed chunk
-BATCH_BYTES = 64 << 20  # writes held by one tensorstore transaction before it commits (one OCDBT version each)
+CHUNK_BYTES = 16 << 20  # the most bytes of one zarr chunk (rows of the array): one read window, one compressed chunk
+BATCH_BYTES = 16 << 20  # writes held by one tensorstore transaction before it commits (one OCDBT version each)
 OCDBT_CONFIG = {"max_inline_value_bytes": 1024, "max_decoded_node_bytes": 100_000_000, "compression": {"id": "zstd"}}
 HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 SEQUENCE, DICT = 1, 2  # tree_metadata key_type (orbax metadata/tree.py KeyType)
@@ -163,6 +164,7 @@ def fill(leaves: list[Leaf]) -> Callable[[Path, Callable[[int], None], Any], Non
         ts = arrays.tensorstore()
         base = {"driver": "ocdbt", "base": {"driver": "file", "path": str(target.parent.resolve()) + "/"}, "config": OCDBT_CONFIG}
         txn, pending = ts.Transaction(), 0
+        context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})  # chunks written once: nothing worth keeping
         try:
             for leaf in leaves:
                 tensor = leaf.tensor
@@ -177,7 +179,7 @@ def fill(leaves: list[Leaf]) -> Callable[[Path, Callable[[int], None], Any], Non
                     "metadata": {"shape": list(tensor.shape), "chunks": chunks, "compressor": {"id": "zstd", "level": 1}},
                     "create": True,
                 }
-                array = ts.open(spec, context=arrays.context(), transaction=txn).result()
+                array = ts.open(spec, context=context, transaction=txn).result()
                 inner = math.prod(tensor.shape[1:]) if tensor.shape else 1
                 for start in range(0, tensor.shape[0], rows) if tensor.shape else [0]:
                     stop = min(start + rows, tensor.shape[0]) if tensor.shape else 1
@@ -194,6 +196,7 @@ def fill(leaves: list[Leaf]) -> Callable[[Path, Callable[[int], None], Any], Non
                         txn.commit_async().result()
                         txn, pending = ts.Transaction(), 0
                         array = array.with_transaction(txn)
+                        heap.give_back_when_grown()  # what tensorstore's threads freed in their own malloc arenas
             txn.commit_async().result()
         except (ValueError, RuntimeError, OSError) as exc:
             raise DataError(f"{target.parent}: tensorstore could not write the Orbax arrays: {arrays.what_failed(exc)}") from exc
