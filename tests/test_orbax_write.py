@@ -159,7 +159,7 @@ def test_unfinished_write_not_committed(orbax_saves, ckpt, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_to_orbax_refusals(orbax_saves, ckpt, tmp_path):
+def test_to_orbax_refusals(orbax_saves, ckpt, tmp_path, monkeypatch):
     import torch
     from safetensors.torch import save_file
 
@@ -169,6 +169,10 @@ def test_to_orbax_refusals(orbax_saves, ckpt, tmp_path):
     assert not (tmp_path / "out").exists()
     res = ckpt("convert", orbax_saves / SRC, tmp_path / "out", "--to", "orbax", "--world-size", "2")
     assert res.code == 2 and "--world-size" in res.err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: one OCDBT database has one writer
+    res = ckpt("convert", orbax_saves / SRC, tmp_path / "out", "--to", "orbax")
+    assert res.code == 2 and "without torchrun" in res.err
+    assert not (tmp_path / "out").exists()
 
 
 def test_transpose_of_orbax_kernels(orbax_saves, ckpt, tmp_path):

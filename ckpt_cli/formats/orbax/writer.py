@@ -28,6 +28,7 @@ from ckpt_cli import store
 from ckpt_cli.core import heap
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, PathKey, TensorEntry
+from ckpt_cli.core.write import distributed
 from ckpt_cli.core.write.plan import Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats.orbax import arrays, layout
@@ -217,6 +218,8 @@ class OrbaxWriter:
     def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
         if not store.renames(dest):
             raise UsageError(f"{dest}: ckpt writes Orbax saves to a local folder (tensorstore writes its files there)")
+        if distributed.rank_and_world() is not None:
+            raise UsageError("ckpt writes an Orbax save from one process (one OCDBT database): run it without torchrun")
         leaves, dropped = leaves_of(ckpt)
         for leaf in leaves:
             if leaf.tensor is not None and leaf.tensor.dtype.name not in TS_DTYPES:
