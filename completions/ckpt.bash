@@ -11,7 +11,7 @@ _ckpt() {
         COMPREPLY=($(compgen -W "$commands --help --version" -- "$cur")); return
     fi
     case "$prev" in
-        --to) COMPREPLY=($(compgen -W "deepspeed dcp dtensor adapter hf safetensors torch" -- "$cur")); return ;;
+        --to) COMPREPLY=($(compgen -W "deepspeed dcp dtensor adapter orbax hf safetensors torch" -- "$cur")); return ;;
         --format-a) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter orbax hf safetensors torch" -- "$cur")); return ;;
         --format-b) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter orbax hf safetensors torch" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "keep fp32 bf16 fp16" -- "$cur")); return ;;

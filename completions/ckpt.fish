@@ -14,7 +14,7 @@ complete -c ckpt -n '__fish_use_subcommand' -a verify -d 'Check integrity: files
 complete -c ckpt -n '__fish_seen_subcommand_from completion' -x -a 'bash zsh fish'
 complete -c ckpt -n '__fish_seen_subcommand_from completion' -l help -s h -d 'Show this message and exit.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -F
-complete -c ckpt -n '__fish_seen_subcommand_from convert' -l to -x -a 'deepspeed dcp dtensor adapter hf safetensors torch' -d 'Target format: deepspeed, dcp, dtensor, adapter, hf, safetensors, torch.'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l to -x -a 'deepspeed dcp dtensor adapter orbax hf safetensors torch' -d 'Target format: deepspeed, dcp, dtensor, adapter, orbax, hf, safetensors, torch.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l world-size -r -d 'deepspeed, dcp, dtensor (a deepspeed-universal source becomes deepspeed): number of ranks to write for.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l tp -r -d 'dcp: tensor-parallel size T: lay out FSDP2 + tensor parallel on a (N/T) x T (dp x tp) mesh of the --world-size N ranks, each tensor split along the dim its source chunks show.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l num-shards -r -d 'hf: exact number of shards.'

@@ -182,12 +182,14 @@ FORMATS: dict[str, Format] = {
         Format(
             "orbax",
             "orbax.reader:READER",
-            None,
-            "Orbax (JAX): CheckpointManager step folders or one item; OCDBT or zarr3 arrays, read through tensorstore",
+            "orbax.writer:WRITER",
+            "Orbax (JAX): CheckpointManager step folders or one item; OCDBT or zarr3 arrays, through tensorstore",
             False,
+            training_at="orbax.training:TRAINING",
             members=r"_METADATA|_CHECKPOINT_METADATA|_sharding|manifest\.ocdbt|commit_success\.txt",
-            not_resharded="ckpt reads Orbax saves but does not write them; Orbax reshards a save itself when it restores it "
-            "onto another mesh, or convert it (ckpt convert SRC DST --to dcp --world-size N)",
+            not_resharded="Orbax reshards a save itself when it restores it onto another mesh (its target's shardings); "
+            "or convert it (ckpt convert SRC DST --to dcp --world-size N)",
+            commit=Commit("Orbax save", r"commit_success\.txt", "commit_success.txt", r"_METADATA|manifest\.ocdbt", "its metadata"),
         ),
         Format(
             "hf",

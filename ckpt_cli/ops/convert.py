@@ -58,8 +58,12 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     if adapter is not None:
         adapters.check_combination(cross.names_given, carries or _keeps_partitions(ckpt, target, t), adapter)
     if carries:
-        if cross.names.splits:
-            raise UsageError("a name map's split applies to weight exports (hf, safetensors, torch), not to training-state conversions")
+        names = cross.names
+        if names.splits or names.permutes or names.stacks or names.transposes or names.zeros:
+            raise UsageError(
+                "a name map's split, permute, stack, transpose and zero apply to weight exports (hf, safetensors, torch), "
+                "not to training-state conversions, which rename parameters only"
+            )
         view = training_view(ckpt, target, t, write, cross)
     else:
         source = transform.without_copies(ckpt, t) if ckpt.format != target.name else ckpt
@@ -121,6 +125,8 @@ def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transfo
         return True
     if ckpt.format != target.name:
         source = registry.FORMATS.get(ckpt.format)
+        if source is not None and source.training is not None and target.writes_any_state_dict:
+            return source.training.layout_of(ckpt) != "flat"  # weights alone (no optimizer) are written as they are
         return (source is not None and source.training is not None) or not target.writes_any_state_dict
     return target.training.changes_layout(ckpt, _state_options(write_world=None, cross=cross))
 
