@@ -198,6 +198,16 @@ FORMATS: dict[str, Format] = {
             commit=Commit("Hugging Face checkpoint", r".+\.index\.json", "*.index.json", HF_SHARDS, "shards"),
         ),
         Format(
+            "gguf",
+            "gguf.reader:READER",
+            None,
+            "llama.cpp GGUF: one .gguf file or a gguf-split set (NAME-0000i-of-0000N.gguf), read dequantized",
+            False,
+            tensors_only=True,
+            folders=False,
+            files=".*",  # by its GGUF magic, whatever the suffix
+        ),
+        Format(
             "safetensors",
             "safetensors:READER",
             "safetensors:WRITER",

@@ -1,0 +1,55 @@
+"""GGUF tensor names back to Hugging Face's, as transformers' GGUF loader names them
+(transformers/modeling_gguf_pytorch_utils.py: `get_gguf_hf_weights_map` reverses gguf-py's TensorNameMap over the
+model's state dict), and which tensors it un-permutes (`TENSOR_PROCESSORS`: for architecture `llama` only,
+LlamaTensorProcessor reverses the q/k rotary permutation that llama.cpp's converter applied, with the attention head
+count for attn_q and the key-value head count for attn_k, and only when the file gives both counts).
+
+Only architectures whose weights transformers loads unchanged besides that are mapped: gemma's norms (minus 1),
+bloom's fused qkv, MoE expert stacks and the rest stay under their GGUF names (a note says so).
+"""
+
+from __future__ import annotations
+
+import re
+
+# architectures whose tensors carry Hugging Face names on reading: the dense decoders of GGUF_CONFIG_MAPPING that share
+# Llama's layout (gguf-py MODEL_TENSORS for LLAMA, QWEN2, QWEN3)
+MAPPED = ("llama", "qwen2", "qwen3")
+UNPERMUTED = ("llama",)  # transformers' TENSOR_PROCESSORS["llama"]
+GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+_GLOBAL_NAME = re.compile(r"([a-z_]+)\.(weight|bias)")
+
+
+def hf_name(name: str, arch: str) -> str | None:
+    """The Hugging Face name of GGUF tensor `name` (None: transformers has no parameter for it, e.g. rope_freqs)."""
+    if m := _BLOCK_NAME.fullmatch(name):
+        part = BLOCK.get(m[2])
+        return f"model.layers.{m[1]}.{part}.{m[3]}" if part else None
+    if m := _GLOBAL_NAME.fullmatch(name):
+        part = GLOBAL.get(m[1])
+        return f"{part}.{m[2]}" if part else None
+    return None
+
+
+def heads_for(name: str, arch: str, metadata: dict[str, object]) -> int | None:
+    """The head count to un-permute tensor `name` by (None: left as stored), as LlamaTensorProcessor decides."""
+    if arch not in UNPERMUTED or not (".attn_q." in name or ".attn_k." in name):
+        return None
+    heads, kv_heads = metadata.get(f"{arch}.attention.head_count"), metadata.get(f"{arch}.attention.head_count_kv")
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):  # absent (or per-layer lists): transformers leaves them
+        return None
+    return heads if ".attn_q." in name else int(kv_heads)

@@ -1,0 +1,115 @@
+"""GGUF files from the real producers: a tiny random Llama saved by transformers with a SentencePiece tokenizer trained
+on the spot, converted by llama.cpp's own `convert_hf_to_gguf.py` (from the llama.cpp sources the llama-cpp-python
+sdist vendors), and quantized by llama.cpp's own quantizer (`llama_model_quantize` through llama-cpp-python).
+
+Run as a script: `gguf_llama.py LLAMA_CPP_DIR OUT [--split]` writes OUT/hf (the model), OUT/f32.gguf, f16, bf16, q8_0
+and, when llama_cpp imports, the K-quants; with --split, OUT/split/ holds the f32 file split by --split-max-size.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers (include/llama.h): what llama_model_quantize makes from the f32 file
+QUANTS = {"q4_k_m": 15, "q2_k": 10, "q3_k_m": 12, "q5_k_m": 17, "q6_k": 18}
+WORDS = "the a model weights tensor block scale file read write quant llama layer head row column".split()
+
+
+def config() -> object:
+    from transformers import LlamaConfig
+
+    # rows of 256 (hidden 256, intermediate 512): K-quants take blocks of 256, so every matrix can be K-quantized
+    return LlamaConfig(
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
+
+
+def train_tokenizer(folder: Path, vocab_size: int) -> None:
+    """tokenizer.model: a SentencePiece model trained here on generated text (llama's special ids 0, 1, 2)."""
+    import sentencepiece as spm
+
+    rng = random.Random(0)
+    text = folder / "corpus.txt"
+    syllables = [a + b for a in "bcdfgklmnprstvz" for b in "aeiou"]
+    words = WORDS + ["".join(rng.choice(syllables) for _ in range(rng.randrange(1, 4))) for _ in range(400)]
+    text.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(3000)))
+    spm.SentencePieceTrainer.train(
+        input=str(text),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        byte_fallback=False,
+        minloglevel=2,
+    )
+    text.unlink()
+    (folder / "tokenizer.vocab").unlink()
+
+
+def save_model(folder: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config())
+    with torch.no_grad():  # norms away from 1: a wrong map between norms would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    train_tokenizer(folder, model.config.vocab_size)
+
+
+def convert(llama_cpp: Path, model: Path, out: Path, outtype: str, *extra: str) -> None:
+    cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(model), "--outfile", str(out), "--outtype", outtype, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py --outtype {outtype} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def quantize(src: Path, dst: Path, ftype: int) -> None:
+    """llama.cpp's quantizer, as llama-quantize runs it."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 1
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize to ftype {ftype} failed ({rc})")
+
+
+def main() -> None:
+    llama_cpp, out = Path(sys.argv[1]), Path(sys.argv[2])
+    model = out / "hf"
+    save_model(model)
+    for outtype in OUTTYPES:
+        convert(llama_cpp, model, out / f"{outtype}.gguf", outtype)
+    if "--split" in sys.argv:
+        (out / "split").mkdir()
+        convert(llama_cpp, model, out / "split" / "model.gguf", "f32", "--split-max-size", "1M")
+    try:
+        import llama_cpp as _  # noqa: F401
+    except ImportError:
+        return
+    for name, ftype in QUANTS.items():
+        quantize(out / "f32.gguf", out / f"{name}.gguf", ftype)
+
+
+if __name__ == "__main__":
+    main()
