@@ -2,21 +2,56 @@
 on the spot, converted by llama.cpp's own `convert_hf_to_gguf.py` (from the llama.cpp sources the llama-cpp-python
 sdist vendors), and quantized by llama.cpp's own quantizer (`llama_model_quantize` through llama-cpp-python).
 
-Run as a script: `gguf_llama.py LLAMA_CPP_DIR OUT [--split]` writes OUT/hf (the model), OUT/f32.gguf, f16, bf16, q8_0
-and, when llama_cpp imports, the K-quants; with --split, OUT/split/ holds the f32 file split by --split-max-size.
+Run as a script: `gguf_llama.py OUT [--split]` writes OUT/hf (the model), OUT/f32.gguf, f16, bf16, q8_0 and, when
+llama_cpp imports, the K-quants; with --split, OUT/split/ holds the f32 file split by --split-max-size. The converter
+comes from the llama-cpp-python sdist, downloaded once with pip into ~/.cache/ckpt-tests and extracted there
+(`converter_dir`; $CKPT_LLAMA_CPP_SRC names an extracted llama.cpp folder instead).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"
+PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # what the converter needs of the llama.cpp sources
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers (include/llama.h): what llama_model_quantize makes from the f32 file
 QUANTS = {"q4_k_m": 15, "q2_k": 10, "q3_k_m": 12, "q5_k_m": 17, "q6_k": 18}
 WORDS = "the a model weights tensor block scale file read write quant llama layer head row column".split()
+
+
+def converter_dir() -> Path:
+    """The llama.cpp folder holding convert_hf_to_gguf.py: the sdist fetched by pip and extracted on first use."""
+    from filelock import FileLock
+
+    if os.environ.get("CKPT_LLAMA_CPP_SRC"):
+        return Path(os.environ["CKPT_LLAMA_CPP_SRC"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckpt-tests" / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
+    root = cache / "llama.cpp"
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache) + ".lock"):
+        if (root / "convert_hf_to_gguf.py").exists():
+            return root
+        sdists = list(cache.glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}"]
+            proc = subprocess.run([*pip, "-d", str(cache)], capture_output=True, text=True, timeout=900)
+            if proc.returncode != 0:
+                raise RuntimeError(f"pip download llama-cpp-python failed: {proc.stderr[-2000:]}")
+            sdists = list(cache.glob("llama_cpp_python-*.tar.gz"))
+        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+        tmp = cache / "extract"
+        with tarfile.open(sdists[0]) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix) :].startswith(PARTS)]
+            tar.extractall(tmp, members=members, filter="data")
+        (tmp / prefix).rename(root)
+        return root
 
 
 def config() -> object:
@@ -84,25 +119,27 @@ def convert(llama_cpp: Path, model: Path, out: Path, outtype: str, *extra: str) 
 
 def quantize(src: Path, dst: Path, ftype: int) -> None:
     """llama.cpp's quantizer, as llama-quantize runs it."""
+    import ctypes
+
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = 1
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize to ftype {ftype} failed ({rc})")
 
 
 def main() -> None:
-    llama_cpp, out = Path(sys.argv[1]), Path(sys.argv[2])
+    llama_cpp, out = converter_dir(), Path(sys.argv[1])
     model = out / "hf"
     save_model(model)
     for outtype in OUTTYPES:
         convert(llama_cpp, model, out / f"{outtype}.gguf", outtype)
     if "--split" in sys.argv:
         (out / "split").mkdir()
-        convert(llama_cpp, model, out / "split" / "model.gguf", "f32", "--split-max-size", "1M")
+        convert(llama_cpp, model, out / "split" / "model.gguf", "f32", "--split-max-size", "2M")
     try:
         import llama_cpp as _  # noqa: F401
     except ImportError:
