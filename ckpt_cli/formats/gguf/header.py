@@ -252,6 +252,7 @@ def _check_layout(header: Header) -> None:
     for begin, end, name in sorted((t.offset, t.offset + t.nbytes, t.name) for t in header.tensors if t.nbytes):
         if reach is not None and begin < reach[0]:
             overlapping[name] = reach[1]
+            overlapping.setdefault(reach[1], name)
         if reach is None or end > reach[0]:
             reach = (end, name)
     expected = 0

@@ -195,6 +195,9 @@ class GgufReader:
     name = "gguf"
 
     def detect(self, path: Path) -> bool:
+        """By its magic, or by its name: a damaged `.gguf` is read as GGUF and refused for what is wrong with it."""
+        if path.suffix == ".gguf":
+            return True
         try:
             with store.open_read(path) as f:
                 return f.read(4) == MAGIC
@@ -264,9 +267,7 @@ def _block_problems(header: Header) -> list[str]:
                 if bad is not None:
                     index = done // size + bad[0]
                     unit = "value" if block == 1 else "block"
-                    out.append(
-                        f"{header.path}: tensor {shown(t.name)} ({t.type_name}): {unit} {index} has {bad[1]} (llama.cpp refuses it)"
-                    )
+                    out.append(f"{header.path}: tensor {shown(t.name)} ({t.type_name}): {unit} {index} has {bad[1]} (llama.cpp refuses it)")
                     break
     return out
 
