@@ -193,3 +193,20 @@ def test_nonfinite_scale_found_by_deep_verify(small, tmp_path, ckpt):
     path.write_bytes(bytes(raw))
     assert ckpt("verify", path).code == 0
     assert_fails(ckpt("verify", path, "--deep"), str(path), "'b.weight' (Q8_0): block 1 has inf")
+
+
+def test_manifest_finds_a_changed_quantized_value(small, tmp_path, ckpt):
+    """GGUF has no checksums: a flipped bit inside a Q8_0 block's values passes verify --deep (the structure and
+    every scale are fine); a manifest recorded before finds it."""
+    import gguf
+
+    manifest = tmp_path / "m.json"
+    assert ckpt("verify", small, "--write-manifest", manifest).code == 0
+    b = next(t for t in gguf.GGUFReader(small).tensors if t.name == "b.weight")
+    raw = bytearray(small.read_bytes())
+    raw[b.data_offset + 10] ^= 0x01
+    path = tmp_path / "small.gguf"
+    path.write_bytes(bytes(raw))
+    res = ckpt("verify", path, "--deep")
+    assert res.code == 0 and "stores no checksums" in res.err, res.out + res.err
+    assert_fails(ckpt("verify", path, "--manifest", manifest), "b.weight")

@@ -204,3 +204,18 @@ def test_split_mismatched_part(split_copy, ckpt, tmp_path):
     assert_fails(res, split_copy[2].name, "split.no 1")
     assert len([line for line in res.err.splitlines() if not line.startswith("note: ")]) == 1, res.err
     assert not (tmp_path / "o").exists()
+
+
+def test_hf_folder_loads_as_the_gguf_model(gguf_llama, ckpt, tmp_path):
+    """The folder carries a config.json as transformers builds it from the file: from_pretrained(folder) is the model
+    from_pretrained(gguf_file=...) gives, logits equal."""
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_file(gguf_llama, "q4_k_m")
+    assert ckpt("convert", path, tmp_path / "out", "--to", "hf").code == 0
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    mine = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert mine.config.num_key_value_heads == ref.config.num_key_value_heads and mine.config.rms_norm_eps == ref.config.rms_norm_eps
+    ids = torch.tensor([[1, 17, 42, 99, 250, 3]])
+    with torch.no_grad():
+        assert torch.equal(mine(ids).logits, ref(ids).logits)

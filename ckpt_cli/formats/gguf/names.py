@@ -53,3 +53,44 @@ def heads_for(name: str, arch: str, metadata: dict[str, object]) -> int | None:
     if not isinstance(heads, int) or not isinstance(kv_heads, int):  # absent (or per-layer lists): transformers leaves them
         return None
     return heads if ".attn_q." in name else int(kv_heads)
+
+
+# transformers' GGUF_CONFIG_MAPPING (transformers/integrations/ggml.py) for the mapped architectures: the config a
+# Hugging Face folder written from the file carries, as load_gguf_checkpoint builds it
+CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+HEAD_DIM_KEY = {"llama": "rope.dimension_count"}  # qwen2 and qwen3 map it to nothing
+TOKEN_KEYS = {
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id",
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_config(metadata: dict[str, object], arch: str, tied: bool) -> dict[str, object]:
+    """config.json for the weights read from a file of a mapped architecture (float32, as they are presented)."""
+    config: dict[str, object] = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "torch_dtype": "float32"}
+    for key, hf in {**CONFIG_KEYS, **({HEAD_DIM_KEY[arch]: "head_dim"} if arch in HEAD_DIM_KEY else {})}.items():
+        value = metadata.get(f"{arch}.{key}")
+        if isinstance(value, (int, float)):
+            config[hf] = value
+    for key, hf in TOKEN_KEYS.items():
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if isinstance(value, int):
+            config[hf] = value
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in config and isinstance(tokens, list):  # transformers#32526: the token count instead
+        config["vocab_size"] = len(tokens)
+    config["tie_word_embeddings"] = tied
+    return config

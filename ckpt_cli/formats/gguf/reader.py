@@ -8,6 +8,7 @@ and un-permuted ones are computed a band of rows at a time (`GgufArray`). GGUF s
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -229,6 +230,10 @@ class GgufReader:
         )
         if undecoded:
             notes.append(f"tensors of type {', '.join(undecoded)} cannot be dequantized by ckpt (inspect and verify read them)")
+        companions: dict[str, str | bytes] = {}
+        if mapped and arch:  # a Hugging Face folder written from it loads with from_pretrained
+            config = names.hf_config(meta, arch, tied=not any(t.name == "output.weight" for h in headers for t in h.tensors))
+            companions["config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
         return Checkpoint(
             format=self.name,
             path=str(headers[0].path),
@@ -237,6 +242,7 @@ class GgufReader:
             details=_details(headers, arch, mapped),
             notes=notes,
             source=Source(tuple(headers), arch, tuple(dropped)),
+            companions=companions,
         )
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
