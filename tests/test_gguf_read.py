@@ -219,3 +219,18 @@ def test_hf_folder_loads_as_the_gguf_model(gguf_llama, ckpt, tmp_path):
     ids = torch.tensor([[1, 17, 42, 99, 250, 3]])
     with torch.no_grad():
         assert torch.equal(mine(ids).logits, ref(ids).logits)
+
+
+def test_in_object_storage(gguf_llama, s3, ckpt, tmp_path):
+    """A GGUF file and a split set in S3: read through ranged reads, the same report and the same bytes written."""
+    single = s3.upload(gguf_llama / "q8_0.gguf", "gguf/q8_0.gguf")
+    split = s3.upload(gguf_llama / "split", "gguf/split")
+    first = split + "/" + split_parts(gguf_llama)[0].name
+    for url, local in ((single, gguf_llama / "q8_0.gguf"), (first, split_parts(gguf_llama)[0])):
+        res = ckpt("verify", url, "--deep")
+        assert res.code == 0 and res.out.startswith("OK"), res.out + res.err
+        remote_doc, local_doc = (json.loads(ckpt("inspect", p, "--json").out) for p in (url, local))
+        assert remote_doc["details"] == local_doc["details"] and remote_doc["tensors"] == local_doc["tensors"]
+        assert ckpt("convert", url, tmp_path / "s3.safetensors", "--to", "safetensors", "--overwrite").code == 0
+        assert ckpt("convert", local, tmp_path / "here.safetensors", "--to", "safetensors", "--overwrite").code == 0
+        assert (tmp_path / "s3.safetensors").read_bytes() == (tmp_path / "here.safetensors").read_bytes()
