@@ -234,3 +234,11 @@ def test_in_object_storage(gguf_llama, s3, ckpt, tmp_path):
         assert ckpt("convert", url, tmp_path / "s3.safetensors", "--to", "safetensors", "--overwrite").code == 0
         assert ckpt("convert", local, tmp_path / "here.safetensors", "--to", "safetensors", "--overwrite").code == 0
         assert (tmp_path / "s3.safetensors").read_bytes() == (tmp_path / "here.safetensors").read_bytes()
+
+
+def test_ls_lists_a_split_set_once(gguf_llama, ckpt):
+    res = ckpt("ls", gguf_llama / "split", "--json")
+    assert res.code == 0, res.err
+    rows = json.loads(res.out)
+    rows = rows["checkpoints"] if isinstance(rows, dict) else rows
+    assert [r["path"] for r in rows] == [split_parts(gguf_llama)[0].name] and rows[0]["complete"], rows
