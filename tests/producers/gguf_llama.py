@@ -2,10 +2,11 @@
 on the spot, converted by llama.cpp's own `convert_hf_to_gguf.py` (from the llama.cpp sources the llama-cpp-python
 sdist vendors), and quantized by llama.cpp's own quantizer (`llama_model_quantize` through llama-cpp-python).
 
-Run as a script: `gguf_llama.py OUT [--split]` writes OUT/hf (the model), OUT/f32.gguf, f16, bf16, q8_0 and, when
-llama_cpp imports, the K-quants; with --split, OUT/split/ holds the f32 file split by --split-max-size. The converter
-comes from the llama-cpp-python sdist, downloaded once with pip into ~/.cache/ckpt-tests and extracted there
-(`converter_dir`; $CKPT_LLAMA_CPP_SRC names an extracted llama.cpp folder instead).
+Run as a script: `gguf_llama.py OUT [--split]` writes OUT/hf (the model), OUT/f32.gguf, f16, bf16, q8_0, a Llama
+with attention biases (OUT/hf-bias, OUT/bias-f32.gguf) and, when llama_cpp imports, the K-quants; with --split,
+OUT/split/ holds the f32 file split by --split-max-size. The converter comes from the llama-cpp-python sdist,
+downloaded once with pip into ~/.cache/ckpt-tests and extracted there (`converter_dir`; $CKPT_LLAMA_CPP_SRC names an
+extracted llama.cpp folder instead).
 """
 
 from __future__ import annotations
@@ -96,16 +97,22 @@ def train_tokenizer(folder: Path, vocab_size: int) -> None:
     (folder / "tokenizer.vocab").unlink()
 
 
-def save_model(folder: Path) -> None:
+def save_model(folder: Path, bias: bool = False) -> None:
+    """The tiny Llama; with `bias`, a smaller one with attention biases (llama.cpp permutes q/k biases too)."""
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config())
+    cfg = config()
+    if bias:
+        cfg.attention_bias, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = True, 64, 128, 16
+    model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # norms away from 1: a wrong map between norms would show
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_()
     model.save_pretrained(folder)
     train_tokenizer(folder, model.config.vocab_size)
 
@@ -137,6 +144,8 @@ def main() -> None:
     save_model(model)
     for outtype in OUTTYPES:
         convert(llama_cpp, model, out / f"{outtype}.gguf", outtype)
+    save_model(out / "hf-bias", bias=True)
+    convert(llama_cpp, out / "hf-bias", out / "bias-f32.gguf", "f32")
     if "--split" in sys.argv:
         (out / "split").mkdir()
         convert(llama_cpp, model, out / "split" / "model.gguf", "f32", "--split-max-size", "2M")

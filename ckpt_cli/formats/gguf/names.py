@@ -78,7 +78,7 @@ TOKEN_KEYS = {
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def hf_config(metadata: dict[str, object], arch: str, tied: bool) -> dict[str, object]:
+def hf_config(metadata: dict[str, object], arch: str, tensor_names: set[str]) -> dict[str, object]:
     """config.json for the weights read from a file of a mapped architecture (float32, as they are presented)."""
     config: dict[str, object] = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "torch_dtype": "float32"}
     for key, hf in {**CONFIG_KEYS, **({HEAD_DIM_KEY[arch]: "head_dim"} if arch in HEAD_DIM_KEY else {})}.items():
@@ -92,5 +92,7 @@ def hf_config(metadata: dict[str, object], arch: str, tied: bool) -> dict[str, o
     tokens = metadata.get("tokenizer.ggml.tokens")
     if "vocab_size" not in config and isinstance(tokens, list):  # transformers#32526: the token count instead
         config["vocab_size"] = len(tokens)
-    config["tie_word_embeddings"] = tied
+    config["tie_word_embeddings"] = "output.weight" not in tensor_names
+    if arch == "llama" and "blk.0.attn_q.bias" in tensor_names:  # Llama with attention_bias (transformers' GGUF loader drops them)
+        config["attention_bias"] = True
     return config

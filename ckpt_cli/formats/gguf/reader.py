@@ -232,7 +232,7 @@ class GgufReader:
             notes.append(f"tensors of type {', '.join(undecoded)} cannot be dequantized by ckpt (inspect and verify read them)")
         companions: dict[str, str | bytes] = {}
         if mapped and arch:  # a Hugging Face folder written from it loads with from_pretrained
-            config = names.hf_config(meta, arch, tied=not any(t.name == "output.weight" for h in headers for t in h.tensors))
+            config = names.hf_config(meta, arch, {t.name for h in headers for t in h.tensors})
             companions["config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
         return Checkpoint(
             format=self.name,
