@@ -210,3 +210,42 @@ def test_manifest_finds_a_changed_quantized_value(small, tmp_path, ckpt):
     res = ckpt("verify", path, "--deep")
     assert res.code == 0 and "stores no checksums" in res.err, res.out + res.err
     assert_fails(ckpt("verify", path, "--manifest", manifest), "b.weight")
+
+
+def test_the_api_raises_ckpt_errors_only(small, tmp_path):
+    """test_api_errors.py's damages (truncations, flipped bits in the header and anywhere, garbage, a folder, a FIFO),
+    and 200 more bit flips in the header: `ckpt_cli.open`, `inspect` and `verify(deep=True)` raise CkptError or pass."""
+    import random
+
+    from test_api_errors import BINARY_DAMAGE, _calls
+
+    from ckpt_cli.errors import CkptError
+
+    _, _, data_start = fields(small)
+    rng = random.Random(0)
+    damages = dict(BINARY_DAMAGE)
+    for i in range(200):
+        flips = [(rng.randrange(data_start), rng.randrange(8)) for _ in range(rng.randrange(1, 5))]
+        damages[f"header flips {i}"] = lambda p, flips=flips: p.write_bytes(bytes(_flipped(p.read_bytes(), flips)))
+    failures = []
+    for label, damage in damages.items():
+        copy = tmp_path / "case.gguf"
+        copy.unlink(missing_ok=True) if not copy.is_dir() else copy.rmdir()
+        copy.write_bytes(small.read_bytes())
+        damage(copy)
+        for call, run in _calls(copy):
+            try:
+                run()
+            except CkptError:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - the point: anything else is a failure
+                failures.append(f"{call} with {label}: {type(exc).__name__}: {str(exc)[:160]}")
+    copy.unlink() if copy.is_file() or copy.is_fifo() else copy.rmdir()
+    assert not failures, "\n".join(failures)
+
+
+def _flipped(data: bytes, flips) -> bytearray:
+    out = bytearray(data)
+    for at, bit in flips:
+        out[at] ^= 1 << bit
+    return out
