@@ -244,12 +244,16 @@ def test_ls_lists_a_split_set_once(gguf_llama, ckpt):
     assert [r["path"] for r in rows] == [split_parts(gguf_llama)[0].name] and rows[0]["complete"], rows
 
 
-def test_llama_attention_biases_unpermuted(gguf_llama, ckpt, tmp_path):
+def test_llama_attention_biases_and_tied_embeddings(gguf_llama, ckpt, tmp_path):
     """llama.cpp's converter permutes q/k biases as it does the weights: read back, the f32 file is the saved model,
-    biases included, and its config says attention_bias (transformers' GGUF loader has no such key, and drops them)."""
+    biases included, and its config says attention_bias (transformers' GGUF loader has no such key, and drops them).
+    Tied embeddings (no output.weight): no lm_head written, and the config ties it."""
     from transformers import AutoModelForCausalLM
 
+    doc = json.loads(ckpt("inspect", gguf_llama / "bias-f32.gguf", "--json").out)
+    assert "lm_head.weight" not in {t["name"] for t in doc["tensors"]}
     assert ckpt("convert", gguf_llama / "bias-f32.gguf", tmp_path / "out", "--to", "hf").code == 0
     assert_bit_equal(load_hf(tmp_path / "out"), load_hf(gguf_llama / "hf-bias"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.attention_bias and model.model.layers[0].self_attn.q_proj.bias is not None
+    assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()

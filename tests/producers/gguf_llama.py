@@ -3,7 +3,7 @@ on the spot, converted by llama.cpp's own `convert_hf_to_gguf.py` (from the llam
 sdist vendors), and quantized by llama.cpp's own quantizer (`llama_model_quantize` through llama-cpp-python).
 
 Run as a script: `gguf_llama.py OUT [--split]` writes OUT/hf (the model), OUT/f32.gguf, f16, bf16, q8_0, a Llama
-with attention biases (OUT/hf-bias, OUT/bias-f32.gguf) and, when llama_cpp imports, the K-quants; with --split,
+with attention biases and tied embeddings (OUT/hf-bias, OUT/bias-f32.gguf) and, when llama_cpp imports, the K-quants; with --split,
 OUT/split/ holds the f32 file split by --split-max-size. The converter comes from the llama-cpp-python sdist,
 downloaded once with pip into ~/.cache/ckpt-tests and extracted there (`converter_dir`; $CKPT_LLAMA_CPP_SRC names an
 extracted llama.cpp folder instead).
@@ -98,7 +98,8 @@ def train_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def save_model(folder: Path, bias: bool = False) -> None:
-    """The tiny Llama; with `bias`, a smaller one with attention biases (llama.cpp permutes q/k biases too)."""
+    """The tiny Llama; with `bias`, a smaller one with attention biases (llama.cpp permutes q/k biases too) and tied
+    embeddings (the converter writes no output.weight)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -106,6 +107,7 @@ def save_model(folder: Path, bias: bool = False) -> None:
     cfg = config()
     if bias:
         cfg.attention_bias, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = True, 64, 128, 16
+        cfg.tie_word_embeddings = True
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # norms away from 1: a wrong map between norms would show
         for name, p in model.named_parameters():
