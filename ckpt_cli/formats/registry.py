@@ -199,17 +199,6 @@ FORMATS: dict[str, Format] = {
             commit=Commit("Hugging Face checkpoint", r".+\.index\.json", "*.index.json", HF_SHARDS, "shards"),
         ),
         Format(
-            "gguf",
-            "gguf.reader:READER",
-            None,
-            "llama.cpp GGUF: one .gguf file or a gguf-split set (NAME-0000i-of-0000N.gguf), read dequantized",
-            False,
-            tensors_only=True,
-            folders=False,
-            files=".*",  # by its GGUF magic, whatever the suffix
-            later_parts=r".+-(?!00001-)\d{5}-of-\d{5}\.gguf",  # gguf-split's parts after the first
-        ),
-        Format(
             "safetensors",
             "safetensors:READER",
             "safetensors:WRITER",
@@ -229,6 +218,17 @@ FORMATS: dict[str, Format] = {
             merge_suffixes=(".pt", ".pth", ".bin"),
             folders=False,
             files=".*",  # by its zip or pickle magic
+        ),
+        Format(
+            "gguf",
+            "gguf.reader:READER",
+            None,
+            "llama.cpp GGUF: one .gguf file or a gguf-split set (NAME-0000i-of-0000N.gguf), read dequantized",
+            False,
+            tensors_only=True,
+            folders=False,
+            files=".*",  # by its GGUF magic, whatever the suffix (last: a file the others claim is never opened again for it)
+            later_parts=r".+-(?!00001-)\d{5}-of-\d{5}\.gguf",  # gguf-split's parts after the first
         ),
     )
 }
