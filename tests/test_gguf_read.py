@@ -257,3 +257,23 @@ def test_llama_attention_biases_and_tied_embeddings(gguf_llama, ckpt, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.config.attention_bias and model.model.layers[0].self_attn.q_proj.bias is not None
     assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen(gguf_llama, ckpt, tmp_path, arch):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k norms): no permutation; f32 read back is the saved model, and the folder
+    loads with from_pretrained with the saved model's logits. Qwen2's q8_0 is transformers' GGUF state dict bit for bit
+    (its loader gives a Qwen3 of head_dim 16 the config default 128, and fails: ckpt reads attention.key_length)."""
+    from transformers import AutoModelForCausalLM
+
+    assert ckpt("convert", gguf_llama / f"{arch}-f32.gguf", tmp_path / "f32", "--to", "hf").code == 0
+    assert_bit_equal(load_hf(tmp_path / "f32"), load_hf(gguf_llama / f"hf-{arch}"))
+    ids = torch.tensor([[1, 17, 42, 99, 250, 3]])
+    with torch.no_grad():
+        mine = AutoModelForCausalLM.from_pretrained(tmp_path / "f32")(ids).logits
+        saved = AutoModelForCausalLM.from_pretrained(gguf_llama / f"hf-{arch}")(ids).logits
+    assert torch.equal(mine, saved)
+    assert ckpt("convert", gguf_llama / f"{arch}-q8_0.gguf", tmp_path / "q8", "--to", "hf").code == 0
+    if arch == "qwen2":
+        assert_bit_equal(load_hf(tmp_path / "q8"), transformers_state_dict(gguf_llama / f"{arch}-q8_0.gguf"))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "q8").config.head_dim == 16

@@ -3,7 +3,8 @@ on the spot, converted by llama.cpp's own `convert_hf_to_gguf.py` (from the llam
 sdist vendors), and quantized by llama.cpp's own quantizer (`llama_model_quantize` through llama-cpp-python).
 
 Run as a script: `gguf_llama.py OUT [--split]` writes OUT/hf (the model), OUT/f32.gguf, f16, bf16, q8_0, a Llama
-with attention biases and tied embeddings (OUT/hf-bias, OUT/bias-f32.gguf) and, when llama_cpp imports, the K-quants; with --split,
+with attention biases and tied embeddings (OUT/hf-bias, OUT/bias-f32.gguf), a Qwen2 and a Qwen3 (OUT/hf-qwen2,
+OUT/qwen2-f32.gguf, qwen2-q8_0; the same for qwen3) and, when llama_cpp imports, the K-quants; with --split,
 OUT/split/ holds the f32 file split by --split-max-size. The converter comes from the llama-cpp-python sdist,
 downloaded once with pip into ~/.cache/ckpt-tests and extracted there (`converter_dir`; $CKPT_LLAMA_CPP_SRC names an
 extracted llama.cpp folder instead).
@@ -119,6 +120,36 @@ def save_model(folder: Path, bias: bool = False) -> None:
     train_tokenizer(folder, model.config.vocab_size)
 
 
+def save_qwen(folder: Path, arch: str) -> None:
+    """A tiny Qwen2 (q/k/v biases) or Qwen3 (q/k norms, head_dim 16: not the config's default 128) with the same
+    tokenizer (the converter reads a tokenizer.model with SentencePiece before it looks for tokenizer.json)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    make, model_class = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (Qwen3Config, Qwen3ForCausalLM)
+    cfg = make(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = model_class(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_()
+    model.save_pretrained(folder)
+    train_tokenizer(folder, cfg.vocab_size)
+
+
 def convert(llama_cpp: Path, model: Path, out: Path, outtype: str, *extra: str) -> None:
     cmd = [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(model), "--outfile", str(out), "--outtype", outtype, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -148,6 +179,10 @@ def main() -> None:
         convert(llama_cpp, model, out / f"{outtype}.gguf", outtype)
     save_model(out / "hf-bias", bias=True)
     convert(llama_cpp, out / "hf-bias", out / "bias-f32.gguf", "f32")
+    for arch in ("qwen2", "qwen3"):
+        save_qwen(out / f"hf-{arch}", arch)
+        for outtype in ("f32", "q8_0"):
+            convert(llama_cpp, out / f"hf-{arch}", out / f"{arch}-{outtype}.gguf", outtype)
     if "--split" in sys.argv:
         (out / "split").mkdir()
         convert(llama_cpp, model, out / "split" / "model.gguf", "f32", "--split-max-size", "2M")

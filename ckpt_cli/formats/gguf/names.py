@@ -68,7 +68,10 @@ CONFIG_KEYS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
 }
-HEAD_DIM_KEY = {"llama": "rope.dimension_count"}  # qwen2 and qwen3 map it to nothing
+# transformers maps Llama's rope.dimension_count to head_dim and Qwen's to nothing, so its GGUF loader gives a Qwen3 of
+# head_dim other than 128 (the config's default) the wrong shapes; the converter writes the head size as
+# attention.key_length, which ckpt reads for them (the folder then loads with from_pretrained)
+HEAD_DIM_KEY = {"llama": "rope.dimension_count", "qwen2": "attention.key_length", "qwen3": "attention.key_length"}
 TOKEN_KEYS = {
     "bos_token_id": "bos_token_id",
     "eos_token_id": "eos_token_id",
@@ -81,7 +84,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 def hf_config(metadata: dict[str, object], arch: str, tensor_names: set[str]) -> dict[str, object]:
     """config.json for the weights read from a file of a mapped architecture (float32, as they are presented)."""
     config: dict[str, object] = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "torch_dtype": "float32"}
-    for key, hf in {**CONFIG_KEYS, **({HEAD_DIM_KEY[arch]: "head_dim"} if arch in HEAD_DIM_KEY else {})}.items():
+    for key, hf in {**CONFIG_KEYS, HEAD_DIM_KEY[arch]: "head_dim"}.items():
         value = metadata.get(f"{arch}.{key}")
         if isinstance(value, (int, float)):
             config[hf] = value
