@@ -4,7 +4,7 @@ sdist vendors), and quantized by llama.cpp's own quantizer (`llama_model_quantiz
 
 Run as a script: `gguf_llama.py OUT [--split]` writes OUT/hf (the model), OUT/f32.gguf, f16, bf16, q8_0, a Llama
 with attention biases and tied embeddings (OUT/hf-bias, OUT/bias-f32.gguf), a Qwen2 and a Qwen3 (OUT/hf-qwen2,
-OUT/qwen2-f32.gguf, qwen2-q8_0; the same for qwen3) and, when llama_cpp imports, the K-quants; with --split,
+OUT/qwen2-f32.gguf, qwen2-q8_0; OUT/qwen3-f32.gguf) and, when llama_cpp imports, the K-quants; with --split,
 OUT/split/ holds the f32 file split by --split-max-size. The converter comes from the llama-cpp-python sdist,
 downloaded once with pip into ~/.cache/ckpt-tests and extracted there (`converter_dir`; $CKPT_LLAMA_CPP_SRC names an
 extracted llama.cpp folder instead).
@@ -181,7 +181,7 @@ def main() -> None:
     convert(llama_cpp, out / "hf-bias", out / "bias-f32.gguf", "f32")
     for arch in ("qwen2", "qwen3"):
         save_qwen(out / f"hf-{arch}", arch)
-        for outtype in ("f32", "q8_0"):
+        for outtype in ("f32", "q8_0") if arch == "qwen2" else ("f32",):
             convert(llama_cpp, out / f"hf-{arch}", out / f"{arch}-{outtype}.gguf", outtype)
     if "--split" in sys.argv:
         (out / "split").mkdir()
