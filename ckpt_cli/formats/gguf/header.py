@@ -37,7 +37,7 @@ MAX_NESTING = 8  # arrays of arrays: more levels are no real file's, and each wo
 INT64_MAX = (1 << 63) - 1
 # The fewest bytes a key-value and a tensor info can take: what a claimed count is checked against.
 MIN_KV = 8 + 1 + 4 + 1
-MIN_TENSOR_INFO = 8 + 1 + 4 + 4 + 8
+MIN_TENSOR_INFO = 8 + 4 + 4 + 8  # an empty name and no dims
 
 
 @dataclass(frozen=True)
