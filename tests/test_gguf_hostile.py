@@ -173,6 +173,7 @@ def test_type_ckpt_does_not_dequantize(tmp_path, ckpt):
     res = ckpt("inspect", path, "--json")
     assert res.code == 0 and "IQ4_NL" in res.out and "cannot be dequantized" in res.out, res.err
     assert ckpt("verify", path).code == 0
+    assert_fails(ckpt("verify", path, "--deep"), "IQ4_NL, which ckpt does not dequantize")
     dest = tmp_path / "out.safetensors"
     res = ckpt("convert", path, dest, "--to", "safetensors")
     assert_fails(res, str(path), "IQ4_NL, which ckpt does not dequantize")
