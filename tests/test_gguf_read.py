@@ -277,3 +277,22 @@ def test_qwen(gguf_llama, ckpt, tmp_path, arch):
     if arch == "qwen2":
         assert ckpt("convert", gguf_llama / "qwen2-q8_0.gguf", tmp_path / "q8", "--to", "hf").code == 0
         assert_bit_equal(load_hf(tmp_path / "q8"), transformers_state_dict(gguf_llama / "qwen2-q8_0.gguf"))
+
+
+@pytest.mark.parametrize(
+    "type_name", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+)
+def test_dequantizers_on_random_blocks(type_name):
+    """Every byte pattern (inf and NaN scales included) decodes to gguf-py's float32 bits."""
+    import gguf
+
+    from ckpt_cli.formats.gguf import dequant
+    from ckpt_cli.formats.gguf.constants import ALL_BLOCKS
+
+    kind = gguf.GGMLQuantizationType[type_name]
+    _, block, size = ALL_BLOCKS[int(kind)]
+    raw = np.random.default_rng(int(kind)).integers(0, 256, size=(8, 4 * size if block > 1 else 64 * size), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        want = gguf.quants.dequantize(raw, kind)
+    got = dequant.dequantize(raw.reshape(-1), type_name, size).reshape(want.shape)
+    assert np.array_equal(got.view(np.uint32), np.ascontiguousarray(want).view(np.uint32))
