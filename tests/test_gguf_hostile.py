@@ -159,24 +159,24 @@ def test_alignment_must_be_a_power_of_2(tmp_path, ckpt):
 
 
 def test_type_ckpt_does_not_dequantize(tmp_path, ckpt):
-    """An IQ4_NL tensor: inspect and verify read its layout (a note says it cannot be dequantized); a conversion
-    stops at it with exit 1, naming the type, and leaves nothing."""
+    """An IQ2_XXS tensor: inspect and verify read its layout (a note says it cannot be dequantized); verify --deep and a
+    conversion stop at it with exit 1, naming the type, and leave nothing."""
     import gguf
 
     path = tmp_path / "iq.gguf"
     w = gguf.GGUFWriter(path, "tiny")
-    w.add_tensor("a.weight", np.zeros((2, 18), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    w.add_tensor("a.weight", np.zeros((2, 66), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     res = ckpt("inspect", path, "--json")
-    assert res.code == 0 and "IQ4_NL" in res.out and "cannot be dequantized" in res.out, res.err
+    assert res.code == 0 and "IQ2_XXS" in res.out and "cannot be dequantized" in res.out, res.err
     assert ckpt("verify", path).code == 0
-    assert_fails(ckpt("verify", path, "--deep"), "IQ4_NL, which ckpt does not dequantize")
+    assert_fails(ckpt("verify", path, "--deep"), "IQ2_XXS, which ckpt does not dequantize")
     dest = tmp_path / "out.safetensors"
     res = ckpt("convert", path, dest, "--to", "safetensors")
-    assert_fails(res, str(path), "IQ4_NL, which ckpt does not dequantize")
+    assert_fails(res, str(path), "IQ2_XXS, which ckpt does not dequantize")
     assert not dest.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 

@@ -15,7 +15,7 @@ import torch
 from conftest import assert_fails, built_once, producer
 
 FILES = ("f32", "f16", "bf16", "q8_0")
-KQUANTS = ("q4_k_m", "q2_k", "q3_k_m", "q5_k_m", "q6_k")
+KQUANTS = ("q4_k_m", "q2_k", "q3_k_m", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
 STORED_TYPES = {"f32": {"F32"}, "f16": {"F16", "F32"}, "bf16": {"BF16", "F32"}, "q8_0": {"Q8_0", "F32"}, "q4_k_m": {"Q4_K", "Q6_K", "F32"}}
 
 
@@ -280,7 +280,9 @@ def test_qwen(gguf_llama, ckpt, tmp_path, arch):
 
 
 @pytest.mark.parametrize(
-    "type_name", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+    "type_name",
+    ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+    + ["IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4"],
 )
 def test_dequantizers_on_random_blocks(type_name):
     """Every byte pattern (inf and NaN scales included) decodes to gguf-py's float32 bits."""

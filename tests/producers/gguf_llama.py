@@ -24,7 +24,7 @@ PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # what the convert
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers (include/llama.h): what llama_model_quantize makes from the f32 file
-QUANTS = {"q4_k_m": 15, "q2_k": 10, "q3_k_m": 12, "q5_k_m": 17, "q6_k": 18}
+QUANTS = {"q4_k_m": 15, "q2_k": 10, "q3_k_m": 12, "q5_k_m": 17, "q6_k": 18, "iq4_nl": 25, "iq4_xs": 30}
 WORDS = "the a model weights tensor block scale file read write quant llama layer head row column".split()
 
 

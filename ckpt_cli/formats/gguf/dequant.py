@@ -137,6 +137,61 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
     return (d * q.reshape((n, QK_K // 16, -1)).astype(np.float32)).reshape((n, QK_K))
 
 
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # kvalues_iq4nl
+FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled (kvalues_mxfp4)
+
+
+def _iq4_nl(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    qs = _nibbles(b[:, 2:], n, 16).reshape((n, -1, 1))
+    q = np.take_along_axis(np.array(IQ4_VALUES, dtype=np.int8).reshape(1, 1, 16), qs, axis=-1).astype(np.float32).reshape((n, -1))
+    return d * q
+
+
+def _iq4_xs(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    scales_h = np.ascontiguousarray(b[:, 2:4]).view(np.uint16)
+    scales_l, qs = b[:, 4 : 4 + QK_K // 64], b[:, 4 + QK_K // 64 :]
+    low = (scales_l.reshape((n, -1, 1)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2))).reshape((n, -1)) & np.uint8(0x0F)
+    high = scales_h.reshape((n, 1, -1)) >> np.array([2 * i for i in range(QK_K // 32)], dtype=np.uint16).reshape((1, -1, 1))
+    high = high.reshape((n, -1)).astype(np.uint8) & np.uint8(0x03)
+    scales = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
+    dl = (d * scales.astype(np.float32)).reshape((n, -1, 1))
+    q = (qs.reshape((n, -1, 1, 16)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))).reshape((n, -1, 32, 1)) & np.uint8(0x0F)
+    values = np.array(IQ4_VALUES, dtype=np.int8).reshape((1, 1, 1, -1))
+    q = np.take_along_axis(values, q, axis=-1).astype(np.float32).reshape((n, -1, 32))
+    return (dl * q).reshape((n, -1))
+
+
+def _tq1_0(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    qs, qh, d = b[:, : (QK_K - 4 * QK_K // 64) // 5], b[:, (QK_K - 4 * QK_K // 64) // 5 : -2], _f16(b[:, -2:])
+    pow3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+    qs0 = (qs[..., :32].reshape((n, -1, 1, 32)) * pow3.reshape((1, 1, 5, 1))).reshape((n, -1))
+    qs1 = (qs[..., 32:].reshape((n, -1, 1, 16)) * pow3.reshape((1, 1, 5, 1))).reshape((n, -1))
+    qh = (qh.reshape((n, -1, 1, 4)) * pow3[:4].reshape((1, 1, 4, 1))).reshape((n, -1))
+    q = ((np.concatenate([qs0, qs1, qh], axis=-1).astype(np.uint16) * 3) >> 8).astype(np.int8) - np.int8(1)
+    return d * q.astype(np.float32)
+
+
+def _tq2_0(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    qs, d = b[:, : QK_K // 4], _f16(b[:, -2:])
+    q = (qs.reshape((n, -1, 1, 32)) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape((1, 1, 4, 1))) & 0x03
+    return d * (q.reshape((n, -1)).astype(np.int8) - np.int8(1)).astype(np.float32)
+
+
+def _mxfp4(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    e, qs = b[:, :1], b[:, 1:]
+    d = np.where(e < 2, np.uint32(0x00200000) << np.uint32(e), np.uint32(e - 1) << np.uint32(23)).view(np.float32)
+    q = ((qs.reshape((n, 1, 16)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 2, 1))) & np.uint8(0x0F)).view(np.int8)
+    q = np.take_along_axis(np.array(FP4_VALUES, dtype=np.int8).reshape(1, 1, 16), q, axis=-1).reshape((n, 32))
+    return d * q.astype(np.float32)
+
+
 def _f32(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float32)
 
@@ -164,6 +219,11 @@ DECODERS: dict[str, Decoder] = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
+    "TQ1_0": _tq1_0,
+    "TQ2_0": _tq2_0,
+    "MXFP4": _mxfp4,
 }
 
 
