@@ -131,6 +131,8 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         lines.append(f"{'quantized':<12} {what}{block}: {count}, from {quant['from']}")
     if adapter := doc["details"].get("adapter"):
         lines += adapter_lines(adapter)
+    if doc["format"] == "gguf":
+        lines += gguf_lines(doc["details"])
     lines.append("training state")
     lines += [f"  {k:<14} {_state_line(v)}" for k, v in doc["training_state"].items()]
     lines += [_unread_line(u) for u in doc.get("unread", [])]
@@ -140,6 +142,20 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         lines.append(f"{'name':<{width}}  {'dtype':<10} {'shape':<18} {'role':<10} pieces")
         lines += [f"{t['name']:<{width}}  {t['dtype']:<10} {str(t['shape']):<18} {t['role']:<10} {t['pieces']}" for t in doc["tensors"]]
     return "\n".join(lines)
+
+
+def gguf_lines(d: dict[str, Any]) -> list[str]:
+    """A GGUF file's architecture hyper-parameters, tokenizer and tensor types (stored, before dequantizing)."""
+    tok = d.get("tokenizer", {})
+    hyper = ", ".join(f"{k}={v}" for k, v in d.get("hyperparameters", {}).items())
+    extra = "".join(f", {k}={v}" for k, v in tok.items() if k not in ("model", "vocab_size"))
+    return [
+        f"{'hparams':<12} {hyper or '-'}",
+        f"{'tokenizer':<12} {tok.get('model', '-')}, {tok.get('vocab_size', '?')} tokens{extra}",
+        f"{'gguf types':<12} "
+        + ", ".join(f"{k} x{v}" for k, v in d.get("tensor_types", {}).items())
+        + f" ({human_bytes(d.get('stored_bytes', 0))} stored)",
+    ]
 
 
 def adapter_lines(a: dict[str, Any]) -> list[str]:

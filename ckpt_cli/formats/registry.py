@@ -68,6 +68,7 @@ class Format:
     ranks: str | None = None  # what --world-size N counts for its writer, in words (a write needs it: ops/convert.layout_for)
     ranks_from_source: bool = False  # without --world-size, a weights write keeps the source's world size
     takes_ep: bool = False  # the writer regroups MoE experts (--ep-size)
+    later_parts: str | None = None  # regex of the file names that are a later part of a set its first part names (ls lists the set once)
 
     @property
     def reader(self) -> Reader:
@@ -224,6 +225,17 @@ FORMATS: dict[str, Format] = {
             folders=False,
             files=".*",  # by its zip or pickle magic
         ),
+        Format(
+            "gguf",
+            "gguf.reader:READER",
+            None,
+            "llama.cpp GGUF: one .gguf file or a gguf-split set (NAME-0000i-of-0000N.gguf), read dequantized",
+            False,
+            tensors_only=True,
+            folders=False,
+            files=".*",  # by its GGUF magic, whatever the suffix (last: a file the others claim is never opened again for it)
+            later_parts=r".+-(?!00001-)\d{5}-of-\d{5}\.gguf",  # gguf-split's parts after the first
+        ),
     )
 }
 
@@ -247,6 +259,11 @@ def detect(path: Path) -> Format | None:
     folder = path.is_dir()
     able = (f for f in FORMATS.values() if (f.folders if folder else f.files is not None and re.fullmatch(f.files, path.name)))
     return next((f for f in able if f.reader.detect(path)), None)
+
+
+def later_part(path: Path) -> bool:
+    """A file that is a later part of a set its first part names (a gguf-split part 2 of N): listed as the set, once."""
+    return any(f.later_parts and re.fullmatch(f.later_parts, path.name) for f in FORMATS.values())
 
 
 def member_of(path: Path) -> tuple[Path, Format] | None:

@@ -198,6 +198,8 @@ def find(root: Path, depth: int = SEARCH_DEPTH, seen: dict[Path, Found | None] |
         except OSError:
             return
         for child in children:
+            if registry.later_part(child):
+                continue  # its set is listed at its first part
             hit = identified(child)
             if hit is not None:
                 found.append(hit)
