@@ -196,3 +196,31 @@ def test_transpose_of_orbax_kernels(orbax_saves, ckpt, tmp_path):
     for name in names:
         want = np.load(orbax_saves / "arrays" / f"{name}.npy").T
         assert np.array_equal(flat[name].numpy(), want) and np.array_equal(state[name].numpy(), want), name
+
+
+def test_split_permute_and_stack_of_orbax_arrays(orbax_saves, ckpt, tmp_path):
+    """A name map's split, permute and stack of computed tensors (Orbax arrays read through tensorstore) read their
+    element ranges through them: bit-equal to the producer's arrays cut, permuted (torchtitan's _permute) and stacked;
+    two outputs of one source are two tensors, not one tied."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "map.yaml").write_text(
+        "split:\n  - {from: 'params\\.decoder\\.layers_0\\.mlp\\.wo', to: ['top', 'bottom']}\n"
+        "permute:\n  - {from: 'params\\.decoder\\.layers_0\\.attn\\.wq', heads: 4, rope: halves}\n"
+        "stack:\n  - {from: 'params\\.decoder\\.layers_(?P<index>\\d+)\\.attn\\.wo', to: 'stacked'}\n"
+    )
+    out, name_map = tmp_path / "w.safetensors", tmp_path / "map.yaml"
+    res = ckpt("convert", orbax_saves / SRC, out, "--to", "safetensors", "--weights-only", "--name-map", name_map)
+    assert res.code == 0, res.err
+    got = {k: v.numpy() for k, v in load_file(out).items() if k in ("top", "bottom", "stacked") or k.endswith("attn.wq")}
+
+    def array(name: str) -> np.ndarray:
+        return np.load(orbax_saves / "arrays" / f"{name}.npy")
+
+    wo = array("params.decoder.layers_0.mlp.wo")
+    assert np.array_equal(got["top"], wo[: len(wo) // 2]) and np.array_equal(got["bottom"], wo[len(wo) // 2 :])
+    wq = array("params.decoder.layers_0.attn.wq")
+    rows, cols = wq.shape
+    want = wq.reshape(4, rows // 8, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
+    assert np.array_equal(got["params.decoder.layers_0.attn.wq"], want)
+    assert np.array_equal(got["stacked"], array("params.decoder.layers_0.attn.wo")[None])

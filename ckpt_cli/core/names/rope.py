@@ -48,6 +48,9 @@ def permuted(entry: TensorEntry, name: str, heads: int, to: str) -> TensorEntry:
             "check the head count the map takes from the config"
         )
     row, to_halves = math.prod(entry.shape[1:]), to == "halves"
+    if entry.derived is not None:  # a computed tensor: its rows read through it, in the permuted order
+        ranges = [(r * row, row) for r in source_rows(heads, rows // heads, to_halves)]
+        return gather(entry, name, ranges, entry.shape)
 
     def pieces() -> list[Piece]:
         ranges = [(r * row, row) for r in source_rows(heads, rows // heads, to_halves)]

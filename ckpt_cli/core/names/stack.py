@@ -18,6 +18,7 @@ from typing import Any
 
 from ckpt_cli.core import structured
 from ckpt_cli.core.model import FlatRange, Piece, TensorEntry
+from ckpt_cli.core.names.row_split import Gathered
 from ckpt_cli.errors import UsageError
 
 
@@ -72,6 +73,12 @@ class Stack:
         if len({(e.dtype, e.shape[1:]) for e in first}) > 1 or any(not e.shape for e in first):
             raise UsageError(f"stacking '{name}': the parts {', '.join(e.name for e in first)} differ past their first dimension")
         rows = sum(e.shape[0] for e in first)
+        shape = (count, rows, *first[0].shape[1:])
+        ordered = [members[(i, s)] for i in range(count) for s in range(per)]
+        if any(e.derived is not None for e in ordered):  # computed members: read through them, one after the other
+            stand_in = [p for e in ordered for p in e.pieces]
+            derived = Gathered([(e, 0, e.numel) for e in ordered])
+            return TensorEntry(name, first[0].dtype, shape, first[0].role, stand_in, (name,), derived=derived)
         pieces: list[Piece] = []
         pos = 0
         for i in range(count):
@@ -79,4 +86,4 @@ class Stack:
                 entry = members[(i, s)]
                 pieces += [Piece(FlatRange(pos + start, length), piece.data, local) for start, length, piece, local in entry.runs()]
                 pos += entry.numel
-        return TensorEntry(name, first[0].dtype, (count, rows, *first[0].shape[1:]), first[0].role, pieces, (name,))
+        return TensorEntry(name, first[0].dtype, shape, first[0].role, pieces, (name,))
