@@ -68,6 +68,9 @@ class Format:
     ranks: str | None = None  # what --world-size N counts for its writer, in words (a write needs it: ops/convert.layout_for)
     ranks_from_source: bool = False  # without --world-size, a weights write keeps the source's world size
     takes_ep: bool = False  # the writer regroups MoE experts (--ep-size)
+    # the writer picks each tensor's type from --dtype / --quantize as its reference converter does (GGUF: norms stay
+    # F32), so a write hands it those options instead of casting the tensors first (ops/convert.plan_checkpoint)
+    casts_itself: bool = False
 
     @property
     def reader(self) -> Reader:
@@ -217,6 +220,17 @@ FORMATS: dict[str, Format] = {
             merge_suffixes=(".pt", ".pth", ".bin"),
             folders=False,
             files=".*",  # by its zip or pickle magic
+        ),
+        Format(
+            "gguf",
+            "gguf.reader:READER",
+            "gguf.writer:WRITER",
+            "llama.cpp's GGUF: metadata key-values + typed, block-quantized tensors (one file or a gguf-split set)",
+            False,
+            tensors_only=True,
+            folders=False,
+            files=None,
+            casts_itself=True,
         ),
     )
 }

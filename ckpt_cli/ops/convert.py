@@ -54,6 +54,11 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
     carries = carries_training_state(ckpt, target, t, cross)
     write = layout_for(target, write, None if carries else ckpt.world_size)
+    if target.casts_itself:  # the writer types each tensor from --dtype / --quantize (GGUF: norms stay F32)
+        write = dataclasses.replace(write, dtype=t.dtype.name if t.dtype else None, quantize=t.quantize)
+        t = dataclasses.replace(t, dtype=None, quantize=None)
+    elif t.quantize not in (None, "fp8"):
+        raise UsageError(f"--quantize {t.quantize}: a GGUF block type, for --to gguf (hf, safetensors and torch take fp8)")
     adapter = request.source.adapter
     if adapter is not None:
         adapters.check_combination(cross.names_given, carries or _keeps_partitions(ckpt, target, t), adapter)

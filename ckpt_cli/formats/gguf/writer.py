@@ -1,0 +1,260 @@
+"""`--to gguf`: a Hugging Face model (or a training checkpoint with --hf-config) as the GGUF file llama.cpp's
+converter (convert_hf_to_gguf.py) writes, byte for byte. The plan is made from metadata alone: the header (key-values
+and tensor infos with their aligned offsets) is its first Literal; each tensor follows as a view of the source that
+streams: cast by the executor (F32, F16), or computed a band of rows at a time (BF16 and the block types:
+quantize.py). Which type each tensor gets follows the converter's rules (`tensor_type`, docs/formats.md "GGUF").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt_cli.core.dtypes import BY_NAME
+from ckpt_cli.core.interface import WriteOptions
+from ckpt_cli.core.model import Checkpoint, TensorEntry
+from ckpt_cli.core.names import rope
+from ckpt_cli.core.names.stack import Stack
+from ckpt_cli.core.reading import BLOCK_BYTES, read_elements
+from ckpt_cli.core.write.plan import Literal, OutputFile, Segment, TensorData, WritePlan
+from ckpt_cli.errors import UsageError
+from ckpt_cli.formats.companions import companion_config
+from ckpt_cli.formats.gguf import arch as archs
+from ckpt_cli.formats.gguf import quantize, vocab
+from ckpt_cli.formats.gguf.constants import DEFAULT_ALIGNMENT, TensorType, ValueType
+from ckpt_cli.formats.gguf.encode import KV, TensorInfo, header, pad
+
+QUANT_VERSION = 2  # GGML_QUANT_VERSION
+_FROM_DTYPE = {"float32": TensorType.F32, "float16": TensorType.F16, "bfloat16": TensorType.BF16}
+_ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # MoE routers stay F32 (the converter's list, for these archs)
+
+
+def file_type(ckpt: Checkpoint, options: WriteOptions) -> TensorType:
+    """The type the converter's --outtype names: --quantize (q8_0, ...), else --dtype, else (keep) the 16- or 32-bit
+    type of the source's weights (the converter's `auto`, where f32 weights stay f32)."""
+    if options.quantize is not None:
+        if options.quantize not in quantize.NAMES:
+            raise UsageError(f"--quantize {options.quantize}: GGUF's block types are {', '.join(quantize.NAMES)}")
+        return quantize.NAMES[options.quantize]
+    if options.dtype is not None:
+        return _FROM_DTYPE[options.dtype]
+    floats = [t.dtype.name for t in ckpt.tensors.values() if len(t.shape) > 1 and t.dtype.is_float]
+    return _FROM_DTYPE.get(floats[0] if floats else "float32", TensorType.F16)
+
+
+def tensor_type(name: str, shape: tuple[int, ...], wanted: TensorType) -> TensorType:
+    """conversion/base.py prepare_tensors: 1-D tensors, norms, routers and anything not a `.weight` stay F32; the rest
+    take the file's type, and a row that is not whole blocks falls back to F16."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+        return TensorType.F32
+    if re.fullmatch(r"blk\.\d+\.(" + "|".join(_ROUTERS) + r")\.weight", name):
+        return TensorType.F32
+    if wanted in quantize.QUANTIZED and not quantize.fits(wanted, shape[-1]):
+        return TensorType.F16
+    return wanted
+
+
+@dataclass(eq=False)
+class Encoded:
+    """A tensor's bytes as `kind` (BF16 or a block type), computed from a band of whole rows of `source` at a time."""
+
+    source: TensorEntry
+    kind: TensorType
+
+    @property
+    def row_bytes(self) -> int:
+        return TensorInfo("", (self.source.shape[-1],), self.kind).nbytes
+
+    def windows(self) -> Iterator[tuple[int, int]]:
+        cols = self.source.shape[-1] if self.source.shape else 1
+        rows = self.source.numel // max(cols, 1)
+        step = max(1, BLOCK_BYTES // max(cols * 4, 1))
+        for r0 in range(0, rows, step):
+            yield r0 * self.row_bytes, min(step, rows - r0) * self.row_bytes
+
+    def read(self, start: int, count: int, sources: Any) -> Any:
+        import torch
+
+        cols, size = self.source.shape[-1], self.row_bytes
+        r0, r1 = start // size, -(-(start + count) // size)
+        values = read_elements(self.source, r0 * cols, (r1 - r0) * cols, sources).to(torch.float32).numpy()
+        data = quantize.quantize(values.reshape(r1 - r0, cols), self.kind)
+        skip = start - r0 * size
+        return torch.from_numpy(data[skip : skip + count])
+
+
+def _permuted(entry: TensorEntry, name: str, config: dict[str, Any]) -> TensorEntry:
+    """LlamaModel.permute: q with the attention heads, k with the key-value heads, back to Meta's interleaved rows."""
+    heads = config["num_attention_heads"]
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        heads = config.get("num_key_value_heads") or heads
+    return rope.permuted(entry, entry.name, heads, "interleaved")
+
+
+def _stacked(members: dict[str, TensorEntry], layer: str, which: str, out: str) -> TensorEntry:
+    pattern = re.escape(f"model.layers.{layer}.") + r"(block_sparse_moe|mlp)\.experts\.(?P<index>\d+)\." + re.escape(which) + r"\.weight"
+    stacked, _ = Stack(pattern, out).gather(members, lambda n: n)
+    return stacked[out]
+
+
+def _converter_order(ckpt: Checkpoint) -> list[TensorEntry]:
+    """The order the converter reads tensors in: shard file by file (sorted names), each file's tensors by name; a
+    source that is not a Hugging Face release, by name."""
+
+    def key(entry: TensorEntry) -> tuple[str, str]:
+        arrays = entry.stored_arrays() if ckpt.format in ("hf", "safetensors") else ()
+        return (Path(arrays[0].path).name if arrays else "", entry.name)
+
+    return sorted((t for t in ckpt.tensors.values() if t.role == "model"), key=key)
+
+
+def gguf_tensors(ckpt: Checkpoint, config: dict[str, Any], arch: archs.Arch) -> list[tuple[str, TensorEntry]]:
+    """(GGUF name, the source tensor laid out as GGUF holds it) in the converter's order; experts stacked at the point
+    the converter has all of a layer's (its last expert read)."""
+    out: list[tuple[str, TensorEntry]] = []
+    pending: dict[str, dict[str, TensorEntry]] = {}
+    experts_re = archs.EXPERT_RE.get(arch.experts or "")
+    n_experts = archs.find(config, ("num_local_experts", "num_experts")) or 0
+    for entry in _converter_order(ckpt):
+        name = entry.name
+        if archs.skipped(name):
+            continue
+        match = experts_re.fullmatch(name) if experts_re else None
+        if match is not None and arch.experts is not None:
+            layer = pending.setdefault(match[1], {})
+            layer[name] = entry
+            if len(layer) >= n_experts * 3:
+                for which in archs.EXPERT_ORDER[arch.experts]:
+                    gname = f"blk.{match[1]}.{archs.EXPERT_NAMES[which]}.weight"
+                    out.append((gname, _stacked(layer, match[1], which, gname)))
+                del pending[match[1]]
+            continue
+        if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            entry = _permuted(entry, name, config)
+        out.append((archs.gguf_name(name), entry))
+    if pending:
+        raise UsageError(f"layer {next(iter(pending))}: {len(next(iter(pending.values())))} expert weights, not {n_experts} x 3")
+    return out
+
+
+def size_label(infos: list[TensorInfo]) -> str:
+    """gguf-py's size_label from get_total_parameter_count: experts counted once each, shown as EXPERTSxSIZE."""
+    total = shared = expert = expert_sum = n_expert = 0
+    for info in infos:
+        size = math.prod(info.shape)
+        if "_exps." in info.name and len(info.shape) >= 3:
+            count = info.shape[-2 if ".bias" in info.name else -3]
+            expert += size // count
+            expert_sum += count
+            n_expert += 1
+        else:
+            shared += size
+        total += size
+    count = expert_sum // n_expert if n_expert else 0
+    return f"{count}x{_rounded(shared + expert)}" if count else _rounded(total)
+
+
+def _rounded(n: int) -> str:
+    for limit, scale, suffix in ((1e12, 1e-12, "T"), (1e9, 1e-9, "B"), (1e6, 1e-6, "M"), (0, 1e-3, "K")):
+        if n > limit or suffix == "K":
+            value = n * scale
+            fix = max(2 - len(str(round(value)).lstrip("0")), 0)
+            return f"{value:.{fix}f}{suffix}"
+    raise AssertionError
+
+
+_SAMPLING = (  # generation_config.json key -> general.sampling.* key (gguf/metadata.py), in the order they are added
+    ("sequence", "sequence", ValueType.STRING),
+    ("top_k", "top_k", ValueType.INT32),
+    ("top_p", "top_p", ValueType.FLOAT32),
+    ("min_p", "min_p", ValueType.FLOAT32),
+    ("xtc_probability", "xtc_probability", ValueType.FLOAT32),
+    ("xtc_threshold", "xtc_threshold", ValueType.FLOAT32),
+    ("temperature", "temp", ValueType.FLOAT32),
+    ("penalty_last_n", "penalty_last_n", ValueType.INT32),
+    ("penalty_repeat", "penalty_repeat", ValueType.FLOAT32),
+    ("mirostat", "mirostat", ValueType.INT32),
+    ("mirostat_tau", "mirostat_tau", ValueType.FLOAT32),
+    ("mirostat_eta", "mirostat_eta", ValueType.FLOAT32),
+)
+
+
+def general_kvs(ckpt: Checkpoint, name: str, infos: list[TensorInfo]) -> list[KV]:
+    generation = vocab.file_json(ckpt.companions, "generation_config.json") if "generation_config.json" in ckpt.companions else None
+    out = [KV("general.type", ValueType.STRING, "model")]
+    for key, gkey, kind in _SAMPLING:
+        value = (generation or {}).get(key)
+        if key == "penalty_repeat" and value is None:
+            value = (generation or {}).get("repetition_penalty")
+        if value is not None:
+            out.append(KV(f"general.sampling.{gkey}", kind, float(value) if kind == ValueType.FLOAT32 else value))
+    out.append(KV("general.name", ValueType.STRING, name))
+    out.append(KV("general.size_label", ValueType.STRING, size_label(infos)))
+    return out
+
+
+def release_name(ckpt: Checkpoint) -> str:
+    """general.name: the name of the folder config.json comes from (the release's own, or --hf-config's), as the
+    converter names a model after its folder when --model-name is not given (its heuristics aside: docs/formats.md)."""
+    source = ckpt.companions.get("config.json")
+    return Path(source).parent.name if isinstance(source, str) else ckpt.path.name
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a GGUF write lays out: the key-values, and each tensor's info and the view whose bytes it writes."""
+
+    kvs: list[KV]
+    tensors: list[tuple[TensorInfo, TensorEntry]]
+
+
+def layout(ckpt: Checkpoint, options: WriteOptions) -> Layout:
+    config = companion_config(ckpt)
+    if config is None:
+        raise UsageError(f"{ckpt.path}: GGUF needs the model's config.json (and tokenizer): pass --hf-config DIR with the release's files")
+    hf, arch = archs.arch_of(config)
+    wanted = file_type(ckpt, options)
+    tensors = []
+    for gname, entry in gguf_tensors(ckpt, config, arch):
+        kind = tensor_type(gname, entry.shape, wanted)
+        tensors.append((TensorInfo(gname, entry.shape, kind), entry))
+    infos = [info for info, _ in tensors]
+    kvs = [KV("general.architecture", ValueType.STRING, arch.name), *general_kvs(ckpt, release_name(ckpt), infos)]
+    kvs += archs.parameter_kvs(hf, arch, config, wanted.name)
+    kvs.append(KV("general.quantization_version", ValueType.UINT32, QUANT_VERSION))
+    kvs += vocab.tokenizer_kvs(ckpt.companions, config, arch)
+    return Layout(kvs, tensors)
+
+
+def data_segment(info: TensorInfo, entry: TensorEntry) -> Segment:
+    if info.type == TensorType.F32:
+        return TensorData(entry, BY_NAME["float32"])
+    if info.type == TensorType.F16:
+        return TensorData(entry, BY_NAME["float16"])
+    encoded = TensorEntry(info.name, BY_NAME["uint8"], (info.nbytes,), "model", entry.pieces, (info.name,), derived=Encoded(entry, info.type))
+    return TensorData(encoded, BY_NAME["uint8"])
+
+
+def file_segments(kvs: list[KV], tensors: list[tuple[TensorInfo, TensorEntry]]) -> list[Segment]:
+    segments: list[Segment] = [Literal(header(kvs, [info for info, _ in tensors], DEFAULT_ALIGNMENT))]
+    for info, entry in tensors:
+        segments.append(data_segment(info, entry))
+        if pad(info.nbytes) != info.nbytes:
+            segments.append(Literal(bytes(pad(info.nbytes) - info.nbytes)))
+    return segments
+
+
+class GgufWriter:
+    name = "gguf"
+    dest_is_dir = False
+
+    def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
+        found = layout(ckpt, options)
+        return WritePlan(self.name, dest, False, [OutputFile("", file_segments(found.kvs, found.tensors))])
+
+
+WRITER = GgufWriter()
