@@ -20,7 +20,8 @@ CORPUS = [
     )
 ]
 SPM_VOCAB = 300
-SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+# intermediate 80: rows of ffn_down are not whole 32-blocks, so the quantized files hold the F16 fallback too
+SIZES = {"hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def train_spm(folder: Path, vocab_size: int = SPM_VOCAB) -> None:
@@ -40,9 +41,22 @@ def train_spm(folder: Path, vocab_size: int = SPM_VOCAB) -> None:
         minloglevel=2,
     )
     (folder / "tokenizer.vocab").unlink()
-    from transformers import LlamaTokenizer
-
-    LlamaTokenizer(vocab_file=str(folder / "tokenizer.model"), legacy=False).save_pretrained(folder)
+    # tokenizer_config.json as a Llama 2 release has it (transformers 5 would also write a tokenizer.json)
+    special = {i: t for i, t in enumerate(("<unk>", "<s>", "</s>"))}
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": {str(i): {"content": t, **flags} for i, t in special.items()},
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": None,
+        "legacy": False,
+        "tokenizer_class": "LlamaTokenizer",
+        "chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def llama(folder: Path, **overrides: Any) -> None:
@@ -56,7 +70,108 @@ def llama(folder: Path, **overrides: Any) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
-BUILDERS = {"llama": llama}
+# Qwen2's pre-tokenizer split (its tokenizer.json), then bytes to printable characters
+QWEN_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def train_bpe(folder: Path, vocab_size: int) -> None:
+    """A Qwen2-style byte-level BPE tokenizer.json trained on the spot with Hugging Face's tokenizers, with the
+    tokenizer_config.json a Qwen2 release has (no BOS, <|im_end|> ends a turn, <|endoftext|> pads)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=list(QWEN_SPECIAL)
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    ids = {t: tokenizer.token_to_id(t) for t in QWEN_SPECIAL}
+    config = {
+        "add_prefix_space": False,
+        "added_tokens_decoder": {str(i): {"content": t, **flags} for t, i in ids.items()},
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "model_max_length": 32768,
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _save(folder: Path, model_class: str, config_class: str, **kwargs: Any) -> None:
+    import torch
+    import transformers
+
+    config = getattr(transformers, config_class)(max_position_embeddings=128, **kwargs)
+    torch.manual_seed(0)
+    getattr(transformers, model_class)(config).save_pretrained(folder)
+
+
+def mistral(folder: Path) -> None:
+    """A tiny MistralForCausalLM with a SentencePiece tokenizer (as Mistral 7B v0.1 to v0.3 ship)."""
+    train_spm(folder)
+    _save(folder, "MistralForCausalLM", "MistralConfig", vocab_size=SPM_VOCAB, tie_word_embeddings=False, sliding_window=None, **SIZES)
+
+
+def mixtral(folder: Path) -> None:
+    """A tiny MixtralForCausalLM (4 experts, 2 a token) with a SentencePiece tokenizer."""
+    train_spm(folder)
+    _save(
+        folder,
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        vocab_size=SPM_VOCAB,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        **SIZES,
+    )
+
+
+QWEN_VOCAB = 400
+
+
+def qwen2(folder: Path) -> None:
+    train_bpe(folder, 380)
+    _save(folder, "Qwen2ForCausalLM", "Qwen2Config", vocab_size=QWEN_VOCAB, tie_word_embeddings=False, **SIZES)
+
+
+def qwen3(folder: Path) -> None:
+    train_bpe(folder, 380)
+    _save(folder, "Qwen3ForCausalLM", "Qwen3Config", vocab_size=QWEN_VOCAB, tie_word_embeddings=True, head_dim=16, **SIZES)
+
+
+def qwen2_moe(folder: Path) -> None:
+    """A tiny Qwen2MoeForCausalLM: 4 routed experts (2 a token) and a gated shared expert."""
+    train_bpe(folder, 380)
+    _save(
+        folder,
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        vocab_size=QWEN_VOCAB,
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        decoder_sparse_step=1,
+        **SIZES,
+    )
+
+
+BUILDERS = {"llama": llama, "mistral": mistral, "mixtral": mixtral, "qwen2": qwen2, "qwen3": qwen3, "qwen2_moe": qwen2_moe}
 
 
 if __name__ == "__main__":

@@ -67,7 +67,12 @@ def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
 def parameter_kvs(hf: str, arch: Arch, config: dict[str, Any], file_type: str) -> list[KV]:
     """The `{arch}.*` keys in the order the converter adds them, and general.file_type among them."""
     a, u32, f32 = arch.name, ValueType.UINT32, ValueType.FLOAT32
-    if "text_config" in config or config.get("is_causal") is False or config.get("layer_types") and "sliding_attention" in config["layer_types"]:
+    if (
+        "text_config" in config
+        or config.get("is_causal") is False
+        or config.get("layer_types")
+        and "sliding_attention" in config["layer_types"]
+    ):
         raise UsageError(f"config.json of {hf}: a multimodal, non-causal or sliding-window variant, which ckpt does not write to GGUF")
     out: list[KV] = []
 
@@ -76,9 +81,17 @@ def parameter_kvs(hf: str, arch: Arch, config: dict[str, Any], file_type: str) -
             out.append(KV(f"{a}.{key}", kind, float(value) if kind == f32 else value))
 
     add("block_count", u32, find(config, ("n_layers", "num_hidden_layers", "n_layer", "num_layers")))
-    add("context_length", u32, find(config, ("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length", "model_max_length")))
+    add(
+        "context_length",
+        u32,
+        find(config, ("max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length", "model_max_length")),
+    )
     add("embedding_length", u32, find(config, ("hidden_size", "n_embd", "dim")))
-    add("feed_forward_length", u32, find(config, ("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size", "n_inner", "hidden_dim")))
+    add(
+        "feed_forward_length",
+        u32,
+        find(config, ("prefix_dense_intermediate_size", "dense_intermediate_size", "intermediate_size", "n_inner", "hidden_dim")),
+    )
     add("attention.head_count", u32, find(config, ("num_attention_heads", "n_head", "n_heads")))
     add("attention.head_count_kv", u32, find(config, ("num_key_value_heads", "n_kv_heads")))
     rope = rope_parameters(config)

@@ -91,10 +91,10 @@ _BLOCK_FUNCS = {TensorType.Q8_0: _q8_0, TensorType.Q4_0: _q4_0, TensorType.Q4_1:
 
 def bf16(values: Any) -> Any:
     """float32 values as bfloat16 bytes: NaN made quiet, then round to nearest even (ggml_compute_fp32_to_bf16)."""
-    n = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    n = np.where((n & 0x7FFFFFFF) > 0x7F800000, (n & np.uint32(0xFFFF0000)) | np.uint32(64 << 16), n)
-    n = (n.astype(np.uint64) + (0x7FFF + ((n >> 16) & 1))) >> 16
-    return n.astype(np.uint16).view(np.uint8)
+    bits: Any = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    bits = np.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits & np.uint32(0xFFFF0000)) | np.uint32(64 << 16), bits)
+    bits = (bits.astype(np.uint64) + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    return bits.astype(np.uint16).view(np.uint8)
 
 
 def quantize(values: Any, kind: TensorType) -> Any:

@@ -38,7 +38,8 @@ def file_json(files: Files, name: str) -> Any:
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{files[name] if isinstance(files[name], str) else name}: not valid JSON ({exc})") from exc
+        source = files[name]
+        raise DataError(f"{source if isinstance(source, str) else name}: not valid JSON ({exc})") from exc
 
 
 # --- SentencePiece ---------------------------------------------------------------------------------------------------
@@ -63,6 +64,7 @@ def _fields(data: bytes) -> list[tuple[int, int, Any]]:
     while pos < len(data):
         key, pos = _varint(data, pos)
         field, wire = key >> 3, key & 7
+        value: Any
         if wire == 0:
             value, pos = _varint(data, pos)
         elif wire == 1:
@@ -145,7 +147,7 @@ def sentencepiece_vocab(files: Files, vocab_size: int | None) -> tuple[list[byte
 class SpecialVocab:
     """Which ids are BOS/EOS/..., whether they are added, the chat template and merges: gguf/vocab.py's SpecialVocab."""
 
-    def __init__(self, files: Files, n_vocab: int | None, load_merges: bool = False, types: tuple[str, ...] = SPECIAL_TYPES):
+    def __init__(self, files: Files, n_vocab: int | None, load_merges: bool = False, types: tuple[str, ...] = SPECIAL_TYPES) -> None:
         self.files, self.n_vocab, self.load_merges, self.types = files, n_vocab, load_merges, types
         self.ids: dict[str, int] = {}
         self.add: dict[str, bool] = {}
@@ -265,7 +267,16 @@ class SpecialVocab:
 
 
 # gguf-py's key of each special token type's id (gguf/constants.py Keys.Tokenizer; its misspelling kept)
-TOKEN_ID_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "sep": "seperator", "pad": "padding", "mask": "mask", "eot": "eot", "eom": "eom"}
+TOKEN_ID_KEYS = {
+    "bos": "bos",
+    "eos": "eos",
+    "unk": "unknown",
+    "sep": "seperator",
+    "pad": "padding",
+    "mask": "mask",
+    "eot": "eot",
+    "eom": "eom",
+}
 
 
 def _template_text(template: Any) -> str:
@@ -313,7 +324,7 @@ def tokenizer_kvs(files: Files, config: dict[str, Any], arch: Any) -> list[KV]:
     if "tokenizer.json" in files:
         from ckpt_cli.formats.gguf import bpe
 
-        return out + bpe.bpe_kvs(files, config, arch.name)
+        return out + bpe.bpe_kvs(files, config)
     raise UsageError(
         "GGUF needs the model's tokenizer: tokenizer.model (SentencePiece) or tokenizer.json (BPE) beside config.json "
         "(pass --hf-config DIR with the release's tokenizer files)"

@@ -201,7 +201,7 @@ def release_name(ckpt: Checkpoint) -> str:
     """general.name: the name of the folder config.json comes from (the release's own, or --hf-config's), as the
     converter names a model after its folder when --model-name is not given (its heuristics aside: docs/formats.md)."""
     source = ckpt.companions.get("config.json")
-    return Path(source).parent.name if isinstance(source, str) else ckpt.path.name
+    return Path(source).parent.name if isinstance(source, str) else Path(ckpt.path).name
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,9 @@ def data_segment(info: TensorInfo, entry: TensorEntry) -> Segment:
         return TensorData(entry, BY_NAME["float32"])
     if info.type == TensorType.F16:
         return TensorData(entry, BY_NAME["float16"])
-    encoded = TensorEntry(info.name, BY_NAME["uint8"], (info.nbytes,), "model", entry.pieces, (info.name,), derived=Encoded(entry, info.type))
+    encoded = TensorEntry(
+        info.name, BY_NAME["uint8"], (info.nbytes,), "model", entry.pieces, (info.name,), derived=Encoded(entry, info.type)
+    )
     return TensorData(encoded, BY_NAME["uint8"])
 
 
