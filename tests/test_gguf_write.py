@@ -156,6 +156,27 @@ def test_the_hash_table_is_the_converters():
     assert f"chktxt = {pre_hashes.CHECK_TEXT!r}" in body or repr(pre_hashes.CHECK_TEXT)[1:-1] in body
 
 
+@pytest.mark.slow
+def test_split_set_equals_the_converters(ckpt, llama_release, tmp_path):
+    """--max-shard-size: gguf-split's names and split.* keys, each file byte-equal to the converter's --split-max-size
+    output; llama.cpp loads the set from its first file and gives the single file's logits."""
+    result = ckpt(
+        "convert", llama_release, tmp_path / "llama.gguf", "--to", "gguf", "--quantize", "q8_0", "--max-shard-size", "30000", "--quiet"
+    )
+    assert result.code == 0, result.err
+    (tmp_path / "ref").mkdir()
+    ref.convert(llama_release, tmp_path / "ref" / "llama.gguf", "q8_0", "--split-max-size", "30000")
+    names = sorted(p.name for p in (tmp_path / "ref").iterdir())
+    assert names == [f"llama-{i:05d}-of-00005.gguf" for i in range(1, 6)]
+    assert sorted(p.name for p in (tmp_path / "llama.gguf").iterdir()) == names
+    for name in names:
+        assert (tmp_path / "llama.gguf" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes(), name
+    pytest.importorskip("llama_cpp")
+    single = ckpt_gguf(ckpt, llama_release, tmp_path / "one.gguf", "--quantize", "q8_0")
+    tokens = [1, 17, 200, 45, 3]
+    assert np.array_equal(ref.logits(tmp_path / "llama.gguf" / names[0], tokens), ref.logits(single, tokens))
+
+
 def test_unsupported_architecture_is_refused(ckpt, llama_release, tmp_path):
     src = tmp_path / "gpt"
     shutil.copytree(llama_release, src)

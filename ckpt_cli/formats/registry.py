@@ -71,6 +71,7 @@ class Format:
     # the writer picks each tensor's type from --dtype / --quantize as its reference converter does (GGUF: norms stay
     # F32), so a write hands it those options instead of casting the tensors first (ops/convert.plan_checkpoint)
     casts_itself: bool = False
+    splits: bool = False  # a one-file format that --max-shard-size writes as a split set into a folder (gguf-split)
 
     @property
     def reader(self) -> Reader:
@@ -231,6 +232,7 @@ FORMATS: dict[str, Format] = {
             folders=False,
             files=None,
             casts_itself=True,
+            splits=True,
         ),
     )
 }

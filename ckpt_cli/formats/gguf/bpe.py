@@ -18,7 +18,7 @@ from ckpt_cli.formats.gguf.encode import KV
 from ckpt_cli.formats.gguf.pre_hashes import CHECK_TEXT, PRE_BY_HASH
 from ckpt_cli.formats.gguf.vocab import CONTROL, NORMAL, UNUSED, USER_DEFINED, Files, SpecialVocab, file_bytes, looks_special
 
-TOKENIZERS_INSTALL = "pip install tokenizers (or ckpt-tools[gguf])"
+TOKENIZERS_INSTALL = "pip install 'ckpt-tools[gguf]'"
 REGISTERED: dict[str, str] = {}  # hash -> pre-tokenizer name, beside the converter's table (see `register`)
 
 

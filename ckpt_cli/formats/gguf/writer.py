@@ -250,12 +250,47 @@ def file_segments(kvs: list[KV], tensors: list[tuple[TensorInfo, TensorEntry]]) 
     return segments
 
 
+SHARD_NAME = "{}-{:05d}-of-{:05d}.gguf"  # gguf-py's SHARD_NAME_FORMAT, as gguf-split names a set
+
+
+def split_by_size(tensors: list[tuple[TensorInfo, TensorEntry]], limit: int) -> list[list[tuple[TensorInfo, TensorEntry]]]:
+    """GGUFWriter.add_tensor_info: a new file when the tensors so far (unpadded) and this one pass the limit, never an
+    empty one."""
+    groups: list[list[tuple[TensorInfo, TensorEntry]]] = [[]]
+    for item in tensors:
+        if groups[-1] and sum(info.nbytes for info, _ in groups[-1]) + item[0].nbytes > limit:
+            groups.append([])
+        groups[-1].append(item)
+    return groups
+
+
+def split_files(found: Layout, stem: str, limit: int) -> list[OutputFile]:
+    """A split set: the first file holds every key-value and then the split keys, the others the split keys alone
+    (split.no, split.count as u16, split.tensors.count as i32: GGUFWriter.add_shard_kv_data); one group is one plain
+    file, without split keys, as the converter writes it."""
+    groups = split_by_size(found.tensors, limit)
+    if len(groups) == 1:
+        return [OutputFile(f"{stem}.gguf", file_segments(found.kvs, found.tensors))]
+    files = []
+    for i, group in enumerate(groups):
+        keys = [
+            KV("split.no", ValueType.UINT16, i),
+            KV("split.count", ValueType.UINT16, len(groups)),
+            KV("split.tensors.count", ValueType.INT32, len(found.tensors)),
+        ]
+        files.append(OutputFile(SHARD_NAME.format(stem, i + 1, len(groups)), file_segments([*found.kvs, *keys] if i == 0 else keys, group)))
+    return files
+
+
 class GgufWriter:
     name = "gguf"
-    dest_is_dir = False
+    dest_is_dir = False  # a file; a folder holding the split set with --max-shard-size
 
     def plan(self, ckpt: Checkpoint, dest: Path, options: WriteOptions) -> WritePlan:
         found = layout(ckpt, options)
+        if options.max_shard_size:
+            stem = dest.name.removesuffix(".gguf")
+            return WritePlan(self.name, dest, True, split_files(found, stem, options.max_shard_size))
         return WritePlan(self.name, dest, False, [OutputFile("", file_segments(found.kvs, found.tensors))])
 
 
