@@ -177,6 +177,36 @@ def test_split_set_equals_the_converters(ckpt, llama_release, tmp_path):
     assert np.array_equal(ref.logits(tmp_path / "llama.gguf" / names[0], tokens), ref.logits(single, tokens))
 
 
+@pytest.mark.slow
+def test_dcp_training_checkpoint_equals_the_hf_route(ckpt, fsdp2_saves, tmp_path):
+    """A tiny Llama trained under FSDP2 (dcp.save at 2 ranks) straight to GGUF with --hf-config (config.json from the
+    run, a tokenizer trained here): the same bytes as going through a Hugging Face folder first, which in turn is the
+    converter's file."""
+    sys.path.insert(0, str(PRODUCERS))
+    from gguf_models import train_spm
+
+    release = tmp_path / "run" / "tiny"
+    for f in (fsdp2_saves[2] / "llama_config").iterdir():
+        (release.parent).mkdir(exist_ok=True)
+        release.mkdir(exist_ok=True)
+        shutil.copy(f, release / f.name)
+    config = json.loads((release / "config.json").read_text())  # a bare config.save_pretrained names no model class
+    (release / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    train_spm(release, vocab_size=60, byte_fallback=False)  # the run's vocabulary is 64: padded as the converter pads
+    src = fsdp2_saves[2] / "llama"
+    hf = tmp_path / "hf" / "tiny"
+    assert ckpt("convert", src, hf, "--to", "hf", "--weights-only", "--strip-prefix", "model.", "-q").code == 0
+    for f in release.iterdir():
+        shutil.copy(f, hf / f.name)
+    for outtype in ("f32", "q8_0"):
+        direct = tmp_path / f"direct-{outtype}.gguf"
+        options = ("--weights-only", "--strip-prefix", "model.", "--hf-config", release, *OUTTYPES[outtype])
+        ckpt_gguf(ckpt, src, direct, *options)
+        via_hf = ckpt_gguf(ckpt, hf, tmp_path / f"hf-{outtype}.gguf", *OUTTYPES[outtype])
+        assert direct.read_bytes() == via_hf.read_bytes(), outtype
+        assert direct.read_bytes() == ref.convert(hf, tmp_path / f"ref-{outtype}.gguf", outtype).read_bytes(), outtype
+
+
 def test_unsupported_architecture_is_refused(ckpt, llama_release, tmp_path):
     src = tmp_path / "gpt"
     shutil.copytree(llama_release, src)

@@ -24,7 +24,7 @@ SPM_VOCAB = 300
 SIZES = {"hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def train_spm(folder: Path, vocab_size: int = SPM_VOCAB) -> None:
+def train_spm(folder: Path, vocab_size: int = SPM_VOCAB, byte_fallback: bool = True) -> None:
     """A Llama-style SentencePiece model (BPE with byte fallback, <unk> <s> </s>) saved as folder/tokenizer.model, with
     the tokenizer_config.json that transformers' LlamaTokenizer writes for it."""
     import sentencepiece as spm
@@ -35,7 +35,7 @@ def train_spm(folder: Path, vocab_size: int = SPM_VOCAB) -> None:
         model_prefix=str(folder / "tokenizer"),
         vocab_size=vocab_size,
         model_type="bpe",
-        byte_fallback=True,
+        byte_fallback=byte_fallback,
         character_coverage=1.0,
         num_threads=1,
         minloglevel=2,

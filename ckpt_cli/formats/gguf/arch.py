@@ -39,6 +39,8 @@ FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q
 def arch_of(config: dict[str, Any]) -> tuple[str, Arch]:
     names = config.get("architectures") or []
     hf = names[0] if isinstance(names, list) and names else None
+    if hf is None:
+        raise UsageError("config.json names no model class ('architectures'), which GGUF's architecture follows from")
     if hf not in ARCHS:
         raise UsageError(
             f"config.json names architecture {hf!r}: ckpt writes GGUF for {', '.join(ARCHS)}; "
