@@ -17,13 +17,6 @@ QUANTIZED = (TensorType.Q8_0, TensorType.Q4_0, TensorType.Q4_1, TensorType.Q5_0,
 NAMES = {t.name.lower(): t for t in QUANTIZED}
 
 
-def _roundf(n: Any) -> Any:
-    """Round half away from zero (ggml's roundf), as gguf-py's np_roundf."""
-    a = abs(n)
-    floored = np.floor(a)
-    return np.sign(n) * (floored + np.floor(2 * (a - floored)))
-
-
 def _inverse(d: Any) -> Any:
     with np.errstate(divide="ignore"):
         return np.where(d == 0, 0, 1 / d)
@@ -45,8 +38,22 @@ def _half(x: Any) -> Any:
 
 
 def _q8_0(b: Any) -> Any:
-    d = abs(b).max(axis=1, keepdims=True) / 127
-    qs = _roundf(b * _inverse(d))
+    """gguf-py's `d = abs(b).max(axis=1) / 127; qs = np_roundf(b * (1 / d))`, its passes fused: the block maximum
+    as a tree of elementwise maxima (the same maximum, NaN kept), and roundf as floor(a) + (a - floor(a) >= 0.5) with
+    the sign copied back, which is np_roundf's floor(a) + floor(2 * (a - floor(a))) exactly (a - floor(a) is exact)."""
+    a = np.abs(b)
+    m = a
+    width = b.shape[1]
+    while width > 1:
+        width //= 2
+        m = np.maximum(m[:, :width], m[:, width : 2 * width])
+    d = m / np.float32(127)
+    v = b * _inverse(d)
+    np.abs(v, out=a)
+    qs = np.floor(a)
+    a -= qs
+    qs += a >= np.float32(0.5)
+    np.copysign(qs, v, out=qs)
     return np.concatenate([_half(d), qs.astype(np.int8).view(np.uint8)], axis=1)
 
 
@@ -98,7 +105,12 @@ def bf16(values: Any) -> Any:
 
 
 def quantize(values: Any, kind: TensorType) -> Any:
-    """Whole rows of values (any float dtype, row length a multiple of the block) as `kind`'s bytes, in order."""
+    """Whole rows of values (any float dtype, row length a multiple of the block) as `kind`'s bytes, in order (F32 and
+    F16 as gguf-py makes them: numpy's astype, round to nearest even)."""
+    if kind == TensorType.F32:
+        return np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint8)
+    if kind == TensorType.F16:
+        return np.ascontiguousarray(values).astype(np.float16).reshape(-1).view(np.uint8)
     if kind == TensorType.BF16:
         return bf16(values).reshape(-1)
     block, size = BLOCKS[kind]

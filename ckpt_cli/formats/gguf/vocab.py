@@ -308,24 +308,3 @@ def spm_kvs(files: Files, config: dict[str, Any]) -> list[KV]:
         KV("tokenizer.ggml.token_type", ValueType.ARRAY, types, ValueType.INT32),
     ]
     return kvs + SpecialVocab(files, len(tokens)).kvs()
-
-
-def tokenizer_kvs(files: Files, config: dict[str, Any], arch: Any) -> list[KV]:
-    """The tokenizer's keys as the architecture's set_vocab adds them: Llama first sets add_space_prefix from
-    tokenizer_config.json; a SentencePiece tokenizer.model is read where the architecture tries it first, else a BPE
-    tokenizer.json (formats/gguf/bpe.py)."""
-    out = []
-    if arch.name == "llama":
-        prefix = (file_json(files, "tokenizer_config.json") or {}).get("add_prefix_space")
-        if prefix is not None:
-            out.append(KV("tokenizer.ggml.add_space_prefix", ValueType.BOOL, bool(prefix)))
-    if arch.vocab == "spm-first" and "tokenizer.model" in files:
-        return out + spm_kvs(files, config)
-    if "tokenizer.json" in files:
-        from ckpt_cli.formats.gguf import bpe
-
-        return out + bpe.bpe_kvs(files, config)
-    raise UsageError(
-        "GGUF needs the model's tokenizer: tokenizer.model (SentencePiece) or tokenizer.json (BPE) beside config.json "
-        "(pass --hf-config DIR with the release's tokenizer files)"
-    )

@@ -14,17 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ckpt_cli.core.dtypes import BY_NAME
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.names import rope
 from ckpt_cli.core.names.stack import Stack
-from ckpt_cli.core.reading import BLOCK_BYTES, read_elements
+from ckpt_cli.core.reading import byte_runs_in, read_elements, read_runs
 from ckpt_cli.core.write.plan import Literal, OutputFile, Segment, TensorData, WritePlan
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.companions import companion_config
 from ckpt_cli.formats.gguf import arch as archs
-from ckpt_cli.formats.gguf import quantize, vocab
+from ckpt_cli.formats.gguf import bpe, quantize, vocab
 from ckpt_cli.formats.gguf.constants import DEFAULT_ALIGNMENT, TensorType, ValueType
 from ckpt_cli.formats.gguf.encode import KV, TensorInfo, header, pad
 
@@ -58,33 +60,64 @@ def tensor_type(name: str, shape: tuple[int, ...], wanted: TensorType) -> Tensor
     return wanted
 
 
+BAND_BYTES = 4 << 20  # float32 bytes of a band of rows: the quantizer's few temporaries stay a few times this
+
+
 @dataclass(eq=False)
 class Encoded:
-    """A tensor's bytes as `kind` (BF16 or a block type), computed from a band of whole rows of `source` at a time."""
+    """A tensor's bytes as `kind`, computed from a band of whole rows of `source` at a time in numpy (no torch: the
+    write of a release holds the CLI and a few bands). Stored bf16, f16 and f32 are read as bytes and widened to
+    float32 as the converter widens them; anything else goes through torch."""
 
     source: TensorEntry
     kind: TensorType
 
     @property
+    def cols(self) -> int:
+        return self.source.shape[-1] if self.source.shape else 1
+
+    @property
     def row_bytes(self) -> int:
-        return TensorInfo("", (self.source.shape[-1],), self.kind).nbytes
+        return TensorInfo("", (self.cols,), self.kind).nbytes
 
     def windows(self) -> Iterator[tuple[int, int]]:
-        cols = self.source.shape[-1] if self.source.shape else 1
-        rows = self.source.numel // max(cols, 1)
-        step = max(1, BLOCK_BYTES // max(cols * 4, 1))
+        rows = self.source.numel // max(self.cols, 1)
+        step = max(1, BAND_BYTES // max(self.cols * 4, 1))
         for r0 in range(0, rows, step):
             yield r0 * self.row_bytes, min(step, rows - r0) * self.row_bytes
 
     def read(self, start: int, count: int, sources: Any) -> Any:
-        import torch
-
-        cols, size = self.source.shape[-1], self.row_bytes
+        cols, size = self.cols, self.row_bytes
         r0, r1 = start // size, -(-(start + count) // size)
-        values = read_elements(self.source, r0 * cols, (r1 - r0) * cols, sources).to(torch.float32).numpy()
+        values = self._float32(r0 * cols, (r1 - r0) * cols, sources)
         data = quantize.quantize(values.reshape(r1 - r0, cols), self.kind)
         skip = start - r0 * size
-        return torch.from_numpy(data[skip : skip + count])
+        return data[skip : skip + count]
+
+    def _float32(self, start: int, count: int, sources: Any) -> Any:
+        dtype = self.source.dtype
+        runs = byte_runs_in(self.source, dtype, start, count) if dtype.name in _WIDEN else None
+        if runs is None:
+            import torch
+
+            return read_elements(self.source, start, count, sources).to(torch.float32).numpy()
+        raw = np.empty(count * dtype.itemsize, dtype=np.uint8)
+        pos = 0
+        for view in read_runs(runs, sources):
+            raw[pos : pos + len(view)] = np.frombuffer(view, dtype=np.uint8)
+            pos += len(view)
+        return _WIDEN[dtype.name](raw)
+
+
+def _bf16_to_f32(raw: Any) -> Any:
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+_WIDEN = {
+    "float32": lambda raw: raw.view(np.float32),
+    "float16": lambda raw: raw.view(np.float16).astype(np.float32),
+    "bfloat16": _bf16_to_f32,
+}
 
 
 def _permuted(entry: TensorEntry, name: str, config: dict[str, Any]) -> TensorEntry:
@@ -204,6 +237,25 @@ def release_name(ckpt: Checkpoint) -> str:
     return Path(source).parent.name if isinstance(source, str) else Path(ckpt.path).name
 
 
+def tokenizer_kvs(files: vocab.Files, config: dict[str, Any], arch: archs.Arch) -> list[KV]:
+    """The tokenizer's keys as the architecture's set_vocab adds them: Llama first sets add_space_prefix from
+    tokenizer_config.json; a SentencePiece tokenizer.model is read where the architecture tries it first, else a BPE
+    tokenizer.json (formats/gguf/bpe.py)."""
+    out = []
+    if arch.name == "llama":
+        prefix = (vocab.file_json(files, "tokenizer_config.json") or {}).get("add_prefix_space")
+        if prefix is not None:
+            out.append(KV("tokenizer.ggml.add_space_prefix", ValueType.BOOL, bool(prefix)))
+    if arch.vocab == "spm-first" and "tokenizer.model" in files:
+        return out + vocab.spm_kvs(files, config)
+    if "tokenizer.json" in files:
+        return out + bpe.bpe_kvs(files, config)
+    raise UsageError(
+        "GGUF needs the model's tokenizer: tokenizer.model (SentencePiece) or tokenizer.json (BPE) beside config.json "
+        "(pass --hf-config DIR with the release's tokenizer files)"
+    )
+
+
 @dataclass(frozen=True)
 class Layout:
     """What a GGUF write lays out: the key-values, and each tensor's info and the view whose bytes it writes."""
@@ -226,15 +278,14 @@ def layout(ckpt: Checkpoint, options: WriteOptions) -> Layout:
     kvs = [KV("general.architecture", ValueType.STRING, arch.name), *general_kvs(ckpt, release_name(ckpt), infos)]
     kvs += archs.parameter_kvs(hf, arch, config, wanted.name)
     kvs.append(KV("general.quantization_version", ValueType.UINT32, QUANT_VERSION))
-    kvs += vocab.tokenizer_kvs(ckpt.companions, config, arch)
+    kvs += tokenizer_kvs(ckpt.companions, config, arch)
     return Layout(kvs, tensors)
 
 
 def data_segment(info: TensorInfo, entry: TensorEntry) -> Segment:
-    if info.type == TensorType.F32:
-        return TensorData(entry, BY_NAME["float32"])
-    if info.type == TensorType.F16:
-        return TensorData(entry, BY_NAME["float16"])
+    """The stored bytes where they are already the type's (copied by the kernel), else computed (Encoded)."""
+    if (info.type, entry.dtype.name) in ((TensorType.F32, "float32"), (TensorType.F16, "float16")):
+        return TensorData(entry, entry.dtype)
     encoded = TensorEntry(
         info.name, BY_NAME["uint8"], (info.nbytes,), "model", entry.pieces, (info.name,), derived=Encoded(entry, info.type)
     )
