@@ -223,7 +223,8 @@ def estimate_peak(plan: WritePlan) -> int:
             for a in arrays:
                 if not a.is_contiguous:
                     buffers = max(buffers, 2 * a.nbytes)
-            needs_torch = needs_torch or streamed or not all(a.is_contiguous for a in arrays)
+            computed_in_numpy = getattr(s.tensor.derived, "without_torch", False)  # GGUF's quantized tensors
+            needs_torch = needs_torch or (streamed and not computed_in_numpy) or not all(a.is_contiguous for a in arrays)
     return (TORCH_RSS if needs_torch else BASE_RSS) + buffers
 
 

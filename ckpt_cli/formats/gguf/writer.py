@@ -80,6 +80,11 @@ class Encoded:
     def row_bytes(self) -> int:
         return TensorInfo("", (self.cols,), self.kind).nbytes
 
+    @property
+    def without_torch(self) -> bool:
+        """Whether its bands are made in numpy alone (what the plan's memory estimate asks)."""
+        return self.source.dtype.name in _WIDEN
+
     def windows(self) -> Iterator[tuple[int, int]]:
         rows = self.source.numel // max(self.cols, 1)
         step = max(1, BAND_BYTES // max(self.cols * 4, 1))
