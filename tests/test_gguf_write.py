@@ -228,6 +228,24 @@ def test_missing_tokenizer_names_the_files(ckpt, llama_release, tmp_path):
     assert not (tmp_path / "out.gguf").exists()
 
 
+def test_weights_without_a_config_ask_for_hf_config(ckpt, llama_release, tmp_path):
+    """A training checkpoint (here one safetensors file) carries no config.json: the message names --hf-config."""
+    shutil.copy(llama_release / "model.safetensors", tmp_path / "weights.safetensors")
+    result = ckpt("convert", tmp_path / "weights.safetensors", tmp_path / "out.gguf", "--to", "gguf")
+    assert result.code == 2 and "--hf-config" in result.err and "config.json" in result.err
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_truncated_tokenizer_model_is_a_data_error(ckpt, llama_release, tmp_path):
+    src = tmp_path / "cut"
+    shutil.copytree(llama_release, src)
+    data = (src / "tokenizer.model").read_bytes()
+    (src / "tokenizer.model").write_bytes(data[: len(data) // 2 + 3])
+    result = ckpt("convert", src, tmp_path / "out.gguf", "--to", "gguf")
+    assert result.code == 1 and "tokenizer.model" in result.err and len(result.err.strip().splitlines()) == 1, result.err
+    assert not (tmp_path / "out.gguf").exists()
+
+
 def test_fp8_is_not_a_gguf_type(ckpt, llama_release, tmp_path):
     result = ckpt("convert", llama_release, tmp_path / "out.gguf", "--to", "gguf", "--quantize", "fp8")
     assert result.code == 2 and "q8_0" in result.err
