@@ -207,6 +207,18 @@ def test_dcp_training_checkpoint_equals_the_hf_route(ckpt, fsdp2_saves, tmp_path
         assert direct.read_bytes() == ref.convert(hf, tmp_path / f"ref-{outtype}.gguf", outtype).read_bytes(), outtype
 
 
+@pytest.mark.parametrize("kind", ["--quantize=q8_0", "--quantize=q5_1", "--dtype=bf16"])
+def test_bands_and_threads_do_not_change_a_byte(ckpt, llama_release, tmp_path, monkeypatch, kind):
+    """A tensor is computed in bands of rows, several bands a window on a pool of threads: bands of one row (and of
+    a row of a few bytes) give the file that whole-tensor bands give."""
+    from ckpt_cli.formats.gguf import writer
+
+    whole = ckpt_gguf(ckpt, llama_release, tmp_path / "whole.gguf", kind)
+    monkeypatch.setattr(writer, "BAND_BYTES", 1)
+    monkeypatch.setattr(writer, "THREADS", 3)
+    assert ckpt_gguf(ckpt, llama_release, tmp_path / "rows.gguf", kind).read_bytes() == whole.read_bytes()
+
+
 def test_unsupported_architecture_is_refused(ckpt, llama_release, tmp_path):
     src = tmp_path / "gpt"
     shutil.copytree(llama_release, src)

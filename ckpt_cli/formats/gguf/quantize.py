@@ -54,7 +54,10 @@ def _q8_0(b: Any) -> Any:
     a -= qs
     qs += a >= np.float32(0.5)
     np.copysign(qs, v, out=qs)
-    return np.concatenate([_half(d), qs.astype(np.int8).view(np.uint8)], axis=1)
+    out = np.empty((len(b), 34), dtype=np.uint8)
+    out[:, :2] = _half(d)
+    out[:, 2:].view(np.int8)[...] = qs  # the float-to-int8 cast of astype(np.int8), written in place
+    return out
 
 
 def _symmetric(b: Any, levels: int) -> tuple[Any, Any]:

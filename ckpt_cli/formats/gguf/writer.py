@@ -8,8 +8,10 @@ quantize.py). Which type each tensor gets follows the converter's rules (`tensor
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.names import rope
 from ckpt_cli.core.names.stack import Stack
-from ckpt_cli.core.reading import byte_runs_in, read_elements, read_runs
+from ckpt_cli.core.reading import byte_runs_in, read_elements
 from ckpt_cli.core.write.plan import Literal, OutputFile, Segment, TensorData, WritePlan
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.companions import companion_config
@@ -60,7 +62,16 @@ def tensor_type(name: str, shape: tuple[int, ...], wanted: TensorType) -> Tensor
     return wanted
 
 
-BAND_BYTES = 4 << 20  # float32 bytes of a band of rows: the quantizer's few temporaries stay a few times this
+BAND_BYTES = 4 << 20  # float32 bytes of a thread's band of rows: the quantizer's few temporaries stay a few times this
+THREADS = min(os.cpu_count() or 1, 8)  # numpy's loops let go of the GIL: a window's bands are quantized at once
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(THREADS, thread_name_prefix="gguf-quantize")
+    return _POOL
 
 
 @dataclass(eq=False)
@@ -85,42 +96,57 @@ class Encoded:
         """Whether its bands are made in numpy alone (what the plan's memory estimate asks)."""
         return self.source.dtype.name in _WIDEN
 
+    @property
+    def band_rows(self) -> int:
+        return max(1, BAND_BYTES // max(self.cols * 4, 1))
+
     def windows(self) -> Iterator[tuple[int, int]]:
         rows = self.source.numel // max(self.cols, 1)
-        step = max(1, BAND_BYTES // max(self.cols * 4, 1))
+        step = self.band_rows * THREADS
         for r0 in range(0, rows, step):
             yield r0 * self.row_bytes, min(step, rows - r0) * self.row_bytes
 
     def read(self, start: int, count: int, sources: Any) -> Any:
         cols, size = self.cols, self.row_bytes
         r0, r1 = start // size, -(-(start + count) // size)
-        values = self._float32(r0 * cols, (r1 - r0) * cols, sources)
-        data = quantize.quantize(values.reshape(r1 - r0, cols), self.kind)
+        stored, widen = self._stored(r0 * cols, (r1 - r0) * cols, sources)
+        stored = stored.reshape(r1 - r0, -1)
+
+        def encode(band: Any) -> Any:
+            return quantize.quantize(widen(band).reshape(len(band), cols), self.kind)
+
+        bands = [stored[b : b + self.band_rows] for b in range(0, r1 - r0, self.band_rows)]
+        # rows are independent: each thread widens and quantizes a band, joined in order
+        data = encode(bands[0]) if len(bands) == 1 else np.concatenate(list(_pool().map(encode, bands)))
         skip = start - r0 * size
         return data[skip : skip + count]
 
-    def _float32(self, start: int, count: int, sources: Any) -> Any:
+    def _stored(self, start: int, count: int, sources: Any) -> tuple[Any, Any]:
+        """Elements [start, start + count) as stored bytes and the function that widens them to float32 (read into
+        one buffer, no copy between), or as float32 read through torch for other stored dtypes."""
         dtype = self.source.dtype
         runs = byte_runs_in(self.source, dtype, start, count) if dtype.name in _WIDEN else None
         if runs is None:
             import torch
 
-            return read_elements(self.source, start, count, sources).to(torch.float32).numpy()
-        raw = np.empty(count * dtype.itemsize, dtype=np.uint8)
-        pos = 0
-        for view in read_runs(runs, sources):
-            raw[pos : pos + len(view)] = np.frombuffer(view, dtype=np.uint8)
-            pos += len(view)
-        return _WIDEN[dtype.name](raw)
+            return read_elements(self.source, start, count, sources).to(torch.float32).numpy(), lambda x: x
+        raw: Any = np.empty(count * dtype.itemsize, dtype=np.uint8)
+        view, pos = memoryview(raw), 0
+        for path, offset, nbytes in runs:
+            sources.pread_into(path, offset, view[pos : pos + nbytes])
+            pos += nbytes
+        return raw, _WIDEN[dtype.name]
 
 
 def _bf16_to_f32(raw: Any) -> Any:
-    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    out = np.empty(raw.size // 2, dtype=np.uint32)
+    np.left_shift(raw.reshape(-1).view(np.uint16), np.uint32(16), out=out, dtype=np.uint32)  # bf16 is f32's high half
+    return out.view(np.float32)
 
 
-_WIDEN = {
-    "float32": lambda raw: raw.view(np.float32),
-    "float16": lambda raw: raw.view(np.float16).astype(np.float32),
+_WIDEN = {  # stored bytes to float32, as the converter widens them (exactly)
+    "float32": lambda raw: raw.reshape(-1).view(np.float32),
+    "float16": lambda raw: raw.reshape(-1).view(np.float16).astype(np.float32),
     "bfloat16": _bf16_to_f32,
 }
 
