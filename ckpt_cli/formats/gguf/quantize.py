@@ -7,6 +7,8 @@ scale (and f16 minimum for the _1 types), the high bits (Q5), then the packed va
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -37,20 +39,34 @@ def _half(x: Any) -> Any:
     return x.astype(np.float16).view(np.uint8)
 
 
+_SCRATCH = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A buffer of this thread's, reused band after band: fresh arrays of a few MB each band cost a page fault per
+    4 KB (a third of a 2 GB write's time went to the kernel)."""
+    cache = _SCRATCH.__dict__.setdefault("arrays", {})
+    need = math.prod(shape)
+    found = cache.get(name)
+    if found is None or found.size < need or found.dtype != dtype:
+        found = cache[name] = np.empty(need, dtype=dtype)
+    return found[:need].reshape(shape)
+
+
 def _q8_0(b: Any) -> Any:
     """gguf-py's `d = abs(b).max(axis=1) / 127; qs = np_roundf(b * (1 / d))`, its passes fused: the block maximum
     as a tree of elementwise maxima (the same maximum, NaN kept), and roundf as floor(a) + (a - floor(a) >= 0.5) with
     the sign copied back, which is np_roundf's floor(a) + floor(2 * (a - floor(a))) exactly (a - floor(a) is exact)."""
-    a = np.abs(b)
-    m = a
-    width = b.shape[1]
+    n = len(b)
+    a = np.abs(b, out=scratch("a", b.shape, np.float32))
+    m, width = a, b.shape[1]
     while width > 1:
         width //= 2
-        m = np.maximum(m[:, :width], m[:, width : 2 * width])
+        m = np.maximum(m[:, :width], m[:, width : 2 * width], out=scratch(f"m{width}", (n, width), np.float32))
     d = m / np.float32(127)
-    v = b * _inverse(d)
+    v = np.multiply(b, _inverse(d), out=scratch("v", b.shape, np.float32))
     np.abs(v, out=a)
-    qs = np.floor(a)
+    qs = np.floor(a, out=scratch("q", b.shape, np.float32))
     a -= qs
     qs += a >= np.float32(0.5)
     np.copysign(qs, v, out=qs)
@@ -111,7 +127,7 @@ def quantize(values: Any, kind: TensorType) -> Any:
     """Whole rows of values (any float dtype, row length a multiple of the block) as `kind`'s bytes, in order (F32 and
     F16 as gguf-py makes them: numpy's astype, round to nearest even)."""
     if kind == TensorType.F32:
-        return np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint8)
+        return np.array(values, dtype=np.float32).reshape(-1).view(np.uint8)  # a copy: values may be a scratch buffer
     if kind == TensorType.F16:
         return np.ascontiguousarray(values).astype(np.float16).reshape(-1).view(np.uint8)
     if kind == TensorType.BF16:

@@ -130,7 +130,7 @@ class Encoded:
             import torch
 
             return read_elements(self.source, start, count, sources).to(torch.float32).numpy(), lambda x: x
-        raw: Any = np.empty(count * dtype.itemsize, dtype=np.uint8)
+        raw: Any = quantize.scratch("stored", (count * dtype.itemsize,), np.uint8)  # used up before the next window
         view, pos = memoryview(raw), 0
         for path, offset, nbytes in runs:
             sources.pread_into(path, offset, view[pos : pos + nbytes])
@@ -139,7 +139,7 @@ class Encoded:
 
 
 def _bf16_to_f32(raw: Any) -> Any:
-    out = np.empty(raw.size // 2, dtype=np.uint32)
+    out = quantize.scratch("widened", (raw.size // 2,), np.uint32)
     np.left_shift(raw.reshape(-1).view(np.uint16), np.uint32(16), out=out, dtype=np.uint32)  # bf16 is f32's high half
     return out.view(np.float32)
 
