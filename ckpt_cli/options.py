@@ -108,6 +108,9 @@ class SourceOptions:
     )
 
 
+QUANTIZE_METHODS = ("fp8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # fp8 for weight exports; the rest for GGUF
+
+
 @dataclass(frozen=True)
 class SelectOptions:
     """Which tensors, under which names, in which dtype."""
@@ -122,9 +125,10 @@ class SelectOptions:
     )
     quantize: str | None = option(
         "--quantize",
-        "fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships.",
+        "fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships; "
+        "q8_0, q4_0, q4_1, q5_0, q5_1: GGUF block types (--to gguf), as llama.cpp's gguf-py quantizes.",
         metavar="METHOD",
-        choices=lambda: ("fp8",),
+        choices=lambda: QUANTIZE_METHODS,
     )
     weights_only: bool = option("--weights-only", "Model weights only (no optimizer or training state).", False, kind="bool")
     all: bool = option(
