@@ -22,10 +22,9 @@ from ckpt_cli.errors import DataError, Fix, UnsafePickleError, UsageError
 from ckpt_cli.ops import diff as diff_mod
 from ckpt_cli.ops import policy as policy_mod
 from ckpt_cli.ops import quantized
-from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.digests import Digests, file_digest, file_pass, hasher
 from ckpt_cli.ops.finite import NonFinite
-from ckpt_cli.ops.source import open_checkpoint
+from ckpt_cli.ops.source import choice_notes, open_checkpoint
 from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, format_notes, has_checksums
 from ckpt_cli.store import location
 
@@ -284,7 +283,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         report.refused_pickle = exc.global_name if isinstance(exc, UnsafePickleError) else None
         return report
     report.path, report.format = ckpt.path, ckpt.format
-    report.notes += run_roots.choice_notes(ckpt)  # which checkpoint of a run root, as every command says
+    report.notes += choice_notes(ckpt)  # which checkpoint of a run root, as every command says
     report.stats = {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": sum(f.bytes for f in ckpt.files)}
     report.problems += file_and_tiling_problems(ckpt)
     report.checks.append("structure")
