@@ -222,20 +222,13 @@ def verify(path: str | Path, **options: Any) -> Report:
     return verify_op(path, VerifyOptions(**options))
 
 
-def diff(
-    a: str | Path,
-    b: str | Path,
-    *,
-    atol: float = 0.0,
-    rtol: float = 0.0,
-    filter: str | Sequence[str] = (),
-    depth: int | None = None,
-    trust_pickle: bool = False,
-) -> DiffReport:
+def diff(a: str | Path, b: str | Path, **options: Any) -> DiffReport:
     """Compare two checkpoints as `ckpt diff` does (across formats and key layouts, streamed) and return its
     DiffReport: `equal` within atol/rtol, the tensors only in A or B, renamed, reshaped or recast, per-group and
-    per-tensor max |a-b|, relative L2 and cosine, training-state differences, `to_json()`."""
-    return diff_op(a, b, DiffOptions(atol=atol, rtol=rtol, filters=_globs(filter), depth=depth, trust_pickle=trust_pickle))
+    per-tensor max |a-b|, relative L2 and cosine, training-state differences, `to_json()`. The options are diff's
+    flags with `_` for `-` (`atol`, `rtol`, `filter`: one glob or several, `depth`, `format_a`, `format_b`, `tag_a`,
+    `tag_b`, `trust_pickle`: ops/diff.py's DiffOptions)."""
+    return diff_op(a, b, DiffOptions(**options))
 
 
 def parity(
@@ -340,3 +333,4 @@ for _command in COMMANDS:
     _with_options(globals()[_command], [f for _, f in _taken])
     _with_options(globals()[f"{_command}_request"], [f for group, f in _taken if group.__name__ != "RunOptions"])
 _with_options(verify, dataclass_fields(VerifyOptions))
+_with_options(diff, dataclass_fields(DiffOptions))
