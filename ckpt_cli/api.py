@@ -217,8 +217,7 @@ def verify(path: str | Path, **options: Any) -> Report:
     """Check a checkpoint as `ckpt verify` does and return its Report: `ok`, `problems` (one line each, naming
     the file), `checks`, `stats`, `nonfinite`, `to_json()`. A damaged checkpoint is a report with problems, not
     an exception; a wrong call (a missing `against`, an unreadable policy) raises UsageError. The options are
-    verify's flags with `_` for `-` (`deep`, `finite`, `against`, `atol`, `rtol`, `manifest`, `write_manifest`,
-    `overwrite`, `policy`, `format`, `tag`, `trust_pickle`: ops/verify.py's VerifyOptions)."""
+    verify's flags with `_` for `-`, as its signature lists them (ops/verify.py's VerifyOptions)."""
     return verify_op(path, VerifyOptions(**options))
 
 
@@ -226,8 +225,7 @@ def diff(a: str | Path, b: str | Path, **options: Any) -> DiffReport:
     """Compare two checkpoints as `ckpt diff` does (across formats and key layouts, streamed) and return its
     DiffReport: `equal` within atol/rtol, the tensors only in A or B, renamed, reshaped or recast, per-group and
     per-tensor max |a-b|, relative L2 and cosine, training-state differences, `to_json()`. The options are diff's
-    flags with `_` for `-` (`atol`, `rtol`, `filter`: one glob or several, `depth`, `format_a`, `format_b`, `tag_a`,
-    `tag_b`, `trust_pickle`: ops/diff.py's DiffOptions)."""
+    flags with `_` for `-`, as its signature lists them (ops/diff.py's DiffOptions; `filter`: one glob or several)."""
     return diff_op(a, b, DiffOptions(**options))
 
 
