@@ -26,27 +26,10 @@ from ckpt_cli.ops.digests import tensor_digest
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.transform import matches
 from ckpt_cli.ops.values import ValueDiff, compare_values
+from ckpt_cli.options import DiffOptions
 
 STATE_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "rng")
 ONE_SIDED_QUIET = ("param_groups",)  # held by one side only: the optimizer entry says so already
-
-
-@dataclass
-class DiffOptions:
-    """`diff`'s options, named as its flags with `_` for `-` (the API takes them as keywords: ckpt_cli.diff)."""
-
-    atol: float = 0.0
-    rtol: float = 0.0
-    filter: tuple[str, ...] = ()  # globs over tensor names (as matched), or one glob as a string; empty: all
-    depth: int | None = None  # group by the first N name components (default: up to the block index)
-    format_a: str | None = None
-    format_b: str | None = None
-    tag_a: str | None = None
-    tag_b: str | None = None
-    trust_pickle: bool = False
-
-    def __post_init__(self) -> None:
-        self.filter = (self.filter,) if isinstance(self.filter, str) else tuple(self.filter)
 
 
 @dataclass(slots=True)  # one per tensor compared, kept for the report: 82,000 of an MoE model's

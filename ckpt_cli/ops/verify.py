@@ -26,27 +26,12 @@ from ckpt_cli.ops.digests import Digests, file_digest, file_pass, hasher
 from ckpt_cli.ops.finite import NonFinite
 from ckpt_cli.ops.source import choice_notes, open_checkpoint
 from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, format_notes, has_checksums
+from ckpt_cli.options import VerifyOptions
 from ckpt_cli.store import location
 
 MANIFEST_VERSION = 2  # 1: sha256 digests; 2: the digest named by "hash" (blake3 when ckpt writes it)
 MANIFEST_VERSIONS = (1, 2)  # what --manifest checks and --overwrite may replace
 MANIFEST_HASH = "blake3"  # measured, one core (AVX-512): blake3 4.5 GB/s (8.5 on 2), sha256 1.8, xxh3 18 (not cryptographic)
-
-
-@dataclass
-class VerifyOptions:
-    format: str | None = None
-    tag: str | None = None
-    trust_pickle: bool = False
-    deep: bool = False
-    finite: bool = False
-    write_manifest: str | Path | None = None
-    overwrite: bool = False  # --write-manifest may replace a previous manifest (never any other file)
-    manifest: str | Path | None = None
-    against: str | Path | None = None
-    atol: float = 0.0
-    rtol: float = 0.0
-    policy: str | Path | None = None
 
 
 @dataclass
