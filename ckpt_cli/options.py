@@ -297,8 +297,8 @@ class DiffOptions:
 
     atol: float = option("--atol", "Absolute tolerance: |a-b| <= atol + rtol*|b| (default: bit-exact).", 0.0, kind="float", metavar="TOL")
     rtol: float = option("--rtol", "Relative tolerance, as torch.allclose (default: bit-exact).", 0.0, kind="float", metavar="TOL")
-    filter: tuple[str, ...] = option(  # one glob (a string) or several; empty: all
-        "--filter", "Only tensors whose names match this glob (repeatable).", kind="strs", metavar="GLOB"
+    filter: Sequence[str] = option(  # one glob (a string) or several, a tuple once made; empty: all
+        "--filter", "Only tensors whose names match this glob (repeatable).", (), kind="strs", metavar="GLOB"
     )
     depth: int | None = option(
         "--depth", "Group by the first N name components (default: up to the layer index).", kind="int", metavar="N", minimum=1
