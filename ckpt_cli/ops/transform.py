@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckpt_cli.core import dtypes
@@ -47,7 +48,7 @@ def _have_torch() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def matches(name: str, globs: tuple[str, ...]) -> bool:
+def matches(name: str, globs: Sequence[str]) -> bool:
     return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 
