@@ -5,13 +5,15 @@ downloaded once with pip into the user's cache (~/.cache/ckpt-tests) and extract
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"
-PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+SCRIPTS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py")
+PARTS = (*SCRIPTS, "conversion/", "gguf-py/")
 
 
 def cache_dir() -> Path:
@@ -26,8 +28,9 @@ def converter_dir() -> Path:
     root = cache / "llama.cpp"
     cache.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache) + ".lock"):
-        if (root / "convert_hf_to_gguf.py").exists():
+        if all((root / script).exists() for script in SCRIPTS):
             return root
+        shutil.rmtree(root, ignore_errors=True)  # an older cache without a script the tests now run
         sdists = list(cache.glob("llama_cpp_python-*.tar.gz"))
         if not sdists:
             cmd = [
@@ -63,13 +66,25 @@ def convert(src: Path, out: Path, outtype: str, *extra: str, converter: Path | N
     return out
 
 
-def logits(path: Path, tokens: list[int]) -> object:
-    """llama.cpp's logits for every position of `tokens` (llama-cpp-python on the CPU)."""
+def convert_lora(adapter: Path, base: Path, out: Path, outtype: str) -> Path:
+    """convert_lora_to_gguf.py's GGUF LoRA of a PEFT adapter folder, for the base model's folder."""
+    script = converter_dir() / "convert_lora_to_gguf.py"
+    cmd = [sys.executable, str(script), str(adapter), "--base", str(base), "--outtype", outtype, "--outfile", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"convert_lora_to_gguf.py failed:\n{proc.stderr[-4000:]}"
+    return out
+
+
+def logits(path: Path, tokens: list[int], lora: Path | None = None) -> object:
+    """llama.cpp's logits for every position of `tokens` (llama-cpp-python on the CPU), with a GGUF LoRA applied."""
     import numpy as np
     from llama_cpp import Llama
 
     # an f32 KV cache (type 0), so the logits of an f32 file can be held to transformers closely
-    model = Llama(model_path=str(path), logits_all=True, n_ctx=64, n_threads=1, verbose=False, type_k=0, type_v=0)
+    lora_path = str(lora) if lora is not None else None
+    model = Llama(
+        model_path=str(path), lora_path=lora_path, logits_all=True, n_ctx=64, n_threads=1, verbose=False, type_k=0, type_v=0
+    )
     model.eval(tokens)
     out = np.array(model.scores[: len(tokens)], dtype=np.float32)
     model.close()

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_cli.core.model import TensorEntry
+from ckpt_cli.core.names import rope
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.gguf.constants import ValueType
 from ckpt_cli.formats.gguf.encode import KV
@@ -162,6 +164,14 @@ EXPERT_NAMES = {
 
 def skipped(name: str) -> bool:
     return name.endswith(_SKIPPED)
+
+
+def permuted_qk(entry: TensorEntry, name: str, config: dict[str, Any]) -> TensorEntry:
+    """LlamaModel.permute: q with the attention heads, k with the key-value heads, back to Meta's interleaved rows."""
+    heads = config["num_attention_heads"]
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        heads = config.get("num_key_value_heads") or heads
+    return rope.permuted(entry, entry.name, heads, "interleaved")
 
 
 def gguf_name(name: str) -> str:

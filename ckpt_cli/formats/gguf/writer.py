@@ -21,14 +21,13 @@ import numpy as np
 from ckpt_cli.core.dtypes import BY_NAME
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, TensorEntry
-from ckpt_cli.core.names import rope
 from ckpt_cli.core.names.stack import Stack
 from ckpt_cli.core.reading import byte_runs_in, read_elements
 from ckpt_cli.core.write.plan import Literal, OutputFile, Segment, TensorData, WritePlan
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.companions import companion_config
 from ckpt_cli.formats.gguf import arch as archs
-from ckpt_cli.formats.gguf import bpe, quantize, vocab
+from ckpt_cli.formats.gguf import bpe, lora, quantize, vocab
 from ckpt_cli.formats.gguf.constants import DEFAULT_ALIGNMENT, TensorType, ValueType
 from ckpt_cli.formats.gguf.encode import KV, TensorInfo, header, pad
 
@@ -51,9 +50,9 @@ def file_type(ckpt: Checkpoint, options: WriteOptions) -> TensorType:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], wanted: TensorType) -> TensorType:
-    """conversion/base.py prepare_tensors: 1-D tensors, norms, routers and anything not a `.weight` stay F32; the rest
-    take the file's type, and a row that is not whole blocks falls back to F16."""
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+    """conversion/base.py prepare_tensors: 1-D tensors, norms, routers and anything not a `.weight` (or a LoRA's
+    `.lora_a`, `.lora_b`) stay F32; the rest take the file's type, and a row that is not whole blocks falls back to F16."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith((".weight", ".lora_a", ".lora_b")):
         return TensorType.F32
     if re.fullmatch(r"blk\.\d+\.(" + "|".join(_ROUTERS) + r")\.weight", name):
         return TensorType.F32
@@ -151,14 +150,6 @@ _WIDEN = {  # stored bytes to float32, as the converter widens them (exactly)
 }
 
 
-def _permuted(entry: TensorEntry, name: str, config: dict[str, Any]) -> TensorEntry:
-    """LlamaModel.permute: q with the attention heads, k with the key-value heads, back to Meta's interleaved rows."""
-    heads = config["num_attention_heads"]
-    if name.endswith(("k_proj.weight", "k_proj.bias")):
-        heads = config.get("num_key_value_heads") or heads
-    return rope.permuted(entry, entry.name, heads, "interleaved")
-
-
 def _stacked(members: dict[str, TensorEntry], layer: str, which: str, out: str) -> TensorEntry:
     pattern = re.escape(f"model.layers.{layer}.") + r"(block_sparse_moe|mlp)\.experts\.(?P<index>\d+)\." + re.escape(which) + r"\.weight"
     stacked, _ = Stack(pattern, out).gather(members, lambda n: n)
@@ -198,7 +189,7 @@ def gguf_tensors(ckpt: Checkpoint, config: dict[str, Any], arch: archs.Arch) -> 
                 del pending[match[1]]
             continue
         if arch.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
-            entry = _permuted(entry, name, config)
+            entry = archs.permuted_qk(entry, name, config)
         out.append((archs.gguf_name(name), entry))
     if pending:
         raise UsageError(f"layer {next(iter(pending))}: {len(next(iter(pending.values())))} expert weights, not {n_experts} x 3")
@@ -301,6 +292,10 @@ def layout(ckpt: Checkpoint, options: WriteOptions) -> Layout:
         raise UsageError(f"{ckpt.path}: GGUF needs the model's config.json (and tokenizer): pass --hf-config DIR with the release's files")
     hf, arch = archs.arch_of(config)
     wanted = file_type(ckpt, options)
+    if ckpt.format == "adapter":  # a PEFT LoRA, as convert_lora_to_gguf.py writes it
+        pairs = lora.lora_tensors(ckpt, config, arch)
+        kvs = [*lora.lora_kvs(ckpt, arch), KV("general.quantization_version", ValueType.UINT32, QUANT_VERSION)]
+        return Layout(kvs, [(TensorInfo(g, e.shape, tensor_type(g, e.shape, wanted)), e) for g, e in pairs])
     tensors = []
     for gname, entry in gguf_tensors(ckpt, config, arch):
         kind = tensor_type(gname, entry.shape, wanted)
