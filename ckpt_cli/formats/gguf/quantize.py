@@ -135,7 +135,7 @@ def quantize(values: Any, kind: TensorType) -> Any:
         return bf16(values).reshape(-1)
     block, size = BLOCKS[kind]
     blocks = np.ascontiguousarray(values).astype(np.float32, copy=False).reshape(-1, block)
-    with np.errstate(invalid="ignore"):  # a NaN casts to an integer as gguf-py's does, silently
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and a scale past f16 cast as gguf-py's do, silently
         out = _BLOCK_FUNCS[kind](blocks)
     assert out.dtype == np.uint8 and out.shape[-1] == size
     return out.reshape(-1)
