@@ -277,8 +277,12 @@ def test_quantizers_equal_gguf_py(kind):
     values[3, :32] = 0
     values[5, 7] = np.nan
     values[6] = rng.standard_normal(96).astype(np.float16)  # ties for the round-to-nearest-even
+    values[7, :32] = np.arange(32) - 16.5  # q8_0's halves: rounded away from zero
+    values[8, :32] = np.inf * np.sign(rng.standard_normal(32))
+    values[9] *= np.float32(1e30)
+    values[10] *= np.float32(1e-30)
     qtype = gguf.GGMLQuantizationType[kind.upper()]
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         expected = gguf.quants.quantize(values, qtype)
     assert quantize.quantize(values, TensorType[kind.upper()]).tobytes() == expected.tobytes()
     assert quantize.quantize(values[10:20], TensorType[kind.upper()]).tobytes() == expected[10:20].tobytes()  # a band

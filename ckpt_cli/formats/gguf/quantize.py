@@ -53,10 +53,15 @@ def scratch(name: str, shape: tuple[int, ...], dtype: Any) -> Any:
     return found[:need].reshape(shape)
 
 
+# roundf(x) = trunc(x + copysign(0.5 - 2**-25, x)) under round-to-nearest-even, for every float32 of magnitude below
+# 128 (checked for all 1.1 billion of them against gguf-py's np_roundf); x + 0.5 would round 0.49999997 up to 1
+_HALF_BELOW = np.nextafter(np.float32(0.5), np.float32(0))
+
+
 def _q8_0(b: Any) -> Any:
-    """gguf-py's `d = abs(b).max(axis=1) / 127; qs = np_roundf(b * (1 / d))`, its passes fused: the block maximum
-    as a tree of elementwise maxima (the same maximum, NaN kept), and roundf as floor(a) + (a - floor(a) >= 0.5) with
-    the sign copied back, which is np_roundf's floor(a) + floor(2 * (a - floor(a))) exactly (a - floor(a) is exact)."""
+    """gguf-py's `d = abs(b).max(axis=1) / 127; qs = np_roundf(b * (1 / d)).astype(np.int8)`, in fewer passes: the
+    block maximum as a tree of elementwise maxima (the same maximum, NaN kept), and roundf as the truncating cast to
+    int8 of x + copysign(0.5 - 2**-25, x), exact for |x| <= 127 (`_HALF_BELOW`)."""
     n = len(b)
     a = np.abs(b, out=scratch("a", b.shape, np.float32))
     m, width = a, b.shape[1]
@@ -65,14 +70,10 @@ def _q8_0(b: Any) -> Any:
         m = np.maximum(m[:, :width], m[:, width : 2 * width], out=scratch(f"m{width}", (n, width), np.float32))
     d = m / np.float32(127)
     v = np.multiply(b, _inverse(d), out=scratch("v", b.shape, np.float32))
-    np.abs(v, out=a)
-    qs = np.floor(a, out=scratch("q", b.shape, np.float32))
-    a -= qs
-    qs += a >= np.float32(0.5)
-    np.copysign(qs, v, out=qs)
-    out = np.empty((len(b), 34), dtype=np.uint8)
+    v += np.copysign(_HALF_BELOW, v, out=a)
+    out = np.empty((n, 34), dtype=np.uint8)
     out[:, :2] = _half(d)
-    out[:, 2:].view(np.int8)[...] = qs  # the float-to-int8 cast of astype(np.int8), written in place
+    out[:, 2:].view(np.int8)[...] = v  # the cast truncates toward zero, as astype(np.int8)
     return out
 
 
@@ -134,7 +135,7 @@ def quantize(values: Any, kind: TensorType) -> Any:
         return bf16(values).reshape(-1)
     block, size = BLOCKS[kind]
     blocks = np.ascontiguousarray(values).astype(np.float32, copy=False).reshape(-1, block)
-    with np.errstate(invalid="ignore"):  # a NaN casts to an integer as gguf-py's does, silently
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and a scale past f16 cast as gguf-py's do, silently
         out = _BLOCK_FUNCS[kind](blocks)
     assert out.dtype == np.uint8 and out.shape[-1] == size
     return out.reshape(-1)
