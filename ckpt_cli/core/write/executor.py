@@ -82,12 +82,24 @@ def write_file(
             deferred.append((pos, seg))
         pos += seg.size
     assert pos == out.size, f"{out.relpath}: {pos} bytes of segments, planned {out.size}"
+    # Copied in the order the sources hold the data, each at its place in the file: a merge lays its tensors out by
+    # name (layers.1, layers.10, layers.100, ...), the shards hold them in model order, and read in the file's order
+    # a source larger than memory was read out of order, its read-ahead wasted (benchmarks/beyond_ram.py). Stable:
+    # the jobs of one tensor keep their order, in which their CRCs are combined.
+    jobs.sort(key=lambda job: _source_position(tensors[job[0]]))
     crcs = _run_jobs(jobs, threads, cancel, check)
     by_key = {key: crc for i, crc in crcs.items() if (key := tensors[i].crc_key) is not None}
     for offset, seg in deferred:
         data = seg.build(by_key)
         assert len(data) == seg.size, "deferred segment size differs from its plan"
         FileSink(fd, offset, None).write(data)
+
+
+def _source_position(seg: TensorData) -> tuple[str, int]:
+    """Where a tensor's data starts in its sources: (path, byte offset) of its first stored array."""
+    arrays = seg.tensor.stored_arrays() if seg.tensor.numel else ()
+    first = next((a for a in arrays if a.path != ZEROS), None)
+    return (first.path, first.offset + first.storage_offset * first.dtype.itemsize) if first is not None else ("", 0)
 
 
 def _advancer(fd: int, progress: Progress | None) -> Progress:
