@@ -22,13 +22,15 @@ output is removed. The CLI is a thin layer over these functions; this module nev
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import Field, dataclass
+from dataclasses import fields as dataclass_fields
 from inspect import Parameter, signature
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ckpt_cli import _API
 from ckpt_cli.core import model as core_model
 from ckpt_cli.core import roles
 from ckpt_cli.core.dtypes import by_name
@@ -44,34 +46,12 @@ from ckpt_cli.ops.request import Request
 from ckpt_cli.ops.resolve import resolve
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.tree_view import Tree
-from ckpt_cli.ops.verify import Report, VerifyOptions, check_manifest_destination  # noqa: F401 - the CLI's writes use it
+from ckpt_cli.ops.verify import Report, VerifyOptions
 from ckpt_cli.ops.verify import verify as verify_op
-from ckpt_cli.ops.writes import PreparedWrite, WriteReport, prepare, request_of, run
+from ckpt_cli.ops.writes import PreparedWrite, WriteReport, prepare, request_of, run  # noqa: F401 - PreparedWrite: in __all__
 from ckpt_cli.options import API_SKIPS, COMMANDS, fields
 
-__all__ = [
-    "Checkpoint",
-    "PreparedWrite",
-    "Report",
-    "Request",
-    "TensorInfo",
-    "Tree",
-    "WriteReport",
-    "convert",
-    "convert_request",
-    "diff",
-    "inspect",
-    "merge",
-    "merge_request",
-    "open",
-    "prepare",
-    "reshard",
-    "reshard_request",
-    "split",
-    "split_request",
-    "verify",
-    "write",
-]
+__all__ = list(_API)  # the names ckpt_cli itself serves (on first use), listed once there
 
 Progress = Callable[[int], None]  # called with the number of bytes written since the last call
 
@@ -155,13 +135,13 @@ class Checkpoint:
         """Optimizer, lr scheduler, RNG, dataloader and client state, summarised as `inspect` shows them."""
         return roles.describe_training_state(self._ckpt)
 
-    def summary(self, filters: Sequence[str] = ()) -> dict[str, Any]:
-        """The `ckpt inspect --json` document (tensors matching the globs `filters`, or all)."""
-        return inspect_op.summary(self._ckpt, tuple(filters))
+    def summary(self, filter: str | Sequence[str] = ()) -> dict[str, Any]:
+        """The `ckpt inspect --json` document (tensors matching the globs `filter`, or all)."""
+        return inspect_op.summary(self._ckpt, _globs(filter))
 
-    def tree(self, depth: int | None = None, filters: Sequence[str] = (), expand: Sequence[str] | None = None) -> Tree:
+    def tree(self, depth: int | None = None, filter: str | Sequence[str] = (), expand: Sequence[str] | None = None) -> Tree:
         """The module tree `ckpt inspect --tree` prints (`str(tree)`, `tree.markdown()`, `tree.to_json()`)."""
-        return tree_view.build(self._ckpt, tuple(filters), depth, tuple(expand) if expand is not None else None)
+        return tree_view.build(self._ckpt, _globs(filter), depth, tuple(expand) if expand is not None else None)
 
     # Data ------------------------------------------------------------------------------------------------
 
@@ -222,67 +202,31 @@ def open(path: str | Path, *, format: str | None = None, tag: str | None = None,
 
 
 def inspect(
-    path: str | Path, *, filters: Sequence[str] = (), format: str | None = None, tag: str | None = None, trust_pickle: bool = False
+    path: str | Path, *, filter: str | Sequence[str] = (), format: str | None = None, tag: str | None = None, trust_pickle: bool = False
 ) -> dict[str, Any]:
     """The `ckpt inspect --json` document; for a run root, `tags` lists every checkpoint under it."""
     resolved = resolve(path, format, tag)  # once: the run root's members and the checkpoint read come from it
     runs = inspect_op.run_root(resolved) if tag is None and format is None else None
-    doc = inspect_op.summary(open_checkpoint(resolved, trust_pickle=trust_pickle, layout_only=True), tuple(filters))
+    doc = inspect_op.summary(open_checkpoint(resolved, trust_pickle=trust_pickle, layout_only=True), _globs(filter))
     if runs:
         doc["tags"] = runs
     return doc
 
 
-def verify(
-    path: str | Path,
-    *,
-    deep: bool = False,
-    finite: bool = False,
-    against: str | Path | None = None,
-    atol: float = 0.0,
-    rtol: float = 0.0,
-    manifest: str | Path | None = None,
-    write_manifest: str | Path | None = None,
-    overwrite: bool = False,
-    policy: str | Path | None = None,
-    format: str | None = None,
-    tag: str | None = None,
-    trust_pickle: bool = False,
-) -> Report:
+def verify(path: str | Path, **options: Any) -> Report:
     """Check a checkpoint as `ckpt verify` does and return its Report: `ok`, `problems` (one line each, naming
     the file), `checks`, `stats`, `nonfinite`, `to_json()`. A damaged checkpoint is a report with problems, not
-    an exception; a wrong call (a missing `against`, an unreadable policy) raises UsageError."""
-    options = VerifyOptions(
-        format=format,
-        tag=tag,
-        trust_pickle=trust_pickle,
-        deep=deep,
-        finite=finite,
-        write_manifest=_path(write_manifest),
-        overwrite=overwrite,
-        manifest=_path(manifest),
-        against=_path(against),
-        atol=atol,
-        rtol=rtol,
-        policy=_path(policy),
-    )
-    return verify_op(path, options)
+    an exception; a wrong call (a missing `against`, an unreadable policy) raises UsageError. The options are
+    verify's flags with `_` for `-`, as its signature lists them (ops/verify.py's VerifyOptions)."""
+    return verify_op(path, VerifyOptions(**options))
 
 
-def diff(
-    a: str | Path,
-    b: str | Path,
-    *,
-    atol: float = 0.0,
-    rtol: float = 0.0,
-    filters: tuple[str, ...] = (),
-    depth: int | None = None,
-    trust_pickle: bool = False,
-) -> DiffReport:
+def diff(a: str | Path, b: str | Path, **options: Any) -> DiffReport:
     """Compare two checkpoints as `ckpt diff` does (across formats and key layouts, streamed) and return its
     DiffReport: `equal` within atol/rtol, the tensors only in A or B, renamed, reshaped or recast, per-group and
-    per-tensor max |a-b|, relative L2 and cosine, training-state differences, `to_json()`."""
-    return diff_op(a, b, DiffOptions(atol=atol, rtol=rtol, filters=tuple(filters), depth=depth, trust_pickle=trust_pickle))
+    per-tensor max |a-b|, relative L2 and cosine, training-state differences, `to_json()`. The options are diff's
+    flags with `_` for `-`, as its signature lists them (ops/diff.py's DiffOptions; `filter`: one glob or several)."""
+    return diff_op(a, b, DiffOptions(**options))
 
 
 def parity(
@@ -303,6 +247,11 @@ def parity(
 
 def _path(value: str | Path | None) -> Path | None:
     return Path(value) if value is not None else None
+
+
+def _globs(value: str | Sequence[str]) -> tuple[str, ...]:
+    """`filter=`: one glob or several, as the writing commands take it."""
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def write(
@@ -370,17 +319,16 @@ def split_request(src: str | Path, dest: str | Path, **options: Any) -> Request:
     return request_of("split", src, dest, None, options)
 
 
-def _with_options(function: Callable[..., Any], command: str, requests: bool) -> None:
-    """Show the command's options in the function's signature (help(), IDEs' call tips), from their declarations."""
-    declared = signature(function)
-    params = [p for p in declared.parameters.values() if p.kind is not Parameter.VAR_KEYWORD]
-    for group, f in fields(command):
-        if f.name in API_SKIPS or (requests and group.__name__ == "RunOptions"):
-            continue
-        params.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type))
-    function.__signature__ = declared.replace(parameters=params)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
+def _with_options(function: Callable[..., Any], declared: Iterable[Field[Any]]) -> None:
+    """Show a function's keyword options in its signature (help(), IDEs' call tips), from their declarations."""
+    own = [p for p in signature(function).parameters.values() if p.kind is not Parameter.VAR_KEYWORD]
+    options = [Parameter(f.name, Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type) for f in declared]
+    function.__signature__ = signature(function).replace(parameters=own + options)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
 
 
 for _command in COMMANDS:
-    _with_options(globals()[_command], _command, requests=False)
-    _with_options(globals()[f"{_command}_request"], _command, requests=True)
+    _taken = [(group, f) for group, f in fields(_command) if f.name not in API_SKIPS]
+    _with_options(globals()[_command], [f for _, f in _taken])
+    _with_options(globals()[f"{_command}_request"], [f for group, f in _taken if group.__name__ != "RunOptions"])
+_with_options(verify, dataclass_fields(VerifyOptions))
+_with_options(diff, dataclass_fields(DiffOptions))

@@ -180,6 +180,13 @@ def test_errors_are_ckpt_errors(demo, tmp_path):
         cut.write_bytes(data[:-100])  # truncated after it was opened: the read names the file
         with pytest.raises(DataError, match=f"{cut}: truncated"):
             ckpt.tensor(list(ckpt)[-1])
+    # `filter=` is the keyword of every call that takes the CLI's --filter, and its errors name it so
+    for call in (lambda f: ckpt_cli.inspect(src, filter=f), lambda f: ckpt_cli.diff(src, src, filter=f)):
+        with pytest.raises(UsageError, match=r"^filter nothing\* matches no tensor"):
+            call("nothing*")
+    assert [t["name"] for t in ckpt_cli.inspect(src, filter="*embed*")["tensors"]] == ["embed.weight"]
+    with ckpt_cli.open(src) as ckpt:
+        assert ckpt.summary(filter=["*embed*"])["tensors"] == ckpt_cli.inspect(src, filter="*embed*")["tensors"]
 
 
 def test_the_api_never_imports_the_cli():

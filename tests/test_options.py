@@ -56,9 +56,7 @@ def test_the_api_takes_the_cli_names(command):
     for function, runs in ((getattr(ckpt_cli, command), True), (getattr(ckpt_cli, f"{command}_request"), False)):
         names = set(inspect.signature(function).parameters) - {"src", "dest", "to", "progress"}
         want = {
-            f.name
-            for group, f in options.fields(command)
-            if f.name not in options.API_SKIPS and (runs or group is not options.RunOptions)
+            f.name for group, f in options.fields(command) if f.name not in options.API_SKIPS and (runs or group is not options.RunOptions)
         }
         assert names == want
         assert {f.name.replace("_", "-") for _, f in options.fields(command)} == {

@@ -89,21 +89,18 @@ def test_hf_and_dcp_bit_equal(orbax_saves, ckpt, tmp_path):
     assert ckpt("convert", src, tmp_path / "hf", "--to", "hf").code == 0
     hf = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert sorted(hf) == sorted(n for n in want if n.startswith("params."))
-    res = ckpt("convert", src, tmp_path / "dcp", "--to", "dcp", "--world-size", "2")
+    res = ckpt("convert", src, tmp_path / "dcp", "--to", "dcp", "--world-size", "2")  # the training state (test_orbax_write.py)
     assert res.code == 0, res.err
     meta = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata()
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items() if hasattr(m, "size")}
     dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
-    assert set(want) <= set(state)
+    dcp_names = {"opt_state.0.mu.": "optim.state.{}.exp_avg", "opt_state.0.nu.": "optim.state.{}.exp_avg_sq", "params.": "model.{}"}
     for name, raw in want.items():
-        assert np.array_equal(as_bytes(state[name]), raw), name
+        prefix = next((p for p in dcp_names if name.startswith(p)), None)
+        if prefix is not None:
+            assert np.array_equal(as_bytes(state[dcp_names[prefix].format(name[len(prefix) :])]), raw), name
         if name in hf:
             assert np.array_equal(as_bytes(hf[name]), raw), name
-
-
-def test_not_written(orbax_saves, ckpt, tmp_path):
-    res = ckpt("convert", orbax_saves / SAVES["ocdbt"], tmp_path / "out", "--to", "orbax")
-    assert res.code == 2 and "can be read but not written" in res.err
 
 
 def damaged_copy(orbax_saves: Path, save: str, tmp_path: Path) -> Path:

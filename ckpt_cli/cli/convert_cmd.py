@@ -20,18 +20,6 @@ if TYPE_CHECKING:
     from ckpt_cli import api
 
 
-def is_main_process() -> bool:
-    from ckpt_cli.core.write.distributed import is_main_process as main
-
-    return main()
-
-
-def _api():  # noqa: ANN202 - the API module, imported when a command runs (`ckpt --help` imports no format)
-    from ckpt_cli import api
-
-    return api
-
-
 def plan_text(report: api.WriteReport) -> str:
     """What --dry-run prints: the files, their sizes and the notes."""
     lines = [f"plan: write {report.format} to {report.destination} ({report.file_count} files, {human_bytes(report.total_bytes)})"]
@@ -45,9 +33,12 @@ def plan_text(report: api.WriteReport) -> str:
 
 
 def _run(request: api.Request, run: options.RunOptions) -> None:
+    from ckpt_cli import api  # imported when a command runs (`ckpt --help` imports no format)
+    from ckpt_cli.core.write.distributed import is_main_process
+
     quiet = run.quiet or not is_main_process()  # under torchrun, rank 0 speaks for all
     dest = request.dest
-    prepared = _api().prepare(request)
+    prepared = api.prepare(request)
     if run.dry_run:
         report = prepared.dry_run(run.overwrite)
         output.emit_json(report.to_json()) if run.json else output.emit(plan_text(report))

@@ -12,12 +12,6 @@ from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
 
 
-def _api():  # noqa: ANN202 - the API module, imported when a command runs (`ckpt --help` imports no format)
-    from ckpt_cli import api
-
-    return api
-
-
 def inspect(
     src: Source,
     json_: Json = False,
@@ -42,11 +36,13 @@ def inspect(
     quiet: Quiet = False,
 ) -> None:
     """Summarise a checkpoint: format, world size, step, tensors, parameters, bytes, training state."""
+    from ckpt_cli import api  # imported when a command runs (`ckpt --help` imports no format)
+
     _refuse_conflicts(json_, yaml_, tensors, tree or depth is not None or markdown, markdown)
     if tree or depth is not None or markdown:
         with (
             output.reading(f"inspect {output.last_name(src)}", quiet),
-            _api().open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt,
+            api.open(src, format=format_, tag=tag, trust_pickle=trust_pickle) as ckpt,
         ):
             view = ckpt.tree(depth, filter_ or ())
         if json_ or yaml_:
@@ -59,7 +55,7 @@ def inspect(
             output.info(f"note: {note}", quiet)
         return
     with output.reading(f"inspect {output.last_name(src)}", quiet):
-        doc = _api().inspect(src, filters=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
+        doc = api.inspect(src, filter=filter_ or (), format=format_, tag=tag, trust_pickle=trust_pickle)
     if json_:
         output.emit_json(doc)
     elif yaml_:
@@ -94,14 +90,9 @@ def _state_line(value: Any) -> str:
     if not value:
         return "-"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" if not isinstance(v, list) else f"{k}=[{_few(v)}]" for k, v in value.items())
+        # a list shows its first items (Lightning's loop counters run to dozens)
+        return ", ".join(f"{k}={v}" if not isinstance(v, list) else f"{k}=[{output.few(v, 8)}]" for k, v in value.items())
     return str(value)
-
-
-def _few(items: list[Any], shown: int = 8) -> str:
-    """A list on one line: its first items, then how many more (Lightning's loop counters run to dozens)."""
-    more = f", ... ({len(items) - shown} more)" if len(items) > shown else ""
-    return ", ".join(map(str, items[:shown])) + more
 
 
 def _unread_line(value: dict[str, Any]) -> str:
@@ -140,6 +131,8 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         lines.append(f"{'quantized':<12} {what}{block}: {count}, from {quant['from']}")
     if adapter := doc["details"].get("adapter"):
         lines += adapter_lines(adapter)
+    if doc["format"] == "gguf":
+        lines += gguf_lines(doc["details"])
     lines.append("training state")
     lines += [f"  {k:<14} {_state_line(v)}" for k, v in doc["training_state"].items()]
     lines += [_unread_line(u) for u in doc.get("unread", [])]
@@ -149,6 +142,20 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         lines.append(f"{'name':<{width}}  {'dtype':<10} {'shape':<18} {'role':<10} pieces")
         lines += [f"{t['name']:<{width}}  {t['dtype']:<10} {str(t['shape']):<18} {t['role']:<10} {t['pieces']}" for t in doc["tensors"]]
     return "\n".join(lines)
+
+
+def gguf_lines(d: dict[str, Any]) -> list[str]:
+    """A GGUF file's architecture hyper-parameters, tokenizer and tensor types (stored, before dequantizing)."""
+    tok = d.get("tokenizer", {})
+    hyper = ", ".join(f"{k}={v}" for k, v in d.get("hyperparameters", {}).items())
+    extra = "".join(f", {k}={v}" for k, v in tok.items() if k not in ("model", "vocab_size"))
+    return [
+        f"{'hparams':<12} {hyper or '-'}",
+        f"{'tokenizer':<12} {tok.get('model', '-')}, {tok.get('vocab_size', '?')} tokens{extra}",
+        f"{'gguf types':<12} "
+        + ", ".join(f"{k} x{v}" for k, v in d.get("tensor_types", {}).items())
+        + f" ({human_bytes(d.get('stored_bytes', 0))} stored)",
+    ]
 
 
 def adapter_lines(a: dict[str, Any]) -> list[str]:

@@ -4,6 +4,8 @@ arguments and flags the other commands share."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from inspect import Parameter, Signature
 from typing import Annotated, Any, Optional
 
 import typer
@@ -43,11 +45,11 @@ _TYPES: dict[str, Any] = {
 }
 
 
-def typer_option(flag: Flag, default: Any, hidden: bool = False) -> Any:
+def typer_option(flag: Flag, default: Any) -> Any:
     """The Annotated type typer reads for a declared option."""
     names = [f"{flag.flag}/{flag.secondary}" if flag.secondary else flag.flag] + ([flag.short] if flag.short else [])
     kind = str if flag.kind == "str" and isinstance(default, str) else _TYPES[flag.kind]
-    how: dict[str, Any] = {"help": flag.text(), "hidden": hidden}
+    how: dict[str, Any] = {"help": flag.text()}
     if flag.metavar:
         how["metavar"] = flag.metavar
     if flag.kind == "path":
@@ -66,6 +68,21 @@ def former_option(flag: Flag) -> Any:
     return Annotated[
         _TYPES[flag.kind], typer.Option(flag.former, metavar=flag.metavar, hidden=True, help=f"The former name of {flag.flag}.")
     ]
+
+
+def declared_command(command: Callable[..., None], arguments: Sequence[tuple[str, Any]], names: Sequence[str], *groups: type) -> None:
+    """Give `command` (its arguments, then `**values`) the typer signature of its `arguments` (name, CLI type) and of
+    its options `names`, in that order, each from its declaration: the first of `groups` declaring it."""
+    fields: dict[str, dataclasses.Field] = {}
+    for group in reversed(groups):
+        fields |= {f.name: f for f in dataclasses.fields(group)}
+    params = [Parameter(name, Parameter.POSITIONAL_OR_KEYWORD, annotation=kind) for name, kind in arguments]
+    params += [
+        Parameter(n, Parameter.KEYWORD_ONLY, default=fields[n].default, annotation=typer_option(flag_of(fields[n]), fields[n].default))
+        for n in names
+    ]
+    command.__signature__ = Signature(params)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
+    command.__annotations__ = {p.name: p.annotation for p in params}
 
 
 def declared(name: str) -> Any:

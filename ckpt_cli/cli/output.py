@@ -117,6 +117,12 @@ class _Passes:
             self.bar.close()
 
 
+def few(items: list[Any], shown: int) -> str:
+    """A list on one line: its first `shown` items, then how many more."""
+    more = f", ... ({len(items) - shown} more)" if len(items) > shown else ""
+    return ", ".join(map(str, items[:shown])) + more
+
+
 def last_name(path: str) -> str:
     """The last component of a path or URL as typed (SRC stays a string: an s3:// URL is no Path)."""
     return path.rstrip("/").rsplit("/", 1)[-1] or path

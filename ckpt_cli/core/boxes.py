@@ -8,24 +8,21 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from ckpt_cli.core.model import FlatRange, Piece, Run, TensorEntry, box_runs
+from ckpt_cli.core.model import FlatRange, Piece, TensorEntry, box_runs
 
 
-def sub_box(
-    entry: TensorEntry, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], source: list[Run] | None = None
-) -> TensorEntry:
+def sub_box(entry: TensorEntry, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> TensorEntry:
     """The box `offsets` + `sizes` of `entry` as a tensor of its own: one flat piece per contiguous run of the box
-    that one source piece holds (whole rows of a row range are one run; a column range is one run per row).
-    `source`: entry.runs(), when the caller cuts several boxes from one tensor."""
+    that one source piece holds (whole rows of a row range are one run; a column range is one run per row)."""
     if offsets == (0,) * len(entry.shape) and sizes == entry.shape:
         return dataclasses.replace(entry, name=name)
     if entry.derived is not None:  # computed as read (an Orbax array, a dequantized weight): the box reads it by runs
         return TensorEntry(name, entry.dtype, sizes, entry.role, entry.pieces, entry.path, derived=DerivedBox(entry, offsets, sizes))
     box = tuple(box_runs(offsets, sizes, entry.shape))
-    if source is None and box and entry.made_by_range():  # only the source pieces the box's extent meets are made
-        first, last = box[0][0], box[-1][0] + box[-1][1]
-        source = entry.runs_in(first, last - first)
-    source = entry.runs() if source is None else source
+    if box and entry.made_by_range():  # only the source pieces the box's extent meets are made
+        source = entry.runs_in(box[0][0], box[-1][0] + box[-1][1] - box[0][0])
+    else:
+        source = entry.runs()
     pieces, i = [], 0
     for gstart, length, lstart in box:
         end = gstart + length

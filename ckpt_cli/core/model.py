@@ -399,7 +399,9 @@ class Checkpoint:
             if entry.role != "model" or entry.numel == 0:
                 continue
             same = entry.pieces if isinstance(entry.pieces, LazyPieces) else tuple(entry.pieces)  # lazy: shared when tied
-            groups.setdefault((same, entry.shape), []).append(entry.name)
+            # a computed tensor's pieces are what it reads, which others computed from the same source share: it is
+            # tied only to an entry that is the same computation
+            groups.setdefault((same, entry.shape, id(entry.derived)), []).append(entry.name)
         return [names for names in groups.values() if len(names) > 1]
 
 

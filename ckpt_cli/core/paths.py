@@ -14,11 +14,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import BinaryIO, TypeGuard
+from typing import TypeGuard
 
-from ckpt_cli import store
 from ckpt_cli.errors import DataError
-from ckpt_cli.store import file_size, present  # noqa: F401  (formats open and size files through core.paths)
+
+# formats open and size files through core.paths; open_regular refuses a FIFO, socket, device or folder without
+# blocking, and opens an object in object storage for ranged reads
+from ckpt_cli.store import file_size, present  # noqa: F401
+from ckpt_cli.store import open_read as open_regular
 from ckpt_cli.store.local import open_regular_fd  # noqa: F401
 
 SHOWN_CHARS = 60
@@ -67,12 +70,6 @@ def step_number(value: object, where: str) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise DataError(f"{where}: the step is {shown(value)}, not a non-negative integer")
     return value
-
-
-def open_regular(path: str | Path) -> BinaryIO:
-    """`open(path, "rb")` for a checkpoint file: refuses a FIFO, socket, device or folder without blocking; an object
-    in object storage opens for ranged reads (store.open_read)."""
-    return store.open_read(path)
 
 
 def read_regular_bytes(path: str | Path, max_bytes: int | None = None) -> bytes:

@@ -203,10 +203,10 @@ def read_stored(array: StoredArray, start: int, count: int, sources: SourceFiles
 
 def read_elements(entry: TensorEntry, start: int, count: int, sources: SourceFiles) -> Any:
     """Elements [start, start+count) of a logical tensor, gathered from its pieces, as its dtype."""
+    if entry.derived is not None:  # before importing torch: a computed tensor may be made without it (GGUF's)
+        return entry.derived.read(start, count, sources)
     import torch
 
-    if entry.derived is not None:
-        return entry.derived.read(start, count, sources)
     out = torch.empty(count, dtype=entry.dtype.torch())
     filled = 0
     for gstart, length, piece, lstart in entry.runs_in(start, count):

@@ -13,9 +13,10 @@ checkpoint's own.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from ckpt_cli.errors import CkptError
+from ckpt_cli.errors import CkptError, UsageError
 
 MAX_DEPTH = 64  # nesting of mappings and lists; configs, manifests and trainer states use a handful
 MAX_NODES = 2_000_000  # scalars and containers after YAML aliases are expanded
@@ -171,6 +172,14 @@ def _kind(value: Any) -> str:
 
 def _join(field: str, key: str) -> str:
     return f"{field}.{key}" if field else key
+
+
+def regex(pattern: str, where: str) -> re.Pattern[str]:
+    """A regular expression from a user's file or flag, compiled; UsageError naming `where` when it is none."""
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise UsageError(f"{where}: bad regular expression '{pattern}' ({exc})") from exc
 
 
 def non_negative(value: Any) -> str | None:

@@ -68,10 +68,7 @@ class Permute:
         heads = item["heads"]
         if isinstance(heads, bool) or not (isinstance(heads, str) and heads or isinstance(heads, int) and heads > 0):
             raise UsageError(f"{where}: permute '{item['from']}': heads is a positive number or a config.json key")
-        try:
-            re.compile(str(item["from"]))
-        except re.error as exc:
-            raise UsageError(f"{where}: bad regular expression '{item['from']}' ({exc})") from exc
+        structured.regex(str(item["from"]), where)
         return cls(str(item["from"]), str(item["rope"]), heads)
 
     def head_count(self, config: dict[str, Any] | None, tensor: str) -> int:
@@ -160,10 +157,7 @@ class NameMap:
 
     def checked(self, where: str) -> NameMap:
         for pattern in [p for p, _ in self.renames] + list(self.transposes) + list(self.zeros):
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise UsageError(f"{where}: bad regular expression '{pattern}' ({exc})") from exc
+            structured.regex(pattern, where)
         return self
 
     def strip(self, name: str) -> str:

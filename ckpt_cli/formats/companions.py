@@ -32,16 +32,16 @@ COMPANIONS = (
 COMPANION_MAX_BYTES = 256 << 20
 
 
-def companions_in(folder: Path) -> tuple[dict[str, str | bytes], list[str]]:
+def companions_in(folder: Path, names: tuple[str, ...] = COMPANIONS) -> tuple[dict[str, str | bytes], list[str]]:
     """The companion files present in the folder (in object storage: found in one listing). A link is followed only
     inside the folder, or into the blobs of a Hugging Face cache snapshot (`snapshots/REV/x -> ../../blobs/SHA`):
     a release must never carry a file from elsewhere on the machine (a key the folder's author linked to)."""
     if not store.renames(folder):  # object storage: no links to follow
         listed = {p.name for p in folder.iterdir()}
-        return {name: str(folder / name) for name in COMPANIONS if name in listed}, []
+        return {name: str(folder / name) for name in names if name in listed}, []
     found: dict[str, str | bytes] = {}
     notes = []
-    for name in COMPANIONS:
+    for name in names:
         path = folder / name
         if not path.is_file():
             continue

@@ -68,6 +68,11 @@ class Format:
     ranks: str | None = None  # what --world-size N counts for its writer, in words (a write needs it: ops/convert.layout_for)
     ranks_from_source: bool = False  # without --world-size, a weights write keeps the source's world size
     takes_ep: bool = False  # the writer regroups MoE experts (--ep-size)
+    later_parts: str | None = None  # regex of the file names that are a later part of a set its first part names (ls lists the set once)
+    # the writer picks each tensor's type from --dtype / --quantize as its reference converter does (GGUF: norms stay
+    # F32), so a write hands it those options instead of casting the tensors first (ops/convert.plan_checkpoint)
+    casts_itself: bool = False
+    splits: bool = False  # a one-file format that --max-shard-size writes as a split set into a folder (gguf-split)
 
     @property
     def reader(self) -> Reader:
@@ -169,21 +174,27 @@ FORMATS: dict[str, Format] = {
         Format(
             "adapter",
             "hf.adapter:READER",
-            None,
+            "hf.adapter_writer:WRITER",
             "PEFT LoRA / rsLoRA / DoRA adapter: adapter_config.json + adapter_model.safetensors (applied with --adapter)",
             False,
             members=r"adapter_config\.json|adapter_model\.(safetensors|bin)",
+            tensors_only=True,
+            commit=Commit(
+                "PEFT adapter", r"adapter_config\.json", "adapter_config.json", r"adapter_model\.(safetensors|bin)", "adapter weights"
+            ),
             not_resharded="an adapter is applied to its base as the base is written: ckpt convert BASE DST --to hf --adapter DIR",
         ),
         Format(
             "orbax",
             "orbax.reader:READER",
-            None,
-            "Orbax (JAX): CheckpointManager step folders or one item; OCDBT or zarr3 arrays, read through tensorstore",
+            "orbax.writer:WRITER",
+            "Orbax (JAX): CheckpointManager step folders or one item; OCDBT or zarr3 arrays, through tensorstore",
             False,
+            training_at="orbax.training:TRAINING",
             members=r"_METADATA|_CHECKPOINT_METADATA|_sharding|manifest\.ocdbt|commit_success\.txt",
-            not_resharded="ckpt reads Orbax saves but does not write them; Orbax reshards a save itself when it restores it "
-            "onto another mesh, or convert it (ckpt convert SRC DST --to dcp --world-size N)",
+            not_resharded="Orbax reshards a save itself when it restores it onto another mesh (its target's shardings); "
+            "or convert it (ckpt convert SRC DST --to dcp --world-size N)",
+            commit=Commit("Orbax save", r"commit_success\.txt", "commit_success.txt", r"_METADATA|manifest\.ocdbt", "its metadata"),
         ),
         Format(
             "hf",
@@ -218,6 +229,20 @@ FORMATS: dict[str, Format] = {
             folders=False,
             files=".*",  # by its zip or pickle magic
         ),
+        Format(
+            "gguf",
+            "gguf.reader:READER",
+            "gguf.writer:WRITER",
+            "llama.cpp GGUF: one .gguf file or a gguf-split set (NAME-0000i-of-0000N.gguf), read dequantized, written as "
+            "llama.cpp's converter writes it",
+            False,
+            tensors_only=True,
+            folders=False,
+            files=".*",  # by its GGUF magic, whatever the suffix (last: a file the others claim is never opened again for it)
+            later_parts=r".+-(?!00001-)\d{5}-of-\d{5}\.gguf",  # gguf-split's parts after the first
+            casts_itself=True,
+            splits=True,
+        ),
     )
 }
 
@@ -241,6 +266,11 @@ def detect(path: Path) -> Format | None:
     folder = path.is_dir()
     able = (f for f in FORMATS.values() if (f.folders if folder else f.files is not None and re.fullmatch(f.files, path.name)))
     return next((f for f in able if f.reader.detect(path)), None)
+
+
+def later_part(path: Path) -> bool:
+    """A file that is a later part of a set its first part names (a gguf-split part 2 of N): listed as the set, once."""
+    return any(f.later_parts and re.fullmatch(f.later_parts, path.name) for f in FORMATS.values())
 
 
 def member_of(path: Path) -> tuple[Path, Format] | None:

@@ -71,14 +71,14 @@ class LoraMerged:
         weight = read_elements(self.base, r0 * cols, (r1 - r0) * cols, sources).reshape(r1 - r0, cols)
         lora_a = read_elements(self.a, 0, self.a.numel, sources).reshape(rank, cols).to(torch.float32)
         lora_b = read_elements(self.b, r0 * rank, (r1 - r0) * rank, sources).reshape(r1 - r0, rank).to(torch.float32)
-        delta = (lora_b @ lora_a) * self.scale  # get_delta_weight: transpose(B @ A, fan_in_fan_out) * scaling
-        if self.magnitude is None:
-            merged = weight + delta  # base_layer.weight.data += delta_weight (computed in float32, stored in W's dtype)
-        else:
+        # peft's operations in its order, each in place on the one band-sized buffer the product made (a fresh buffer per
+        # operation costs more than the arithmetic); IEEE addition and multiplication commute, so the bits are peft's.
+        merged = (lora_b @ lora_a).mul_(self.scale)  # get_delta_weight: transpose(B @ A, fan_in_fan_out) * scaling
+        merged.add_(weight)  # base_layer.weight.data += delta_weight (computed in float32, stored in W's dtype)
+        if self.magnitude is not None:  # DoRA: W + delta is get_weight_norm(W, delta, scaling=1)'s sum too
             magnitude = read_elements(self.magnitude, r0, r1 - r0, sources).to(torch.float32)
-            combined = weight + 1 * delta  # get_weight_norm(W, delta, scaling=1)
-            norm = torch.linalg.norm(combined, dim=1).to(combined.dtype)
-            merged = (magnitude / norm).view(-1, 1) * (weight + delta)
+            norm = torch.linalg.norm(merged, dim=1).to(merged.dtype)
+            merged.mul_((magnitude / norm).view(-1, 1))  # (magnitude / norm) * (W + delta)
         return merged.to(self.base.dtype.torch()).to(self.out.torch())
 
 

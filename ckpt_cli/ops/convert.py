@@ -54,16 +54,25 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
     carries = carries_training_state(ckpt, target, t, cross)
     write = layout_for(target, write, None if carries else ckpt.world_size)
+    if target.casts_itself:  # the writer types each tensor from --dtype / --quantize (GGUF: norms stay F32)
+        write = dataclasses.replace(write, dtype=t.dtype.name if t.dtype else None, quantize=t.quantize)
+        t = dataclasses.replace(t, dtype=None, quantize=None)
+    elif t.quantize not in (None, "fp8"):
+        raise UsageError(f"--quantize {t.quantize}: a GGUF block type, for --to gguf (hf, safetensors and torch take fp8)")
     adapter = request.source.adapter
     if adapter is not None:
         adapters.check_combination(cross.names_given, carries or _keeps_partitions(ckpt, target, t), adapter)
     if carries:
-        if cross.names.splits:
-            raise UsageError("a name map's split applies to weight exports (hf, safetensors, torch), not to training-state conversions")
+        names = cross.names
+        if names.splits or names.permutes or names.stacks or names.transposes or names.zeros:
+            raise UsageError(
+                "a name map's split, permute, stack, transpose and zero apply to weight exports (hf, safetensors, torch), "
+                "not to training-state conversions, which rename parameters only"
+            )
         view = training_view(ckpt, target, t, write, cross)
     else:
         source = transform.without_copies(ckpt, t) if ckpt.format != target.name else ckpt
-        source = with_hf_config(source, cross.hf_config)
+        source = with_hf_config(source, cross.hf_config, target.name)
         if adapter is not None and t.quantize is not None:  # merged first, then quantized
             source = adapters.applied(source, adapter, t.dtype)
         source = quant_views.for_write(source, t.dtype, t.quantize, target.name)
@@ -75,13 +84,14 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     return Job(plan, list(view.notes) + plan.notes, (str(request.src), *(f.path for f in ckpt.files)), ckpt.format)
 
 
-def with_hf_config(ckpt: Checkpoint, folder: Path | None) -> Checkpoint:
-    """The checkpoint with --hf-config's companions (config.json, generation config, tokenizer) in place of its own."""
+def with_hf_config(ckpt: Checkpoint, folder: Path | None, target: str) -> Checkpoint:
+    """The checkpoint with --hf-config's companions (config.json, generation config, tokenizer) in place of its own;
+    for an adapter folder, its adapter_config.json."""
     if folder is None:
         return ckpt
-    from ckpt_cli.formats.companions import companions_in
+    from ckpt_cli.formats.companions import COMPANIONS, companions_in
 
-    found, notes = companions_in(folder)
+    found, notes = companions_in(folder, ("adapter_config.json",) if target == "adapter" else COMPANIONS)
     return dataclasses.replace(ckpt, companions={**ckpt.companions, **found}, notes=[*ckpt.notes, *notes])
 
 
@@ -120,6 +130,8 @@ def carries_training_state(ckpt: Checkpoint, target: registry.Format, t: transfo
         return True
     if ckpt.format != target.name:
         source = registry.FORMATS.get(ckpt.format)
+        if source is not None and source.training is not None and target.writes_any_state_dict:
+            return source.training.layout_of(ckpt) != "flat"  # weights alone (no optimizer) are written as they are
         return (source is not None and source.training is not None) or not target.writes_any_state_dict
     return target.training.changes_layout(ckpt, _state_options(write_world=None, cross=cross))
 
@@ -140,7 +152,8 @@ def layout_for(target: registry.Format, write: WriteOptions, source_world: int |
     if write.ep_size is not None and not target.takes_ep:
         takers = " and ".join(n for n, f in registry.FORMATS.items() if f.takes_ep)
         raise UsageError(f"--ep-size applies to {takers} targets (MoE, expert parallel), not {target.name}")
-    if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards":
+    splits = target.splits and not write.num_shards  # a split set by size (GGUF: gguf-split's --split-max-size)
+    if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards" and not splits:
         raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
     if target.reshard_by == "world_size" and target.writable and not write.world_size:
         if target.ranks_from_source and source_world:
@@ -217,7 +230,8 @@ def estimate_peak(plan: WritePlan) -> int:
             for a in arrays:
                 if not a.is_contiguous:
                     buffers = max(buffers, 2 * a.nbytes)
-            needs_torch = needs_torch or streamed or not all(a.is_contiguous for a in arrays)
+            computed_in_numpy = getattr(s.tensor.derived, "without_torch", False)  # GGUF's quantized tensors
+            needs_torch = needs_torch or (streamed and not computed_in_numpy) or not all(a.is_contiguous for a in arrays)
     return (TORCH_RSS if needs_torch else BASE_RSS) + buffers
 
 

@@ -185,7 +185,7 @@ def _scale_fits(scale: TensorEntry, args: dict[str, Any], rows: int, cols: int) 
 
 def _naive(base: str, tensors: dict[str, TensorEntry], groups: list[dict[str, Any]], where: str) -> Quantized:
     values, scale = tensors[base + ".weight"], tensors[base + ".weight_scale"]
-    if values.dtype.name not in ("float8_e4m3fn", "float8_e5m2", "int8") or len(values.shape) != 2:
+    if values.dtype.name not in QUANTIZED_DTYPES or len(values.shape) != 2:
         raise DataError(
             f"{where}: '{base}.weight' has a scale but is {values.dtype.name} {list(values.shape)}, not a 2-d int8 or FP8 weight"
         )

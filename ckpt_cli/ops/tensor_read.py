@@ -10,27 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.dtypes import BY_NAME, DType
 from ckpt_cli.core.model import ZEROS, TensorEntry
 from ckpt_cli.core.reading import SourceFiles, byte_runs, element_windows, read_elements
 from ckpt_cli.errors import UsageError
 
-# numpy has no bfloat16 or float8: those need torch (or a cast).
-NUMPY_NAMES = {
-    "bool": "bool",
-    "uint8": "uint8",
-    "int8": "int8",
-    "int16": "int16",
-    "uint16": "uint16",
-    "float16": "float16",
-    "int32": "int32",
-    "uint32": "uint32",
-    "float32": "float32",
-    "complex64": "complex64",
-    "float64": "float64",
-    "int64": "int64",
-    "uint64": "uint64",
-}
+# numpy names every dtype as torch does, but has no bfloat16 or float8: those need torch (or a cast).
+NUMPY_NAMES = {name for name in BY_NAME if name != "bfloat16" and not name.startswith("float8")}
 
 
 def numpy_dtype(dtype: DType, name: str) -> Any:
@@ -38,7 +24,7 @@ def numpy_dtype(dtype: DType, name: str) -> Any:
 
     if dtype.name not in NUMPY_NAMES:
         raise UsageError(f"'{name}' is {dtype.name}, which numpy has no dtype for; read it with .tensor(), or cast: dtype='float32'")
-    return np.dtype(NUMPY_NAMES[dtype.name]).newbyteorder("<")
+    return np.dtype(dtype.name).newbyteorder("<")
 
 
 def _fill(runs: list[tuple[str, int, int]], out: memoryview, sources: SourceFiles) -> None:

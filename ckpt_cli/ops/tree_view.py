@@ -88,15 +88,35 @@ class Tree:
             "notes": [note for _, note in self.notes],
         }
 
-    def shown_notes(self) -> list[str]:
-        """The notes on the roles the renderings open."""
-        return [note for role, note in self.notes if not role or role in self.expanded]
-
     def text(self) -> str:
-        return render_text(self)
+        """One line per node, indented; a folded line (×N) counts all its blocks, the lines under it one block."""
+        rows: list[tuple[str, str, str, str, str]] = [("name", "shape", "params", "bytes", "dtype")]
+        for role, node in self.roles.items():
+            if role in self.expanded:
+                _rows(node, 0, rows)
+            else:
+                label = f"{node.name} {node.tensors} tensor{'s' if node.tensors != 1 else ''}"
+                rows.append((label, "", f"{node.total_params:,}", human_bytes(node.total_bytes), dtype_mix(node.dtypes)))
+        if len(rows) == 1:
+            return "no tensors"
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}".rstrip() for r in rows]
+        lines += [f"note: {n}" for role, n in self.notes if not role or role in self.expanded]
+        return "\n".join(lines)
 
     def markdown(self) -> str:
-        return render_markdown(self)
+        """A Markdown table for a model card: one row per node, by full name."""
+        lines = ["| module | shape | parameters | bytes | dtype |", "|---|---|--:|--:|---|"]
+        for role, node in self.roles.items():
+            if role in self.expanded:
+                _md_rows(node, lines, True)
+            else:
+                count = f"{node.tensors} tensor{'s' if node.tensors != 1 else ''}"
+                size = f"{node.total_params:,} | {human_bytes(node.total_bytes)} | {dtype_mix(node.dtypes)}"
+                lines.append(f"| **{node.name}** ({count}) | | {size} |")
+        notes = [note for role, note in self.notes if role in self.expanded]  # not how it was opened: a card has no local paths
+        lines += ["", *(f"Note: {n}" for n in notes)] if notes else []
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.text()
@@ -319,23 +339,6 @@ def _rows(node: TreeNode, indent: int, out: list[tuple[str, str, str, str, str]]
         _rows(child, indent + 1, out)
 
 
-def render_text(tree: Tree) -> str:
-    """One line per node, indented; a folded line (×N) counts all its blocks, the lines under it one block."""
-    rows: list[tuple[str, str, str, str, str]] = [("name", "shape", "params", "bytes", "dtype")]
-    for role, node in tree.roles.items():
-        if role in tree.expanded:
-            _rows(node, 0, rows)
-        else:
-            label = f"{node.name} {node.tensors} tensor{'s' if node.tensors != 1 else ''}"
-            rows.append((label, "", f"{node.total_params:,}", human_bytes(node.total_bytes), dtype_mix(node.dtypes)))
-    if len(rows) == 1:
-        return "no tensors"
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}".rstrip() for r in rows]
-    lines += [f"note: {n}" for n in tree.shown_notes()]
-    return "\n".join(lines)
-
-
 def _md_rows(node: TreeNode, out: list[str], top: bool) -> None:
     name = f"**{node.name}**" if top else f"`{node.path}`"
     if node.repeat > 1:
@@ -348,18 +351,3 @@ def _md_rows(node: TreeNode, out: list[str], top: bool) -> None:
         out.append(f"| {name} | {shape} | {params} | {human_bytes(node.total_bytes)} | {dtype_mix(node.dtypes)} |")
     for child in node.children:
         _md_rows(child, out, False)
-
-
-def render_markdown(tree: Tree) -> str:
-    """A Markdown table for a model card: one row per node, by full name."""
-    lines = ["| module | shape | parameters | bytes | dtype |", "|---|---|--:|--:|---|"]
-    for role, node in tree.roles.items():
-        if role in tree.expanded:
-            _md_rows(node, lines, True)
-        else:
-            count = f"{node.tensors} tensor{'s' if node.tensors != 1 else ''}"
-            size = f"{node.total_params:,} | {human_bytes(node.total_bytes)} | {dtype_mix(node.dtypes)}"
-            lines.append(f"| **{node.name}** ({count}) | | {size} |")
-    notes = [note for role, note in tree.notes if role in tree.expanded]  # not how it was opened: a card has no local paths
-    lines += ["", *(f"Note: {n}" for n in notes)] if notes else []
-    return "\n".join(lines)

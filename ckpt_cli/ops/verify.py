@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,32 +22,16 @@ from ckpt_cli.errors import DataError, Fix, UnsafePickleError, UsageError
 from ckpt_cli.ops import diff as diff_mod
 from ckpt_cli.ops import policy as policy_mod
 from ckpt_cli.ops import quantized
-from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.digests import Digests, file_digest, file_pass, hasher
 from ckpt_cli.ops.finite import NonFinite
-from ckpt_cli.ops.source import open_checkpoint
+from ckpt_cli.ops.source import choice_notes, open_checkpoint
 from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, format_notes, has_checksums
+from ckpt_cli.options import VerifyOptions
 from ckpt_cli.store import location
 
 MANIFEST_VERSION = 2  # 1: sha256 digests; 2: the digest named by "hash" (blake3 when ckpt writes it)
 MANIFEST_VERSIONS = (1, 2)  # what --manifest checks and --overwrite may replace
 MANIFEST_HASH = "blake3"  # measured, one core (AVX-512): blake3 4.5 GB/s (8.5 on 2), sha256 1.8, xxh3 18 (not cryptographic)
-
-
-@dataclass
-class VerifyOptions:
-    format: str | None = None
-    tag: str | None = None
-    trust_pickle: bool = False
-    deep: bool = False
-    finite: bool = False
-    write_manifest: Path | None = None
-    overwrite: bool = False  # --write-manifest may replace a previous manifest (never any other file)
-    manifest: Path | None = None
-    against: Path | None = None
-    atol: float = 0.0
-    rtol: float = 0.0
-    policy: Path | None = None
 
 
 @dataclass
@@ -66,16 +50,7 @@ class Report:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "format": self.format,
-            "ok": self.ok,
-            "checks": self.checks,
-            "problems": self.problems,
-            "nonfinite": self.nonfinite,
-            "stats": self.stats,
-            "notes": self.notes,
-        }
+        return {key: getattr(self, key) for key in ("path", "format", "ok", "checks", "problems", "nonfinite", "stats", "notes")}
 
 
 def _root(ckpt: Checkpoint) -> Path:
@@ -196,12 +171,6 @@ def write_manifest_file(path: Path, manifest: dict[str, Any]) -> None:
     store.put(path, (json.dumps(manifest, indent=2) + "\n").encode())
 
 
-def leftover_problems(ckpt: Checkpoint) -> list[str]:
-    """Temporary siblings of the checkpoint that an interrupted or killed ckpt write left behind; in object storage,
-    multipart uploads under it that were neither completed nor aborted."""
-    return store.unfinished(location(ckpt.path))
-
-
 def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], digests: Digests, report: Report, where: Path) -> None:
     root, algo, hashes = _root(ckpt), manifest_hash(manifest), digests.tensors
     if manifest.get("format") == ckpt.format:
@@ -276,9 +245,9 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
     report.checks.append(f"against {pb}")
 
 
-def _object_path(value: Path | None) -> Path | None:
-    """An s3:// URL, which Path spells s3:/, names an object: its Location; a local path as it is."""
-    return location(value) if value is not None and not store.mappable(value) else value
+def _object_path(value: str | Path | None) -> Path | None:
+    """A path as given (a local Path, or an s3:// URL, which Path spells s3:/, as its Location)."""
+    return location(value) if value is not None else None
 
 
 def verify(path: str | Path, options: VerifyOptions) -> Report:
@@ -287,16 +256,11 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     if (options.atol or options.rtol) and options.against is None:
         raise UsageError("--atol and --rtol are tolerances of --against; give --against CKPT, or leave them out")
     report = Report(str(path))
-    options = replace(
-        options,
-        write_manifest=_object_path(options.write_manifest),
-        manifest=_object_path(options.manifest),
-        policy=_object_path(options.policy),
-    )
-    if options.write_manifest:
-        check_manifest_destination(options.write_manifest, options.overwrite)
-    manifest = load_manifest(options.manifest) if options.manifest else None  # the user's files: exit 2 before any work
-    rules = policy_mod.load(options.policy) if options.policy else None
+    write_manifest, manifest_file, policy_file = map(_object_path, (options.write_manifest, options.manifest, options.policy))
+    if write_manifest:
+        check_manifest_destination(write_manifest, options.overwrite)
+    manifest = load_manifest(manifest_file) if manifest_file else None  # the user's files: exit 2 before any work
+    rules = policy_mod.load(policy_file) if policy_file else None
     try:
         ckpt = open_checkpoint(path, options.format, options.tag, options.trust_pickle)
     except DataError as exc:
@@ -304,11 +268,12 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         report.refused_pickle = exc.global_name if isinstance(exc, UnsafePickleError) else None
         return report
     report.path, report.format = ckpt.path, ckpt.format
-    report.notes += run_roots.choice_notes(ckpt)  # which checkpoint of a run root, as every command says
+    report.notes += choice_notes(ckpt)  # which checkpoint of a run root, as every command says
     report.stats = {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": sum(f.bytes for f in ckpt.files)}
     report.problems += file_and_tiling_problems(ckpt)
     report.checks.append("structure")
-    report.problems += leftover_problems(ckpt)
+    # temporary siblings that an interrupted or killed ckpt write left; in object storage, uploads never completed
+    report.problems += store.unfinished(location(ckpt.path))
     report.problems += quantized.problems(ckpt, options.deep)
     if options.deep and has_checksums(ckpt):
         meter.stage("checking CRCs", sum(f.bytes for f in ckpt.files))
@@ -319,7 +284,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     report.notes += format_notes(ckpt)  # what the checks suspect and cannot decide (file times): never a problem
     if options.deep:
         report.checks.append("deep")
-        if not has_checksums(ckpt) and manifest is None and not options.write_manifest:
+        if not has_checksums(ckpt) and manifest is None and not write_manifest:
             report.notes.append(
                 f"{ckpt.format} stores no checksums: --deep read every byte and the structure is whole, but a changed byte "
                 "inside a tensor cannot be seen; record a manifest (--write-manifest FILE) and check later with --manifest FILE"
@@ -330,7 +295,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
     # Tensor checksums serve manifests; --deep alone reads every byte once: the format's CRC check,
     # or (formats without checksums) the tensors themselves.
     algorithms = {manifest_hash(manifest)} if manifest else set()
-    algorithms |= {MANIFEST_HASH} if options.write_manifest else set()
+    algorithms |= {MANIFEST_HASH} if write_manifest else set()
     want_hash = bool(algorithms)
     read_all = options.deep and not has_checksums(ckpt)
     if read_all and not algorithms:
@@ -361,8 +326,8 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
                 report.problems.append(
                     f"{ckpt.tensors[name].pieces[0].data.path}: tensor '{name}' has {counts['nan']} NaN and {counts['inf']} Inf values"
                 )
-    if manifest is not None and options.manifest is not None:
-        check_manifest(ckpt, manifest, hashes[manifest_hash(manifest)], report, options.manifest)
+    if manifest is not None and manifest_file is not None:
+        check_manifest(ckpt, manifest, hashes[manifest_hash(manifest)], report, manifest_file)
     if options.against:
         other = open_checkpoint(options.against, None, None, options.trust_pickle)
         atol, rtol = options.atol, options.rtol
@@ -373,9 +338,9 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         compare(ckpt, other, atol, rtol, report)  # one run in two frameworks: by parameter name, as diff pairs them
     if rules:
         report.problems += policy_mod.check(ckpt, rules)
-        report.checks.append(f"policy {options.policy}")
-    if options.write_manifest and report.ok:
-        write_manifest_file(options.write_manifest, build_manifest(ckpt, hashes[MANIFEST_HASH].tensors, hashes[MANIFEST_HASH].files))
-        report.checks.append(f"wrote manifest {options.write_manifest}")
+        report.checks.append(f"policy {policy_file}")
+    if write_manifest and report.ok:
+        write_manifest_file(write_manifest, build_manifest(ckpt, hashes[MANIFEST_HASH].tensors, hashes[MANIFEST_HASH].files))
+        report.checks.append(f"wrote manifest {write_manifest}")
     report.stats["dtype_names"] = sorted({t.dtype.name for t in ckpt.tensors.values()})
     return report

@@ -87,12 +87,13 @@ def cross_settings(cross: CrossOptions) -> CrossSettings:
 
 
 def _hf_config_dir(path: str | Path | None) -> Path | None:
-    """--hf-config DIR: a folder holding config.json (and the tokenizer files a release carries)."""
+    """--hf-config DIR: a folder holding config.json (and the tokenizer files a release carries), or a PEFT adapter's
+    adapter_config.json."""
     if path is None:
         return None
     folder = location(path)
-    if not folder.is_dir() or not (folder / "config.json").is_file():
-        raise UsageError(f"--hf-config {path}: not a folder holding config.json (the Hugging Face model's config)")
+    if not folder.is_dir() or not any((folder / n).is_file() for n in ("config.json", "adapter_config.json")):
+        raise UsageError(f"--hf-config {path}: not a folder holding config.json (the Hugging Face model's config) or adapter_config.json")
     return folder
 
 
@@ -168,18 +169,8 @@ class WriteReport:
         return convert_op.estimate_peak(self.job.plan)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": self.format,
-            "destination": self.destination,
-            "files": self.files,
-            "total_bytes": self.total_bytes,
-            "tensor_bytes": self.tensor_bytes,
-            "largest_tensor_bytes": self.largest_tensor_bytes,
-            "estimated_peak_rss": self.estimated_peak_rss,
-            "notes": self.notes,
-            "placement": self.placement,
-            "written": self.written,
-        }
+        keys = ("format", "destination", "files", "total_bytes", "tensor_bytes", "largest_tensor_bytes", "estimated_peak_rss")
+        return {key: getattr(self, key) for key in (*keys, "notes", "placement", "written")}
 
 
 @dataclass

@@ -16,6 +16,8 @@ values are the source's, moved, never changed.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import Any
 
 from ckpt_cli.core.model import Box, LazyPieces, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.names.row_split import gather
@@ -46,6 +48,9 @@ def permuted(entry: TensorEntry, name: str, heads: int, to: str) -> TensorEntry:
             "check the head count the map takes from the config"
         )
     row, to_halves = math.prod(entry.shape[1:]), to == "halves"
+    if entry.derived is not None:  # a computed tensor: its rows read through it, in the permuted order
+        ranges = [(r * row, row) for r in source_rows(heads, rows // heads, to_halves)]
+        return gather(entry, name, ranges, entry.shape)
 
     def pieces() -> list[Piece]:
         ranges = [(r * row, row) for r in source_rows(heads, rows // heads, to_halves)]
@@ -64,6 +69,10 @@ def transposed(entry: TensorEntry, name: str) -> TensorEntry:
     if len(entry.shape) != 2:
         raise UsageError(f"transpose of '{entry.name}' {list(entry.shape)}: only 2-D tensors transpose")
     rows, cols = entry.shape
+    if entry.derived is not None:  # a computed tensor (an Orbax array): read by boxes of its columns, if it can be
+        if getattr(entry.derived, "read_box", None) is None:
+            raise UsageError(f"transpose of '{entry.name}': a computed tensor, which ckpt cannot read by columns")
+        return TensorEntry(name, entry.dtype, (cols, rows), entry.role, entry.pieces, (name,), derived=Columns(entry, rows, cols))
     pieces = []
     for start, length, piece, local in entry.runs():
         data = piece.data
@@ -73,3 +82,28 @@ def transposed(entry: TensorEntry, name: str) -> TensorEntry:
         view = StoredArray(data.path, data.offset, data.dtype, (cols, n), (1, cols), data.storage_offset + local, data.record)
         pieces.append(Piece(Box((0, r0), (cols, n)), view))
     return TensorEntry(name, entry.dtype, (cols, rows), entry.role, pieces, (name,))
+
+
+class Columns:
+    """A computed 2-D tensor [rows, cols] read as its transpose [cols, rows]: a window of output rows is a box of the
+    source's columns (its `derived.read_box(offsets, sizes)`), transposed in memory; at most BLOCK_BYTES of them."""
+
+    __slots__ = ("entry", "rows", "cols")
+
+    def __init__(self, entry: TensorEntry, rows: int, cols: int) -> None:
+        self.entry, self.rows, self.cols = entry, rows, cols
+
+    def windows(self) -> Iterator[tuple[int, int]]:
+        from ckpt_cli.core.reading import BLOCK_BYTES
+
+        band = max(1, BLOCK_BYTES // max(self.rows * self.entry.dtype.itemsize, 1))
+        for first in range(0, self.cols, band):
+            yield first * self.rows, min(band, self.cols - first) * self.rows
+
+    def read(self, start: int, count: int, sources: Any) -> Any:
+        if count == 0 or self.rows == 0:
+            return self.entry.derived.read(0, 0, sources)  # type: ignore[union-attr]
+        first, last = start // self.rows, (start + count - 1) // self.rows + 1
+        box = self.entry.derived.read_box((0, first), (self.rows, last - first))  # type: ignore[union-attr]
+        flat = box.reshape(self.rows, last - first).t().contiguous().reshape(-1)
+        return flat[start - first * self.rows : start - first * self.rows + count]

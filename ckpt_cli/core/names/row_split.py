@@ -8,17 +8,21 @@ stacked experts, as Megatron's MoE `experts.experts.linear_fc1.weight` [layers, 
 stacked matrix's rows are `groups` equal blocks, and each block is cut in proportion to `shares`, part j of every
 block going (in block order) to output j.
 Every output is a list of element ranges of the source, so its pieces point into the source's stored bytes
-(core/model.py): the export streams them as byte ranges and never loads the fused tensor.
+(core/model.py): the export streams them as byte ranges and never loads the fused tensor. A computed source (an Orbax
+array, a dequantized weight) has no stored bytes to point at: its outputs read their ranges through it (`Gathered`).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_cli.core import structured
 from ckpt_cli.core.model import FlatRange, Piece, TensorEntry
 from ckpt_cli.errors import UsageError
 
@@ -55,10 +59,7 @@ class RowSplit:
             raise UsageError(f"{where}: split '{item['from']}' has layers: {layers}, so every output name needs {' and '.join(needed)}")
         if len({n for n, _ in pairs}) != len(pairs):
             raise UsageError(f"{where}: split '{item['from']}' names an output twice")
-        try:
-            re.compile(str(item["from"]))
-        except re.error as exc:
-            raise UsageError(f"{where}: bad regular expression '{item['from']}' ({exc})") from exc
+        structured.regex(str(item["from"]), where)
         return cls(str(item["from"]), tuple(n for n, _ in pairs), tuple(s for _, s in pairs), groups, layers)
 
     def needs_config(self) -> bool:
@@ -162,6 +163,10 @@ def _gather(
     shape: tuple[int, ...],
 ) -> TensorEntry:
     """Elements [start, start + count) of `entry` for each range, one after the other, as a tensor of `shape`."""
+    if entry.derived is not None:
+        return TensorEntry(
+            name, entry.dtype, shape, entry.role, entry.pieces, (name,), derived=Gathered([(entry, s, n) for s, n in ranges])
+        )
     pieces: list[Piece] = []
     pos = 0
     for start, count in ranges:
@@ -174,3 +179,41 @@ def _gather(
             i += 1
         pos += count
     return TensorEntry(name, entry.dtype, shape, entry.role, pieces)
+
+
+class Gathered:
+    """A tensor made of element ranges of computed tensors (a split, permute or stack of an Orbax array or a dequantized
+    weight), in order: each window is read range by range through the sources' own `derived`, BLOCK_BYTES at most."""
+
+    __slots__ = ("parts", "starts", "itemsize")
+
+    def __init__(self, parts: list[tuple[TensorEntry, int, int]]) -> None:
+        self.parts = parts  # (source, first element, count)
+        self.starts = list(itertools.accumulate((n for _, _, n in parts), initial=0))
+        self.itemsize = parts[0][0].dtype.itemsize if parts else 1
+
+    def windows(self) -> Iterator[tuple[int, int]]:
+        from ckpt_cli.core.reading import BLOCK_BYTES
+
+        step, total = max(1, BLOCK_BYTES // self.itemsize), self.starts[-1]
+        for start in range(0, total, step):
+            yield start, min(step, total - start)
+
+    def read(self, start: int, count: int, sources: Any) -> Any:
+        import torch
+
+        from ckpt_cli.core.reading import read_elements
+
+        out, pos, end = [], start, start + count
+        i = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        while pos < end and i < len(self.parts):
+            entry, first, n = self.parts[i]
+            skip = pos - self.starts[i]
+            take = min(n - skip, end - pos)
+            if take > 0:
+                out.append(torch.as_tensor(read_elements(entry, first + skip, take, sources)))
+                pos += take
+            i += 1
+        if not out:
+            return torch.empty(0, dtype=self.parts[0][0].dtype.torch() if self.parts else torch.float32)
+        return torch.cat(out) if len(out) > 1 else out[0]

@@ -16,7 +16,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_cli.core import structured
 from ckpt_cli.core.model import FlatRange, Piece, TensorEntry
+from ckpt_cli.core.names.row_split import Gathered
 from ckpt_cli.errors import UsageError
 
 
@@ -30,10 +32,7 @@ class Stack:
     def parse(cls, item: Any, where: str) -> Stack:
         if not isinstance(item, dict) or not {"from", "to"} <= set(item) or set(item) - {"from", "to", "parts"}:
             raise UsageError(f"{where}: each stack is {{from: REGEX with (?P<index>...), to: NAME, parts: [NAMES]}}")
-        try:
-            groups = re.compile(str(item["from"])).groupindex
-        except re.error as exc:
-            raise UsageError(f"{where}: bad regular expression '{item['from']}' ({exc})") from exc
+        groups = structured.regex(str(item["from"]), where).groupindex
         parts = item.get("parts") or []
         if "index" not in groups or (parts and "part" not in groups):
             raise UsageError(f"{where}: stack '{item['from']}' needs a group (?P<index>...){' and (?P<part>...)' if parts else ''}")
@@ -74,6 +73,12 @@ class Stack:
         if len({(e.dtype, e.shape[1:]) for e in first}) > 1 or any(not e.shape for e in first):
             raise UsageError(f"stacking '{name}': the parts {', '.join(e.name for e in first)} differ past their first dimension")
         rows = sum(e.shape[0] for e in first)
+        shape = (count, rows, *first[0].shape[1:])
+        ordered = [members[(i, s)] for i in range(count) for s in range(per)]
+        if any(e.derived is not None for e in ordered):  # computed members: read through them, one after the other
+            stand_in = [p for e in ordered for p in e.pieces]
+            derived = Gathered([(e, 0, e.numel) for e in ordered])
+            return TensorEntry(name, first[0].dtype, shape, first[0].role, stand_in, (name,), derived=derived)
         pieces: list[Piece] = []
         pos = 0
         for i in range(count):
@@ -81,4 +86,4 @@ class Stack:
                 entry = members[(i, s)]
                 pieces += [Piece(FlatRange(pos + start, length), piece.data, local) for start, length, piece, local in entry.runs()]
                 pos += entry.numel
-        return TensorEntry(name, first[0].dtype, (count, rows, *first[0].shape[1:]), first[0].role, pieces, (name,))
+        return TensorEntry(name, first[0].dtype, shape, first[0].role, pieces, (name,))

@@ -375,38 +375,14 @@ def central_directory(entries: list[ZipEntryLayout], crcs: dict[str, int]) -> by
         extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.header_offset) if e.zip64 else b""
         small = _U32_MAX if e.zip64 else e.size
         offset = _U32_MAX if e.zip64 else e.header_offset
+        record = (crcs[e.name], small, small, len(encoded), len(extra))  # CRC, sizes, name and extra lengths
         parts.append(
-            struct.pack(
-                "<IHHHHHHIIIHHHHHII",
-                0x02014B50,
-                0,
-                45 if e.zip64 else 0,
-                0x0808,
-                0,
-                0,
-                0,
-                crcs[e.name],
-                small,
-                small,
-                len(encoded),
-                len(extra),
-                0,
-                0,
-                0,
-                0,
-                offset,
-            )
-            + encoded
-            + extra
+            _CENTRAL.pack(0x02014B50, 0, 0, 45 if e.zip64 else 0, 0, 0x0808, 0, 0, 0, *record, 0, 0, 0, 0, offset) + encoded + extra
         )
     cd = b"".join(parts)
-    tail = b""
     count = len(entries)
-    if _needs_zip64_end(entries, cd_offset):
-        end64 = cd_offset + len(cd)
-        tail += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, len(cd), cd_offset)
-        tail += struct.pack("<IIQI", 0x07064B50, 0, end64, 1)
-        tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _U32_MAX, _U32_MAX, 0)
-    else:
-        tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(cd), cd_offset, 0)
-    return cd + tail
+    if not _needs_zip64_end(entries, cd_offset):
+        return cd + _END.pack(0x06054B50, 0, 0, count, count, len(cd), cd_offset, 0)
+    end64 = cd_offset + len(cd)
+    tail = _END64.pack(0x06064B50, 44, 45, 45, 0, 0, count, count, len(cd), cd_offset) + _LOCATOR64.pack(0x07064B50, 0, end64, 1)
+    return cd + tail + _END.pack(0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _U32_MAX, _U32_MAX, 0)

@@ -270,6 +270,13 @@ def write_files(
     are returned."""
 
     def write_one(target: Path, out: OutputFile, tick: Progress, threads: int, cancel: threading.Event, check: RecordCheck) -> None:
+        if out.fill is not None:  # written by a library into the temporary destination (local only)
+            sources = SourceFiles(check)
+            try:
+                out.fill(target, tick, sources)
+            finally:
+                sources.close()
+            return
         if out.stream is not None:  # its parts as batches of one literal each
             write_batches(write, target, out, ([Literal(part)] for part in out.stream()), tick, check)
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import TensorEntry
@@ -77,6 +78,10 @@ class OutputFile:
     # Literal bytes made as they are written, in order, and let go (a wide DCP `.metadata`: 100 MB held whole else);
     # its size is known once written (or measured by making them, then dropping them)
     stream: Callable[[], Iterable[bytes | memoryview]] | None = None
+    # A file a library writes itself, with its data files beside it (Orbax's OCDBT manifest and d/ through tensorstore):
+    # `fill(target, progress, sources)` writes the tensors of its `segments` (TensorData alone, which size it and name
+    # what it reads); local destinations only
+    fill: Callable[[Path, Callable[[int], None], Any], None] | None = None
 
     def parts(self) -> list[Segment]:
         """The file's segments (made now for a built file: hold them only while writing it)."""

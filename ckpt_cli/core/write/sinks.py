@@ -14,9 +14,12 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ckpt_cli import store
 from ckpt_cli.core.copies import Copies, PlannedFlat, gather
-from ckpt_cli.core.model import ZEROS, LazyPieces
+from ckpt_cli.core.dtypes import DType
+from ckpt_cli.core.model import ZEROS, LazyPieces, TensorEntry
 from ckpt_cli.core.reading import (
     BLOCK_BYTES,
     ByteRun,
@@ -171,7 +174,7 @@ def _stream_by_range(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
             continue
         runs = copies.byte_runs() if copies is not None else byte_runs_in(entry, dst, start, count)
         if runs is None:  # a cast, read through torch: its pieces are not counted and the span keeps its size
-            data = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
+            data = window_bytes(entry, dst, start, count, sources)
             part = zlib.crc32(data) if seg.crc_key is not None else 0
             out.write(data)
         else:
@@ -195,11 +198,21 @@ def _copy_gathered(copies: Copies, out: Sink, sources: SourceFiles, with_crc: bo
     return zlib.crc32(data) if with_crc else 0
 
 
+def window_bytes(entry: TensorEntry, dst: DType, start: int, count: int, sources: SourceFiles) -> Any:
+    """Elements [start, start + count) as `dst`'s bytes: cast through torch, or as a computed tensor gives them when
+    it makes its bytes in numpy already (GGUF's quantized tensors: formats/gguf/writer.py, no torch imported)."""
+    values = read_elements(entry, start, count, sources)
+    if isinstance(values, np.ndarray):
+        assert entry.dtype == dst, f"{entry.name}: a computed tensor's numpy window is in its own dtype"
+        return values.view(np.uint8)
+    return as_bytes(values.to(dst.torch()))
+
+
 def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     entry, dst = seg.tensor, seg.dtype
     crc = 0
     for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
-        data = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
+        data = window_bytes(entry, dst, start, count, sources)
         if seg.crc_key is not None:
             crc = zlib.crc32(data, crc)
         out.write(data)

@@ -29,6 +29,7 @@ class Leaf:
     value_type: str
     write_shape: tuple[int, ...] | None
     skipped: bool  # skip_deserialize: Orbax saved no value for it
+    indices: tuple[bool, ...] = ()  # per key: a sequence index (key_type 1: a list or tuple), not a dict key
 
     @property
     def name(self) -> str:
@@ -65,14 +66,15 @@ def tree_metadata(item: Path) -> TreeMetadata:
         value = entry.get("value_metadata") if isinstance(entry, dict) else None
         if not isinstance(keys, list) or not keys or not isinstance(value, dict):
             raise DataError(f"{path}: leaf {str(key)[:80]} has no key_metadata or value_metadata")
-        names = []
+        names, indices = [], []
         for k in keys:
             if not isinstance(k, dict) or not isinstance(k.get("key"), (str, int)):
                 raise DataError(f"{path}: leaf {str(key)[:80]}: a key without a name")
             names.append(str(k["key"]))
+            indices.append(k.get("key_type") == 1 and str(k["key"]).isdigit())
         shape = value.get("write_shape")
         write_shape = tuple(shape) if isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape) else None
-        leaves.append(Leaf(tuple(names), str(value.get("value_type")), write_shape, bool(value.get("skip_deserialize"))))
+        leaves.append(Leaf(tuple(names), str(value.get("value_type")), write_shape, bool(value.get("skip_deserialize")), tuple(indices)))
     names = [leaf.name for leaf in leaves]
     if len(set(names)) != len(names):
         raise DataError(f"{path}: two leaves have the same name")
