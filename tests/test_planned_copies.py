@@ -54,3 +54,30 @@ def test_adjacent_copies_are_joined(ds_saves):
         entry = reshard.flat(0, "exp_avg", rank, "flat")
         copies = entry.pieces.layout.copies(0, entry.numel)
         assert len(reshard.subs[0]) > 2 and len(copies.nbytes) == 1 and int(copies.nbytes[0]) == entry.numel * 4
+
+
+def test_stage3_model_states_are_made_once_per_old_rank_unless_cut_per_rank(ds_saves, monkeypatch):
+    """A new rank's model-states file is the old rank r mod W's tree with new bookkeeping: where it holds no frozen
+    fragments (cut per rank) the bytes are the same for every rank but 0 that starts from one old rank, so the segments
+    are made once for each (a SharedBuild) and equal what the rank would make on its own; with fragments, each its own."""
+    from ckpt_cli.core.write.plan import Literal, SharedBuild
+    from ckpt_cli.formats.deepspeed.files import file_segments
+
+    def literal_bytes(segments):
+        return b"".join(bytes(s.data) for s in segments if isinstance(s, Literal))
+
+    ckpt = open_checkpoint(ds_saves[2] / "stage3-fp32")
+    name = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+    cut = Stage3Reshard(ckpt, ckpt.source, 5, None)  # the save holds a frozen parameter: its fragments differ per rank
+    assert len({id(cut._model_file(r, name.format(r))) for r in range(5)}) == 5
+    reshard = Stage3Reshard(ckpt, ckpt.source, 5, None)
+    real = reshard._model_states
+
+    def unfrozen(rank):
+        return {k: v for k, v in real(rank).items() if k != "frozen_param_fragments"}
+
+    monkeypatch.setattr(reshard, "_model_states", unfrozen)
+    made = [reshard._model_file(r, name.format(r)) for r in range(5)]
+    assert made[1] is made[3] and made[2] is made[4] and made[0] is not made[2] and made[1] is not made[2]
+    assert literal_bytes(made[3]) == literal_bytes(file_segments(unfrozen(3), name.format(3)))
+    assert all(isinstance(f.build, SharedBuild) for f in reshard.files("tag") if "model_states" in f.relpath and f.build)

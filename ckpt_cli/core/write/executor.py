@@ -27,7 +27,7 @@ from ckpt_cli.core.paths import inside
 from ckpt_cli.core.pickles.zipio import Record
 from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
 from ckpt_cli.core.write.crc import RecordCheck, crc32_combine
-from ckpt_cli.core.write.plan import Deferred, FileSizes, Literal, OutputFile, Segment, TensorData, WritePlan, sizes_of
+from ckpt_cli.core.write.plan import Deferred, FileSizes, Literal, OutputFile, Segment, SharedBuild, TensorData, WritePlan, sizes_of
 from ckpt_cli.core.write.sinks import (
     WRITEBACK_BYTES,
     FileSink,
@@ -82,24 +82,12 @@ def write_file(
             deferred.append((pos, seg))
         pos += seg.size
     assert pos == out.size, f"{out.relpath}: {pos} bytes of segments, planned {out.size}"
-    # Copied in the order the sources hold the data, each at its place in the file: a merge lays its tensors out by
-    # name (layers.1, layers.10, layers.100, ...), the shards hold them in model order, and read in the file's order
-    # a source larger than memory was read out of order, its read-ahead wasted (benchmarks/beyond_ram.py). Stable:
-    # the jobs of one tensor keep their order, in which their CRCs are combined.
-    jobs.sort(key=lambda job: _source_position(tensors[job[0]]))
     crcs = _run_jobs(jobs, threads, cancel, check)
     by_key = {key: crc for i, crc in crcs.items() if (key := tensors[i].crc_key) is not None}
     for offset, seg in deferred:
         data = seg.build(by_key)
         assert len(data) == seg.size, "deferred segment size differs from its plan"
         FileSink(fd, offset, None).write(data)
-
-
-def _source_position(seg: TensorData) -> tuple[str, int]:
-    """Where a tensor's data starts in its sources: (path, byte offset) of its first stored array."""
-    arrays = seg.tensor.stored_arrays() if seg.tensor.numel else ()
-    first = next((a for a in arrays if a.path != ZEROS), None)
-    return (first.path, first.offset + first.storage_offset * first.dtype.itemsize) if first is not None else ("", 0)
 
 
 def _advancer(fd: int, progress: Progress | None) -> Progress:
@@ -241,10 +229,11 @@ def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
         if last is None or last[0] is not segments:  # not the very segments a recent file was made of
             tensors = [s.tensor for s in segments if isinstance(s, TensorData)]
             last = (segments, list(records(tensors)), shared_names([t.name for t in tensors]), sizes_of(segments))
-            with _NAME_LOCK:
-                if len(_made) >= 4:
-                    _made.pop(next(iter(_made)))
-                _made[id(segments)] = last
+            if isinstance(out.build, SharedBuild):  # kept for the next file only where they are shared: not a DCP file's
+                with _NAME_LOCK:
+                    if len(_made) >= 4:
+                        _made.pop(next(iter(_made)))
+                    _made[id(segments)] = last
         if check is not None:
             check.learn(last[1])
         if out.names is None:  # what the write report lists, without making the segments again
@@ -254,8 +243,8 @@ def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
     return segments
 
 
-# The last few built files' segments, source records, tensor names and sizes: a builder that gives several files the
-# very same segments (ZeRO-3 model-states files of 2,000 placeholders, between the optimizer files) is walked once.
+# The last few shared builds' segments (plan.SharedBuild), with their source records, tensor names and sizes: a list that
+# several files are made of (ZeRO-3 model-states files of 2,000 placeholders, between the optimizer files) is walked once.
 _made: dict[int, tuple[list[Segment], list[tuple[str, Record]], tuple[str, ...], FileSizes]] = {}
 
 

@@ -15,7 +15,7 @@ from typing import Any, overload
 from ckpt_cli.core.copies import Parts, PlannedFlat, SourceTable
 from ckpt_cli.core.model import Checkpoint, FlatPart, TensorEntry, flat_entry, lazy_flat
 from ckpt_cli.core.pickles.safe_pickle import TorchSize
-from ckpt_cli.core.write.plan import OutputFile
+from ckpt_cli.core.write.plan import OutputFile, SharedBuild
 from ckpt_cli.formats.deepspeed import layout as zl
 from ckpt_cli.formats.deepspeed.files import built, file_segments, outline, own, rekey_client_state, state_entry, tensorize
 from ckpt_cli.formats.deepspeed.rank_files import LazyRanks
@@ -87,7 +87,7 @@ class Stage3Reshard:
         out = []
         for rank in range(self.world):
             name = f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-            model = functools.partial(self._model_file, rank, name)
+            model = SharedBuild(self._model_file, rank, name)
             out.append(OutputFile(name, model()) if rank == 0 else built(name, model, self.ckpt))  # rank 0's now: it sets the notes
             name = f"{tag}/{self.src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
             out.append(built(name, functools.partial(self._rank_file, self._optimizer, rank, name), self.ckpt))
