@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpt_cli import store
+from ckpt_cli.core.copies import map_file
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, open_regular_fd
@@ -44,6 +45,7 @@ class SourceFiles:
         self._prefetch: remote_read.Prefetch | None = None
         self._windows: dict[str, tuple[int, bytes]] = {}  # path -> (offset, bytes read ahead there), oldest first
         self._window_bytes = 0
+        self._maps: dict[str, tuple[Any, Any]] = {}  # path -> (memory map, its bytes as numpy): planned gathers
 
     def fd(self, path: str) -> int:
         if path not in self.fds:
@@ -53,7 +55,22 @@ class SourceFiles:
                 raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
         return self.fds[path]
 
+    def mapped(self, path: str) -> Any:
+        """The file's bytes as a numpy uint8 array over a read-only memory map, kept until close (a gather of
+        slivers from it touches only their pages: core/copies.py)."""
+        if path not in self._maps:
+            self._maps[path] = map_file(self.fd(path))
+        return self._maps[path][1]
+
     def close(self) -> None:
+        while self._maps:
+            _, (mm, data) = self._maps.popitem()
+            del data  # the numpy view first: a map with views of it cannot close
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a view still held (an exception's frame): closed when collected
+                    pass
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
