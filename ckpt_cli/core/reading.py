@@ -236,9 +236,19 @@ def tensor_bytes(entry: TensorEntry, sources: SourceFiles) -> Iterator[Any]:
     runs = byte_runs(entry, entry.dtype)
     if runs is None:
         for start, count in element_windows(entry):
-            yield as_bytes(read_elements(entry, start, count, sources))
+            yield window_bytes(entry, start, count, entry.dtype, sources)
         return
     yield from read_runs(runs, sources)
+
+
+def window_bytes(entry: TensorEntry, start: int, count: int, dst: DType, sources: SourceFiles) -> Any:
+    """Elements [start, start+count) as `dst`'s little-endian bytes (a numpy uint8 array). A computed tensor that reads
+    its bytes without torch (`derived.read_raw`: an Orbax array, a box of one) is asked directly when no cast is needed,
+    so a write that only copies them never imports torch (~225 MB resident)."""
+    raw = getattr(entry.derived, "read_raw", None)
+    if raw is not None and dst == entry.dtype:
+        return raw(start, count, sources)
+    return as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
 
 
 def as_bytes(tensor: Any) -> Any:

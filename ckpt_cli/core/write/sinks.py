@@ -20,12 +20,11 @@ from ckpt_cli.core.reading import (
     BLOCK_BYTES,
     ByteRun,
     SourceFiles,
-    as_bytes,
     byte_runs,
     byte_runs_in,
     element_windows,
-    read_elements,
     read_runs,
+    window_bytes,
 )
 from ckpt_cli.core.write.crc import crc32_combine
 from ckpt_cli.core.write.plan import Literal, Segment, TensorData
@@ -159,7 +158,7 @@ def _stream_by_range(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
         count = min(span, entry.numel - start)
         runs = byte_runs_in(entry, dst, start, count)
         if runs is None:  # a cast, read through torch: its pieces are not counted and the span keeps its size
-            data = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
+            data = window_bytes(entry, start, count, dst, sources)
             part = zlib.crc32(data) if seg.crc_key is not None else 0
             out.write(data)
         else:
@@ -175,10 +174,11 @@ def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     entry, dst = seg.tensor, seg.dtype
     crc = 0
     for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
-        data = as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
+        data = window_bytes(entry, start, count, dst, sources)
         if seg.crc_key is not None:
             crc = zlib.crc32(data, crc)
         out.write(data)
+        del data  # before the next window is read: a window may be a whole decoded chunk (an Orbax array's, ~46 MB)
     return crc
 
 
