@@ -307,15 +307,16 @@ def test_reshape_of_stored_tensors(ckpt, tmp_path):
         "reshape:\n  - {from: 'attn\\.q\\.kernel', shape: [0, -1]}\n  - {from: 'attn\\.k\\.kernel', shape: [4, 2, 12]}\n"
         "transpose: ['attn\\.q\\.kernel']\n"
     )
-    res = ckpt("convert", tmp_path / "src.safetensors", tmp_path / "out.safetensors", "--to", "safetensors", "--name-map", tmp_path / "map.yaml")
+    src = tmp_path / "src.safetensors"
+    res = ckpt("convert", src, tmp_path / "out.safetensors", "--to", "safetensors", "--name-map", tmp_path / "map.yaml")
     assert res.code == 0 and "2 reshaped" in res.err and "1 transposed" in res.err, res.err
     out = load_file(tmp_path / "out.safetensors")
     assert torch.equal(out["attn.q.kernel"], q.reshape(8, 24).t()) and torch.equal(out["attn.k.kernel"], k.reshape(4, 2, 12))
     (tmp_path / "bad.yaml").write_text("reshape:\n  - {from: 'norm', shape: [3, -1]}\n")
-    res = ckpt("convert", tmp_path / "src.safetensors", tmp_path / "bad.safetensors", "--to", "safetensors", "--name-map", tmp_path / "bad.yaml")
+    res = ckpt("convert", src, tmp_path / "bad.safetensors", "--to", "safetensors", "--name-map", tmp_path / "bad.yaml")
     assert res.code == 2 and "'norm' [8]: 8 elements are not [3, -1]" in res.err and not (tmp_path / "bad.safetensors").exists(), res.err
     (tmp_path / "bad.yaml").write_text("reshape:\n  - {from: 'norm', shape: [-1, -1]}\n")
-    res = ckpt("convert", tmp_path / "src.safetensors", tmp_path / "bad.safetensors", "--to", "safetensors", "--name-map", tmp_path / "bad.yaml")
+    res = ckpt("convert", src, tmp_path / "bad.safetensors", "--to", "safetensors", "--name-map", tmp_path / "bad.yaml")
     assert res.code == 2 and "each reshape is" in res.err, res.err
 
 
