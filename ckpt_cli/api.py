@@ -217,25 +217,16 @@ def verify(path: str | Path, **options: Any) -> Report:
     """Check a checkpoint as `ckpt verify` does and return its Report: `ok`, `problems` (one line each, naming
     the file), `checks`, `stats`, `nonfinite`, `to_json()`. A damaged checkpoint is a report with problems, not
     an exception; a wrong call (a missing `against`, an unreadable policy) raises UsageError. The options are
-    verify's flags with `_` for `-` (`deep`, `finite`, `against`, `atol`, `rtol`, `manifest`, `write_manifest`,
-    `overwrite`, `policy`, `format`, `tag`, `trust_pickle`: ops/verify.py's VerifyOptions)."""
+    verify's flags with `_` for `-`, as its signature lists them (ops/verify.py's VerifyOptions)."""
     return verify_op(path, VerifyOptions(**options))
 
 
-def diff(
-    a: str | Path,
-    b: str | Path,
-    *,
-    atol: float = 0.0,
-    rtol: float = 0.0,
-    filter: str | Sequence[str] = (),
-    depth: int | None = None,
-    trust_pickle: bool = False,
-) -> DiffReport:
+def diff(a: str | Path, b: str | Path, **options: Any) -> DiffReport:
     """Compare two checkpoints as `ckpt diff` does (across formats and key layouts, streamed) and return its
     DiffReport: `equal` within atol/rtol, the tensors only in A or B, renamed, reshaped or recast, per-group and
-    per-tensor max |a-b|, relative L2 and cosine, training-state differences, `to_json()`."""
-    return diff_op(a, b, DiffOptions(atol=atol, rtol=rtol, filters=_globs(filter), depth=depth, trust_pickle=trust_pickle))
+    per-tensor max |a-b|, relative L2 and cosine, training-state differences, `to_json()`. The options are diff's
+    flags with `_` for `-`, as its signature lists them (ops/diff.py's DiffOptions; `filter`: one glob or several)."""
+    return diff_op(a, b, DiffOptions(**options))
 
 
 def parity(
@@ -340,3 +331,4 @@ for _command in COMMANDS:
     _with_options(globals()[_command], [f for _, f in _taken])
     _with_options(globals()[f"{_command}_request"], [f for group, f in _taken if group.__name__ != "RunOptions"])
 _with_options(verify, dataclass_fields(VerifyOptions))
+_with_options(diff, dataclass_fields(DiffOptions))

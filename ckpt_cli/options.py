@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ckpt_cli.errors import UsageError
@@ -108,6 +109,9 @@ class SourceOptions:
     )
 
 
+QUANTIZE_METHODS = ("fp8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # fp8 for weight exports; the rest for GGUF
+
+
 @dataclass(frozen=True)
 class SelectOptions:
     """Which tensors, under which names, in which dtype."""
@@ -122,9 +126,10 @@ class SelectOptions:
     )
     quantize: str | None = option(
         "--quantize",
-        "fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships.",
+        "fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships; "
+        "q8_0, q4_0, q4_1, q5_0, q5_1: GGUF block types (--to gguf), as llama.cpp's gguf-py quantizes.",
         metavar="METHOD",
-        choices=lambda: ("fp8",),
+        choices=lambda: QUANTIZE_METHODS,
     )
     weights_only: bool = option("--weights-only", "Model weights only (no optimizer or training state).", False, kind="bool")
     all: bool = option(
@@ -254,6 +259,64 @@ class RunOptions:
         kind="path",
         metavar="FILE",
     )
+
+
+def _shared(group: type, name: str) -> Any:
+    """Another group's declaration of an option, for a command that takes it too (verify's --format: SourceOptions')."""
+    declared = next(f for f in dataclasses.fields(group) if f.name == name)
+    return field(default=declared.default, metadata=declared.metadata)
+
+
+# The read-only commands' options: each field the one declaration of a flag (its CLI, cli/options.declared_command),
+# of the API's keyword (ckpt_cli.verify, ckpt_cli.diff) and of the value ops/verify.py and ops/diff.py read.
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """What `verify` checks, against what, and what it records."""
+
+    deep: bool = option("--deep", "Read every byte: zip CRCs, per-tensor checksums, unreadable records.", False, kind="bool")
+    finite: bool = option("--finite", "Count NaN/Inf in floating-point tensors; any is a problem.", False, kind="bool")
+    write_manifest: str | Path | None = option(
+        "--write-manifest", "Record per-file and per-tensor BLAKE3 digests in FILE.", kind="path", metavar="FILE"
+    )
+    manifest: str | Path | None = option("--manifest", "Check against a manifest from --write-manifest.", kind="path", metavar="FILE")
+    against: str | Path | None = option(
+        "--against", "Compare tensor by tensor with another checkpoint (any format).", kind="path", metavar="CKPT"
+    )
+    atol: float = option("--atol", "Absolute tolerance for --against (default: bit-exact).", 0.0, kind="float", metavar="TOL")
+    rtol: float = option("--rtol", "Relative tolerance for --against (default: bit-exact).", 0.0, kind="float", metavar="TOL")
+    policy: str | Path | None = option(
+        "--policy", "YAML: expected tensors, dtypes, shapes, tolerances, training state.", kind="path", metavar="FILE"
+    )
+    format: str | None = _shared(SourceOptions, "format")
+    tag: str | None = _shared(SourceOptions, "tag")
+    trust_pickle: bool = _shared(SourceOptions, "trust_pickle")
+    overwrite: bool = option("--overwrite", "Let --write-manifest replace a previous manifest (never any other file).", False, kind="bool")
+
+
+@dataclass
+class DiffOptions:
+    """What `diff` compares, how closely, and each side's format and tag."""
+
+    atol: float = option("--atol", "Absolute tolerance: |a-b| <= atol + rtol*|b| (default: bit-exact).", 0.0, kind="float", metavar="TOL")
+    rtol: float = option("--rtol", "Relative tolerance, as torch.allclose (default: bit-exact).", 0.0, kind="float", metavar="TOL")
+    filter: Sequence[str] = option(  # one glob (a string) or several, a tuple once made; empty: all
+        "--filter", "Only tensors whose names match this glob (repeatable).", (), kind="strs", metavar="GLOB"
+    )
+    depth: int | None = option(
+        "--depth", "Group by the first N name components (default: up to the layer index).", kind="int", metavar="N", minimum=1
+    )
+    format_a: str | None = option(
+        "--format-a", lambda: f"Format of A (default: detected): {', '.join(_formats())}.", metavar="FORMAT", choices=_formats
+    )
+    format_b: str | None = option("--format-b", "Format of B (default: detected).", metavar="FORMAT", choices=_formats)
+    tag_a: str | None = option("--tag-a", "Which checkpoint of run folder A (default: the newest).", metavar="TAG")
+    tag_b: str | None = option("--tag-b", "Which checkpoint of run folder B (default: the newest).", metavar="TAG")
+    trust_pickle: bool = _shared(SourceOptions, "trust_pickle")
+
+    def __post_init__(self) -> None:
+        self.filter = (self.filter,) if isinstance(self.filter, str) else tuple(self.filter or ())
 
 
 RENAMED = {"keep_all": "all", "select": "filter"}  # the API's former keyword names, said when used

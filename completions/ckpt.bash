@@ -11,11 +11,11 @@ _ckpt() {
         COMPREPLY=($(compgen -W "$commands --help --version" -- "$cur")); return
     fi
     case "$prev" in
-        --to) COMPREPLY=($(compgen -W "deepspeed dcp dtensor adapter orbax hf safetensors torch" -- "$cur")); return ;;
+        --to) COMPREPLY=($(compgen -W "deepspeed dcp dtensor adapter orbax hf safetensors torch gguf" -- "$cur")); return ;;
         --format-a) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter orbax hf safetensors torch gguf" -- "$cur")); return ;;
         --format-b) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter orbax hf safetensors torch gguf" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "keep fp32 bf16 fp16" -- "$cur")); return ;;
-        --quantize) COMPREPLY=($(compgen -W "fp8" -- "$cur")); return ;;
+        --quantize) COMPREPLY=($(compgen -W "fp8 q8_0 q4_0 q4_1 q5_0 q5_1" -- "$cur")); return ;;
         --format) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter orbax hf safetensors torch gguf" -- "$cur")); return ;;
         --layout) COMPREPLY=($(compgen -W "get_state_dict torchtitan" -- "$cur")); return ;;
         --per-rank-state) COMPREPLY=($(compgen -W "wrap first drop" -- "$cur")); return ;;

@@ -42,6 +42,31 @@ def test_strided_is_torchs_not_fsdps_when_uneven():
     assert strided(22, 2, 2, 1, 1) == (17, 5)  # even enough: FSDP's chunk 1 of tp chunk 1 (rows 11..21)
 
 
+def test_strided_is_arithmetic_on_a_long_dim():
+    """strided() counts runs of indices, not a list of every index: a 1-d tensor of 21M elements resharded from a DCP
+    of 4 ranks had held 800 MB of ints while the source mesh was solved (benchmarks/beyond_ram.py)."""
+    import tracemalloc
+
+    def listed(n, dp, tp, i, t):  # torch's arithmetic spelt out: the indices coordinate i takes, then its t-th chunk
+        picked = []
+        for j in range(tp):
+            per = -(-n // tp)
+            part, length = min(per * j, n), min(per * (j + 1), n) - min(per * j, n)
+            per_dp = -(-length // dp)
+            start = min(per_dp * i, length)
+            picked += range(part + start, part + min(start + per_dp, length))
+        per = -(-len(picked) // tp)
+        start, count = min(per * t, len(picked)), min(per * (t + 1), len(picked)) - min(per * t, len(picked))
+        return (picked[start], count) if count else (n, 0)
+
+    for n, dp, tp in [(7, 3, 2), (40, 3, 4), (13, 5, 3), (1, 4, 4), (64, 4, 1)]:
+        assert all(strided(n, dp, tp, i, t) == listed(n, dp, tp, i, t) for i in range(dp) for t in range(tp))
+    tracemalloc.start()
+    assert strided(5 * 2**22, 4, 1, 3, 0) == (15 * 2**20, 5 * 2**20)
+    assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    tracemalloc.stop()
+
+
 def test_chunks_agree_with_torch():
     """chunk_of equals compute_local_shape_and_global_offset (torch/distributed/tensor/_utils.py) for the placements
     FSDP2 + TP give, on every coordinate of meshes up to 4 x 4 and shapes that shard unevenly or not at all."""

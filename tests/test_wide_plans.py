@@ -423,13 +423,13 @@ def test_tensors_stored_alike_share_their_chunk_records(fsdp2_saves):
 
 
 def test_spans_of_a_tensor_made_by_range_follow_its_pieces(ds_saves, tmp_path, monkeypatch):
-    """A new ZeRO-3 rank's flat partition is streamed in spans sized from the last span's pieces (core/write/sinks.py
-    SPAN_PIECES): tiny slices make short spans, not a piece per element across a million elements at once. And a
-    check of every rank's model states keeps none of them parsed (LazyRanks.passing). The output is still what
-    zero_to_fp32 reads from the source."""
+    """A new ZeRO-3 rank's flat partition made part by part (where its plan of copies cannot serve: a cast) is streamed
+    in spans sized from the last span's pieces (core/write/sinks.py SPAN_PIECES): tiny slices make short spans, not a
+    piece per element across a million elements at once. And a check of every rank's model states keeps none of them
+    parsed (LazyRanks.passing). The output is still what zero_to_fp32 reads from the source."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from ckpt_cli.core import reading
+    from ckpt_cli.core import copies, reading
     from ckpt_cli.core.write import sinks
     from ckpt_cli.formats.deepspeed.rank_files import LazyRanks
     from ckpt_cli.ops.source import open_checkpoint
@@ -446,6 +446,7 @@ def test_spans_of_a_tensor_made_by_range_follow_its_pieces(ds_saves, tmp_path, m
         return runs
 
     monkeypatch.setattr(sinks, "byte_runs_in", counting)
+    monkeypatch.setattr(copies.PlannedFlat, "copies", lambda self, start, count: None)  # the part by part path, as for a cast
     monkeypatch.setattr(sinks, "SPAN_PIECES", 4)
     monkeypatch.setattr(sinks, "FIRST_SPAN", 64)
     dest = tmp_path / "w3"
@@ -466,7 +467,7 @@ def test_a_new_stage3_rank_holds_no_object_per_parameter(ds_saves, tmp_path):
     file was written). Its flat partitions' parts follow from the rank's number (Stage3RankParts),
     not a tuple per param per rank. torch loads the file as DeepSpeed does, the source's placeholders in it."""
     from ckpt_cli.core.write.plan import TensorData
-    from ckpt_cli.formats.deepspeed.writer import Stage3RankParts
+    from ckpt_cli.formats.deepspeed.stage3_reshard import Stage3RankParts
 
     src = ds_saves[2] / "stage3-fp32"
     dest = tmp_path / "w3"
@@ -495,7 +496,7 @@ def test_a_zero3_reshard_of_slivers_is_written_by_one_thread_unless_asked(ds_sav
     decides when given, and a plan without the limit gets the usual default."""
     from ckpt_cli.core.write import executor
     from ckpt_cli.core.write.plan import WritePlan
-    from ckpt_cli.formats.deepspeed import writer as deepspeed_writer
+    from ckpt_cli.formats.deepspeed import stage3_reshard
 
     src = ds_saves[2] / "stage3-fp32"
     plan = writes.prepare(ckpt_cli.reshard_request(src, tmp_path / "w3", world_size=3)).job.plan
@@ -503,7 +504,7 @@ def test_a_zero3_reshard_of_slivers_is_written_by_one_thread_unless_asked(ds_sav
     monkeypatch.setattr(executor.os, "cpu_count", lambda: 8)
     assert executor.worker_count(None, plan.threads) == 1 and executor.worker_count(3, plan.threads) == 3
     assert executor.worker_count(None, WritePlan("x", tmp_path, True, []).threads) == 4
-    monkeypatch.setattr(deepspeed_writer, "SLIVER", 1)  # every share "large": the plan leaves the default alone
+    monkeypatch.setattr(stage3_reshard, "SLIVER", 1)  # every share "large": the plan leaves the default alone
     assert writes.prepare(ckpt_cli.reshard_request(src, tmp_path / "w3b", world_size=3)).job.plan.threads is None
 
 

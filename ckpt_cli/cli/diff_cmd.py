@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ckpt_cli.cli import output
-from ckpt_cli.cli.options import Json, Quiet, TrustPickle
-from ckpt_cli.formats.registry import FORMATS
+from ckpt_cli.cli.options import declared_command
+from ckpt_cli.options import DiffOptions, RunOptions
 
 if TYPE_CHECKING:
     from ckpt_cli.ops.diff import DiffReport
@@ -21,47 +21,23 @@ SideA = Annotated[Path, typer.Argument(metavar="A", help="The first checkpoint (
 SideB = Annotated[Path, typer.Argument(metavar="B", help="The second checkpoint (any format, or a run folder).", show_default=False)]
 
 
-def diff(
-    a: SideA,
-    b: SideB,
-    atol: Annotated[
-        float, typer.Option("--atol", metavar="TOL", help="Absolute tolerance: |a-b| <= atol + rtol*|b| (default: bit-exact).")
-    ] = 0.0,
-    rtol: Annotated[float, typer.Option("--rtol", metavar="TOL", help="Relative tolerance, as torch.allclose (default: bit-exact).")] = 0.0,
-    filter_: Annotated[
-        Optional[list[str]], typer.Option("--filter", metavar="GLOB", help="Only tensors whose names match this glob (repeatable).")
-    ] = None,
-    depth: Annotated[
-        Optional[int],
-        typer.Option("--depth", metavar="N", help="Group by the first N name components (default: up to the layer index).", min=1),
-    ] = None,
-    json_: Json = False,
-    format_a: Annotated[
-        Optional[str], typer.Option("--format-a", metavar="FORMAT", help=f"Format of A (default: detected): {', '.join(FORMATS)}.")
-    ] = None,
-    format_b: Annotated[Optional[str], typer.Option("--format-b", metavar="FORMAT", help="Format of B (default: detected).")] = None,
-    tag_a: Annotated[
-        Optional[str], typer.Option("--tag-a", metavar="TAG", help="Which checkpoint of run folder A (default: the newest).")
-    ] = None,
-    tag_b: Annotated[
-        Optional[str], typer.Option("--tag-b", metavar="TAG", help="Which checkpoint of run folder B (default: the newest).")
-    ] = None,
-    trust_pickle: TrustPickle = False,
-    quiet: Quiet = False,
-) -> None:
+def diff(a: Path, b: Path, **values: Any) -> None:
     """Compare two checkpoints: tensors added, removed, renamed or changed (max |a-b|, relative L2, cosine), training state."""
-    from ckpt_cli.ops.diff import DiffOptions
     from ckpt_cli.ops.diff import diff as diff_op
 
-    options = DiffOptions(atol, rtol, tuple(filter_ or ()), depth, format_a, format_b, tag_a, tag_b, trust_pickle)
+    json_, quiet = values.pop("json"), values.pop("quiet")
     with output.reading(f"diff {a.name} {b.name}", quiet):
-        report = diff_op(a, b, options)
+        report = diff_op(a, b, DiffOptions(**values))
     if json_:
         output.emit_json(report.to_json())
     else:
         output.emit(render(report))
     if not report.equal:
         raise typer.Exit(1)
+
+
+OPTIONS = ("atol", "rtol", "filter", "depth", "json", "format_a", "format_b", "tag_a", "tag_b", "trust_pickle", "quiet")
+declared_command(diff, [("a", SideA), ("b", SideB)], OPTIONS, DiffOptions, RunOptions)  # in the order --help lists them
 
 
 def _num(x: float | None, spec: str = ".3g") -> str:

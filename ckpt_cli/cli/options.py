@@ -4,6 +4,8 @@ arguments and flags the other commands share."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from inspect import Parameter, Signature
 from typing import Annotated, Any, Optional
 
 import typer
@@ -66,6 +68,21 @@ def former_option(flag: Flag) -> Any:
     return Annotated[
         _TYPES[flag.kind], typer.Option(flag.former, metavar=flag.metavar, hidden=True, help=f"The former name of {flag.flag}.")
     ]
+
+
+def declared_command(command: Callable[..., None], arguments: Sequence[tuple[str, Any]], names: Sequence[str], *groups: type) -> None:
+    """Give `command` (its arguments, then `**values`) the typer signature of its `arguments` (name, CLI type) and of
+    its options `names`, in that order, each from its declaration: the first of `groups` declaring it."""
+    fields: dict[str, dataclasses.Field] = {}
+    for group in reversed(groups):
+        fields |= {f.name: f for f in dataclasses.fields(group)}
+    params = [Parameter(name, Parameter.POSITIONAL_OR_KEYWORD, annotation=kind) for name, kind in arguments]
+    params += [
+        Parameter(n, Parameter.KEYWORD_ONLY, default=fields[n].default, annotation=typer_option(flag_of(fields[n]), fields[n].default))
+        for n in names
+    ]
+    command.__signature__ = Signature(params)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
+    command.__annotations__ = {p.name: p.annotation for p in params}
 
 
 def declared(name: str) -> Any:

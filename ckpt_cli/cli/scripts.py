@@ -3,22 +3,21 @@ completions/ and man/ by docgen.py, printed by `ckpt completion SHELL`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ckpt_cli import __version__
 from ckpt_cli.cli.examples import EXAMPLES
 from ckpt_cli.formats import registry
-from ckpt_cli.options import every_flag
+from ckpt_cli.options import DiffOptions, every_flag, flag_of
 
 SHELLS = {"bash": "completions/ckpt.bash", "zsh": "completions/_ckpt", "fish": "completions/ckpt.fish"}  # and where each is kept
 ARGUMENT_CHOICES = {"completion": list(SHELLS)}  # commands whose argument is a word, not a path
-# The words an option's value completes to: every declared option's choices (ckpt_cli/options.py), --to, and diff's
-# per-side --format.
+# The words an option's value completes to: --to, and every declared option's choices (ckpt_cli/options.py): diff's
+# per-side --format-a and --format-b, the writing commands'.
 VALUE_CHOICES = {
     "--to": [name for name, f in registry.FORMATS.items() if f.writable],
-    "--format-a": list(registry.FORMATS),
-    "--format-b": list(registry.FORMATS),
+    **{flag.flag: list(flag.choices()) for flag in map(flag_of, fields(DiffOptions)) if flag.choices is not None},
     **{flag.flag: list(flag.choices()) for _, flag in every_flag() if flag.choices is not None},
 }
 

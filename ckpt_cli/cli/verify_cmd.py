@@ -2,52 +2,24 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
+from typing import Any
 
 import typer
 
 from ckpt_cli.cli import output
-from ckpt_cli.cli.options import Format, Json, Quiet, Source, Tag, TrustPickle
+from ckpt_cli.cli.options import Source, declared_command
+from ckpt_cli.options import RunOptions, VerifyOptions
 
 MAX_SHOWN = 20
 
 
-def verify(
-    src: Source,
-    deep: Annotated[bool, typer.Option("--deep", help="Read every byte: zip CRCs, per-tensor checksums, unreadable records.")] = False,
-    finite: Annotated[bool, typer.Option("--finite", help="Count NaN/Inf in floating-point tensors; any is a problem.")] = False,
-    write_manifest: Annotated[
-        Optional[Path], typer.Option("--write-manifest", metavar="FILE", help="Record per-file and per-tensor BLAKE3 digests in FILE.")
-    ] = None,
-    manifest: Annotated[
-        Optional[Path], typer.Option("--manifest", metavar="FILE", help="Check against a manifest from --write-manifest.")
-    ] = None,
-    against: Annotated[
-        Optional[Path], typer.Option("--against", metavar="CKPT", help="Compare tensor by tensor with another checkpoint (any format).")
-    ] = None,
-    atol: Annotated[float, typer.Option("--atol", metavar="TOL", help="Absolute tolerance for --against (default: bit-exact).")] = 0.0,
-    rtol: Annotated[float, typer.Option("--rtol", metavar="TOL", help="Relative tolerance for --against (default: bit-exact).")] = 0.0,
-    policy: Annotated[
-        Optional[Path], typer.Option("--policy", metavar="FILE", help="YAML: expected tensors, dtypes, shapes, tolerances, training state.")
-    ] = None,
-    json_: Json = False,
-    format_: Format = None,
-    tag: Tag = None,
-    trust_pickle: TrustPickle = False,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Let --write-manifest replace a previous manifest (never any other file).")
-    ] = False,
-    quiet: Quiet = False,
-) -> None:
+def verify(src: str, **values: Any) -> None:
     """Check integrity: files, sizes, headers, tiling, CRCs and checksums; optionally compare."""
     from ckpt_cli import api  # imported when a command runs (`ckpt --help` imports no format)
 
+    json_, quiet = values.pop("json"), values.pop("quiet")
     with output.reading(f"verify {output.last_name(src)}", quiet):
-        report = api.verify(
-            src, deep=deep, finite=finite, against=against, atol=atol, rtol=rtol, manifest=manifest, write_manifest=write_manifest,
-            overwrite=overwrite, policy=policy, format=format_, tag=tag, trust_pickle=trust_pickle,
-        )  # fmt: skip
+        report = api.verify(src, **values)
     if json_:
         output.emit_json(report.to_json())
     elif report.ok:
@@ -68,3 +40,8 @@ def verify(
             output.emit("  If you trust this file, pass --trust-pickle.")
     if not report.ok:
         raise typer.Exit(1)
+
+
+# Its options in the order --help lists them, declared in VerifyOptions (--overwrite: verify's own) or RunOptions.
+OPTIONS = ("deep", "finite", "write_manifest", "manifest", "against", "atol", "rtol", "policy", "json", "format", "tag")
+declared_command(verify, [("src", Source)], (*OPTIONS, "trust_pickle", "overwrite", "quiet"), VerifyOptions, RunOptions)

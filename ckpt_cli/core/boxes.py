@@ -68,7 +68,7 @@ class DerivedBox:
                 break
             lo, hi = max(lstart, start), min(lstart + length, start + count)
             if lo < hi:
-                part = window_bytes(self.entry, gstart + lo - lstart, hi - lo, self.entry.dtype, sources)
+                part = window_bytes(self.entry, self.entry.dtype, gstart + lo - lstart, hi - lo, sources)
                 out[(lo - start) * size : (hi - start) * size] = part
         return out
 

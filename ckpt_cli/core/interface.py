@@ -29,6 +29,9 @@ class WriteOptions:
     per_rank_rule: str = "wrap"  # per-rank values under a new world size (core/training.py)
     # deepspeed MoE: new expert-parallel sizes, (module, size) pairs, module "" for every other MoE layer (deepspeed/regroup.py)
     ep_size: tuple[tuple[str, int], ...] | None = None
+    # a writer that picks each tensor's type itself (registry `casts_itself`): --dtype's target and --quantize's method
+    dtype: str | None = None  # "float32", "bfloat16", "float16"; None: keep
+    quantize: str | None = None  # gguf: "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
 
 
 class Reader(Protocol):

@@ -220,6 +220,10 @@ class LazyPieces(Sequence["Piece"]):
         return self._layout.span if self._layout is not None else self._span
 
     @property
+    def layout(self) -> RangeLayout | None:
+        return self._layout
+
+    @property
     def arrays(self) -> Callable[[], Sequence[StoredArray]] | None:
         """With `span`: the stored arrays its pieces lie in (each rank's flat), without making them."""
         return self._layout.arrays if self._layout is not None else self._arrays

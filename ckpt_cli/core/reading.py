@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpt_cli import store
+from ckpt_cli.core.copies import map_file
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, open_regular_fd
@@ -44,6 +45,7 @@ class SourceFiles:
         self._prefetch: remote_read.Prefetch | None = None
         self._windows: dict[str, tuple[int, bytes]] = {}  # path -> (offset, bytes read ahead there), oldest first
         self._window_bytes = 0
+        self._maps: dict[str, tuple[Any, Any]] = {}  # path -> (memory map, its bytes as numpy): planned gathers
 
     def fd(self, path: str) -> int:
         if path not in self.fds:
@@ -53,7 +55,22 @@ class SourceFiles:
                 raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
         return self.fds[path]
 
+    def mapped(self, path: str) -> Any:
+        """The file's bytes as a numpy uint8 array over a read-only memory map, kept until close (a gather of
+        slivers from it touches only their pages: core/copies.py)."""
+        if path not in self._maps:
+            self._maps[path] = map_file(self.fd(path))
+        return self._maps[path][1]
+
     def close(self) -> None:
+        while self._maps:
+            _, (mm, data) = self._maps.popitem()
+            del data  # the numpy view first: a map with views of it cannot close
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a view still held (an exception's frame): closed when collected
+                    pass
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
@@ -186,10 +203,10 @@ def read_stored(array: StoredArray, start: int, count: int, sources: SourceFiles
 
 def read_elements(entry: TensorEntry, start: int, count: int, sources: SourceFiles) -> Any:
     """Elements [start, start+count) of a logical tensor, gathered from its pieces, as its dtype."""
+    if entry.derived is not None:  # before importing torch: a computed tensor may be made without it (GGUF's)
+        return entry.derived.read(start, count, sources)
     import torch
 
-    if entry.derived is not None:
-        return entry.derived.read(start, count, sources)
     out = torch.empty(count, dtype=entry.dtype.torch())
     filled = 0
     for gstart, length, piece, lstart in entry.runs_in(start, count):
@@ -236,19 +253,25 @@ def tensor_bytes(entry: TensorEntry, sources: SourceFiles) -> Iterator[Any]:
     runs = byte_runs(entry, entry.dtype)
     if runs is None:
         for start, count in element_windows(entry):
-            yield window_bytes(entry, start, count, entry.dtype, sources)
+            yield window_bytes(entry, entry.dtype, start, count, sources)
         return
     yield from read_runs(runs, sources)
 
 
-def window_bytes(entry: TensorEntry, start: int, count: int, dst: DType, sources: SourceFiles) -> Any:
-    """Elements [start, start+count) as `dst`'s little-endian bytes (a numpy uint8 array). A computed tensor that reads
-    its bytes without torch (`derived.read_raw`: an Orbax array, a box of one) is asked directly when no cast is needed,
-    so a write that only copies them never imports torch (~225 MB resident)."""
+def window_bytes(entry: TensorEntry, dst: DType, start: int, count: int, sources: SourceFiles) -> Any:
+    """Elements [start, start + count) as `dst`'s bytes (a numpy uint8 array): cast through torch, or, with no cast, as a
+    computed tensor gives them without torch: its `derived.read_raw` (an Orbax array, a box of one: their bytes) or a
+    numpy window from its `read` (GGUF's quantized tensors: formats/gguf/writer.py). torch is ~225 MB resident alone."""
     raw = getattr(entry.derived, "read_raw", None)
     if raw is not None and dst == entry.dtype:
         return raw(start, count, sources)
-    return as_bytes(read_elements(entry, start, count, sources).to(dst.torch()))
+    values = read_elements(entry, start, count, sources)
+    if type(values).__module__ == "numpy":  # (numpy itself is imported only by what made it)
+        import numpy as np
+
+        assert entry.dtype == dst, f"{entry.name}: a computed tensor's numpy window is in its own dtype"
+        return values.view(np.uint8)
+    return as_bytes(values.to(dst.torch()))
 
 
 def as_bytes(tensor: Any) -> Any:

@@ -69,6 +69,10 @@ class Format:
     ranks_from_source: bool = False  # without --world-size, a weights write keeps the source's world size
     takes_ep: bool = False  # the writer regroups MoE experts (--ep-size)
     later_parts: str | None = None  # regex of the file names that are a later part of a set its first part names (ls lists the set once)
+    # the writer picks each tensor's type from --dtype / --quantize as its reference converter does (GGUF: norms stay
+    # F32), so a write hands it those options instead of casting the tensors first (ops/convert.plan_checkpoint)
+    casts_itself: bool = False
+    splits: bool = False  # a one-file format that --max-shard-size writes as a split set into a folder (gguf-split)
 
     @property
     def reader(self) -> Reader:
@@ -228,13 +232,16 @@ FORMATS: dict[str, Format] = {
         Format(
             "gguf",
             "gguf.reader:READER",
-            None,
-            "llama.cpp GGUF: one .gguf file or a gguf-split set (NAME-0000i-of-0000N.gguf), read dequantized",
+            "gguf.writer:WRITER",
+            "llama.cpp GGUF: one .gguf file or a gguf-split set (NAME-0000i-of-0000N.gguf), read dequantized, written as "
+            "llama.cpp's converter writes it",
             False,
             tensors_only=True,
             folders=False,
             files=".*",  # by its GGUF magic, whatever the suffix (last: a file the others claim is never opened again for it)
             later_parts=r".+-(?!00001-)\d{5}-of-\d{5}\.gguf",  # gguf-split's parts after the first
+            casts_itself=True,
+            splits=True,
         ),
     )
 }

@@ -54,6 +54,11 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
     write, t, cross = dataclasses.replace(request.write, per_rank_rule=request.cross.per_rank), request.transform, request.cross
     carries = carries_training_state(ckpt, target, t, cross)
     write = layout_for(target, write, None if carries else ckpt.world_size)
+    if target.casts_itself:  # the writer types each tensor from --dtype / --quantize (GGUF: norms stay F32)
+        write = dataclasses.replace(write, dtype=t.dtype.name if t.dtype else None, quantize=t.quantize)
+        t = dataclasses.replace(t, dtype=None, quantize=None)
+    elif t.quantize not in (None, "fp8"):
+        raise UsageError(f"--quantize {t.quantize}: a GGUF block type, for --to gguf (hf, safetensors and torch take fp8)")
     adapter = request.source.adapter
     if adapter is not None:
         adapters.check_combination(cross.names_given, carries or _keeps_partitions(ckpt, target, t), adapter)
@@ -147,7 +152,8 @@ def layout_for(target: registry.Format, write: WriteOptions, source_world: int |
     if write.ep_size is not None and not target.takes_ep:
         takers = " and ".join(n for n, f in registry.FORMATS.items() if f.takes_ep)
         raise UsageError(f"--ep-size applies to {takers} targets (MoE, expert parallel), not {target.name}")
-    if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards":
+    splits = target.splits and not write.num_shards  # a split set by size (GGUF: gguf-split's --split-max-size)
+    if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards" and not splits:
         raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")
     if target.reshard_by == "world_size" and target.writable and not write.world_size:
         if target.ranks_from_source and source_world:
@@ -224,7 +230,8 @@ def estimate_peak(plan: WritePlan) -> int:
             for a in arrays:
                 if not a.is_contiguous:
                     buffers = max(buffers, 2 * a.nbytes)
-            needs_torch = needs_torch or streamed or not all(a.is_contiguous for a in arrays)
+            computed_in_numpy = getattr(s.tensor.derived, "without_torch", False)  # GGUF's quantized tensors
+            needs_torch = needs_torch or (streamed and not computed_in_numpy) or not all(a.is_contiguous for a in arrays)
     return (TORCH_RSS if needs_torch else BASE_RSS) + buffers
 
 

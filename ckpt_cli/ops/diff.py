@@ -26,22 +26,10 @@ from ckpt_cli.ops.digests import tensor_digest
 from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.transform import matches
 from ckpt_cli.ops.values import ValueDiff, compare_values
+from ckpt_cli.options import DiffOptions
 
 STATE_SECTIONS = ("optimizer", "lr_scheduler", "dataloader", "rng")
 ONE_SIDED_QUIET = ("param_groups",)  # held by one side only: the optimizer entry says so already
-
-
-@dataclass
-class DiffOptions:
-    atol: float = 0.0
-    rtol: float = 0.0
-    filters: tuple[str, ...] = ()  # globs over tensor names (as matched); empty: all
-    depth: int | None = None  # group by the first N name components (default: up to the block index)
-    format_a: str | None = None
-    format_b: str | None = None
-    tag_a: str | None = None
-    tag_b: str | None = None
-    trust_pickle: bool = False
 
 
 @dataclass(slots=True)  # one per tensor compared, kept for the report: 82,000 of an MoE model's
@@ -245,10 +233,10 @@ def pair(a: Checkpoint, b: Checkpoint, options: DiffOptions) -> tuple[DiffReport
     if matched:
         report.matched_by = matched.removeprefix("by ")
         report.notes += _left_out(a, mine, "A") + _left_out(b, theirs, "B")
-    names_a = [n for n in mine.tensors if matches(n, options.filters)]
-    names_b = [n for n in theirs.tensors if matches(n, options.filters)]
-    if options.filters and not names_a and not names_b:  # as inspect and the writers: an empty selection is a wrong call
-        raise UsageError(f"--filter {' '.join(options.filters)} matches no tensor of {a.path} or {b.path}")
+    names_a = [n for n in mine.tensors if matches(n, options.filter)]
+    names_b = [n for n in theirs.tensors if matches(n, options.filter)]
+    if options.filter and not names_a and not names_b:  # as inspect and the writers: an empty selection is a wrong call
+        raise UsageError(f"--filter {' '.join(options.filter)} matches no tensor of {a.path} or {b.path}")
     # The two sides' read-ahead windows together hold half what one reader's may: diff holds two sources' metadata
     # already (an MoE ZeRO-2 diff peaked 6 MB over its bound with 8 MB a side), and compares a tensor at a time.
     quarter = WINDOW_BUDGET // 4
@@ -258,7 +246,7 @@ def pair(a: Checkpoint, b: Checkpoint, options: DiffOptions) -> tuple[DiffReport
     finally:
         sources_a.close()
         sources_b.close()
-    if options.filters:
+    if options.filter:
         report.notes.append("training state not compared (--filter narrows the diff to tensors)")
     else:
         report.training_state = training_state_diff(a, b)
@@ -287,8 +275,8 @@ def _compare(
 ) -> None:
     # Without a filter the names are every tensor's: the tensors' own dicts answer membership (sets of an MoE
     # checkpoint's 82,000 names took 4 MB each).
-    in_a: Container[str] = set(names_a) if options.filters else a.tensors
-    in_b: Container[str] = set(names_b) if options.filters else b.tensors
+    in_a: Container[str] = set(names_a) if options.filter else a.tensors
+    in_b: Container[str] = set(names_b) if options.filter else b.tensors
     meter.stage("comparing values", sum(a.tensors[n].nbytes for n in names_a if n in in_b))
     for name in names_a:
         if name not in in_b:

@@ -2,7 +2,8 @@
 (nothing is read): its store location, what level it is (a checkpoint, a tag folder of a format with tags of its own,
 a run checkpoint of a framework, a run root holding several), its format row, the run checkpoint or run root, the
 checkpoints a run root holds and the one --tag names. inspect, open, verify, diff and every writer open through it
-(ops/source.open_resolved), and each folder or file it looks at is detected once per call."""
+(ops/source.open_resolved, which chooses among a run root's checkpoints), and each folder or file it looks at is
+detected once per call. The walk under a run root (find) is here alone; ops/runs.listing (`ckpt ls`) reads its rows."""
 
 from __future__ import annotations
 

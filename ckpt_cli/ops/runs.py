@@ -1,5 +1,6 @@
-"""Run roots and run checkpoints: finding every checkpoint under a root (`ckpt ls`), choosing the newest complete
-one, pointing a user at the right level, and writing a run checkpoint with its companions (reshard)."""
+"""Run roots and run checkpoints: listing every checkpoint under a root (`ckpt ls`; the walk is ops/resolve.find,
+the choice ops/source.choose), the names a run checkpoint's weights are shown under, and writing a run checkpoint with
+its companions (reshard)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Any
 
 from ckpt_cli import store
 from ckpt_cli.core import dtypes
-from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FlatRange, Piece, StoredArray, TensorEntry
 from ckpt_cli.core.tags import named as tags_named
 from ckpt_cli.core.write.plan import OutputFile, TensorData, WritePlan
@@ -20,83 +20,15 @@ from ckpt_cli.formats import registry
 from ckpt_cli.formats.runs import detect as runs
 from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops.request import Job, Request
-from ckpt_cli.ops.resolve import Found, Resolved, find, relative, root_run, run_of
+from ckpt_cli.ops.resolve import Found, find, relative, root_run, run_of
+from ckpt_cli.ops.source import open_found
 from ckpt_cli.ops.structure import structure_problems
-
-
-def open_found(found: Found, tag: str | None, trust_pickle: bool) -> Checkpoint:
-    """The checkpoint `found` names, read whole as detection found it (nothing is detected again): a run checkpoint
-    read with its parts and companions, or one of a core format (`tag`: one of its own tags)."""
-    if found.run is not None:
-        return run_read.read(found.run, ReadOptions(tag=tag, trust_pickle=trust_pickle))
-    return open_core(found.path, registry.get(found.format), False, tag, trust_pickle)
-
-
-def open_core(
-    path: Path,
-    fmt: registry.Format,
-    forced: bool,
-    tag: str | None,
-    trust_pickle: bool,
-    layout_only: bool = False,
-    pieces_when_read: bool = False,
-) -> Checkpoint:
-    """The checkpoint at `path` read as `fmt`, which detection found or --format named (`forced`)."""
-    resolved = registry.resolve(path, fmt.name if forced else None, tag, detected=fmt)
-    options = ReadOptions(resolved.tag, trust_pickle, layout_only, pieces_when_read)
-    ckpt = resolved.format.reader.read(resolved.path, options)
-    if resolved.tag and not ckpt.tag:
-        ckpt.tag = resolved.tag
-    if resolved.note:
-        ckpt.notes.insert(0, resolved.note)
-    return ckpt
 
 
 def shown_step(found: Found, ckpt: Checkpoint) -> int | None:
     """The step shown for a checkpoint (`ckpt ls`, `inspect`): its own, else (a bare core format, a torchtitan step
     folder) the step its name states. Shown only: the checkpoint's own step stays what it holds (diff compares it)."""
     return ckpt.step if ckpt.step is not None or found.framework not in (None, runs.TORCHTITAN) else found.name_step
-
-
-CHOSEN = "(ckpt ls lists them); using '"  # in the note choose() adds
-
-
-def choice_notes(ckpt: Checkpoint) -> list[str]:
-    """The notes choose() added: which checkpoint of a run root was taken (and which were skipped), for the commands
-    that show no other note of the reader's (verify)."""
-    return [n for n in ckpt.notes if CHOSEN in n or n.startswith("skipped '")]
-
-
-def choose(resolved: Resolved, trust_pickle: bool) -> Checkpoint:
-    """The checkpoint of a run root that `--tag` named (resolve), else the newest complete one of its candidates: the
-    one rule that `ckpt ls` marks, with a note naming the choice and how to pick another."""
-    root, found = resolved.location, resolved.members
-    if resolved.chosen is not None:
-        ckpt = open_found(resolved.chosen, None, trust_pickle)
-        ckpt.tag = ckpt.tag or relative(resolved.chosen, root)
-        return ckpt
-    skipped: list[str] = []
-    for candidate in resolved.candidates:
-        try:
-            ckpt = open_found(candidate, None, trust_pickle)  # a full read: its structure decides
-            problems = structure_problems(ckpt)
-        except DataError as exc:
-            problems = [str(exc)]
-        if problems:
-            skipped.append(f"skipped '{relative(candidate, root)}', incomplete or damaged: {problems[0]}")
-            continue
-        ckpt.tag = ckpt.tag or relative(candidate, root)
-        how = "the newest complete one" if skipped else "the newest"
-        several = resolved.runs_in_root > 1
-        where = f" in {resolved.runs_in_root} runs" if several else ""
-        how += " of those directly in it" if several else ""
-        ckpt.notes.insert(
-            0,
-            f"{root}: {len(found)} checkpoints{where} {CHOSEN}{relative(candidate, root)}', {how}; --tag PATH picks another",
-        )
-        ckpt.notes[1:1] = skipped
-        return ckpt
-    raise DataError(f"{root}: none of its {len(found)} checkpoints is complete; {skipped[0]}")
 
 
 # ---- ckpt ls ---------------------------------------------------------------------------------------------

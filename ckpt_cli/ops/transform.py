@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckpt_cli.core import dtypes
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.errors import TORCH_INSTALL, UsageError
-from ckpt_cli.options import SelectOptions
+from ckpt_cli.options import QUANTIZE_METHODS, SelectOptions
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class Transform:
     add_prefix: str | None = None
     weights_only: bool = False
     dtype: DType | None = None  # cast floating-point model weights (optimizer state keeps its precision)
-    quantize: str | None = None  # "fp8": model weights to FP8 block-scaled (ops/quantized.py)
+    quantize: str | None = None  # "fp8": model weights to FP8 block-scaled (ops/quantized.py); q8_0, ...: GGUF's
 
 
 def from_options(select: SelectOptions, weights_only: bool) -> Transform:
@@ -33,22 +34,21 @@ def from_options(select: SelectOptions, weights_only: bool) -> Transform:
     cast = dtypes.cast_target(select.dtype)
     if (cast is not None or select.quantize is not None) and not _have_torch():  # before any work, not after the plan's notes
         raise UsageError(f"converting dtypes needs torch, which is not installed: {TORCH_INSTALL}")
-    if select.quantize is not None and select.quantize != "fp8":
-        raise UsageError(f"--quantize {select.quantize!r}: ckpt quantizes to fp8 (block-scaled, 128 x 128) only")
+    if select.quantize is not None and select.quantize not in QUANTIZE_METHODS:
+        raise UsageError(f"--quantize {select.quantize!r}: ckpt quantizes to {', '.join(QUANTIZE_METHODS)}")
     return Transform(
         tuple(select.filter or ()), tuple(select.exclude or ()), select.strip_prefix, select.add_prefix, weights_only, cast, select.quantize
     )
 
 
 def _have_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether torch is installed, found without importing it (a GGUF write quantizes in numpy: +200 MB if imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
-def matches(name: str, globs: tuple[str, ...]) -> bool:
+def matches(name: str, globs: Sequence[str]) -> bool:
     return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
 
 

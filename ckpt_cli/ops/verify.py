@@ -22,32 +22,16 @@ from ckpt_cli.errors import DataError, Fix, UnsafePickleError, UsageError
 from ckpt_cli.ops import diff as diff_mod
 from ckpt_cli.ops import policy as policy_mod
 from ckpt_cli.ops import quantized
-from ckpt_cli.ops import runs as run_roots
 from ckpt_cli.ops.digests import Digests, file_digest, file_pass, hasher
 from ckpt_cli.ops.finite import NonFinite
-from ckpt_cli.ops.source import open_checkpoint
+from ckpt_cli.ops.source import choice_notes, open_checkpoint
 from ckpt_cli.ops.structure import file_and_tiling_problems, format_check, format_notes, has_checksums
+from ckpt_cli.options import VerifyOptions
 from ckpt_cli.store import location
 
 MANIFEST_VERSION = 2  # 1: sha256 digests; 2: the digest named by "hash" (blake3 when ckpt writes it)
 MANIFEST_VERSIONS = (1, 2)  # what --manifest checks and --overwrite may replace
 MANIFEST_HASH = "blake3"  # measured, one core (AVX-512): blake3 4.5 GB/s (8.5 on 2), sha256 1.8, xxh3 18 (not cryptographic)
-
-
-@dataclass
-class VerifyOptions:
-    format: str | None = None
-    tag: str | None = None
-    trust_pickle: bool = False
-    deep: bool = False
-    finite: bool = False
-    write_manifest: str | Path | None = None
-    overwrite: bool = False  # --write-manifest may replace a previous manifest (never any other file)
-    manifest: str | Path | None = None
-    against: str | Path | None = None
-    atol: float = 0.0
-    rtol: float = 0.0
-    policy: str | Path | None = None
 
 
 @dataclass
@@ -284,7 +268,7 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         report.refused_pickle = exc.global_name if isinstance(exc, UnsafePickleError) else None
         return report
     report.path, report.format = ckpt.path, ckpt.format
-    report.notes += run_roots.choice_notes(ckpt)  # which checkpoint of a run root, as every command says
+    report.notes += choice_notes(ckpt)  # which checkpoint of a run root, as every command says
     report.stats = {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": sum(f.bytes for f in ckpt.files)}
     report.problems += file_and_tiling_problems(ckpt)
     report.checks.append("structure")

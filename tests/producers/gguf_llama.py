@@ -6,54 +6,24 @@ Run as a script: `gguf_llama.py OUT [--split]` writes OUT/hf (the model), OUT/f3
 with attention biases and tied embeddings (OUT/hf-bias, OUT/bias-f32.gguf), a Qwen2 and a Qwen3 (OUT/hf-qwen2,
 OUT/qwen2-f32.gguf, qwen2-q8_0; OUT/qwen3-f32.gguf) and, when llama_cpp imports, the K-quants; with --split,
 OUT/split/ holds the f32 file split by --split-max-size. The converter comes from the llama-cpp-python sdist,
-downloaded once with pip into ~/.cache/ckpt-tests and extracted there (`converter_dir`; $CKPT_LLAMA_CPP_SRC names an
-extracted llama.cpp folder instead).
+downloaded once with pip into ~/.cache/ckpt-tests and extracted there (tests/gguf_reference.py `converter_dir`, the
+one copy the GGUF tests share).
 """
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
-LLAMA_CPP_PYTHON = "0.3.36"
-PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # what the converter needs of the llama.cpp sources
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the converter's fetch, shared with the tests
+from gguf_reference import converter_dir  # noqa: E402
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* numbers (include/llama.h): what llama_model_quantize makes from the f32 file
 QUANTS = {"q4_k_m": 15, "q2_k": 10, "q3_k_m": 12, "q5_k_m": 17, "q6_k": 18, "iq4_nl": 25, "iq4_xs": 30}
 WORDS = "the a model weights tensor block scale file read write quant llama layer head row column".split()
-
-
-def converter_dir() -> Path:
-    """The llama.cpp folder holding convert_hf_to_gguf.py: the sdist fetched by pip and extracted on first use."""
-    from filelock import FileLock
-
-    if os.environ.get("CKPT_LLAMA_CPP_SRC"):
-        return Path(os.environ["CKPT_LLAMA_CPP_SRC"])
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ckpt-tests" / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
-    root = cache / "llama.cpp"
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache) + ".lock"):
-        if (root / "convert_hf_to_gguf.py").exists():
-            return root
-        sdists = list(cache.glob("llama_cpp_python-*.tar.gz"))
-        if not sdists:
-            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}"]
-            proc = subprocess.run([*pip, "-d", str(cache)], capture_output=True, text=True, timeout=900)
-            if proc.returncode != 0:
-                raise RuntimeError(f"pip download llama-cpp-python failed: {proc.stderr[-2000:]}")
-            sdists = list(cache.glob("llama_cpp_python-*.tar.gz"))
-        prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
-        tmp = cache / "extract"
-        with tarfile.open(sdists[0]) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.name[len(prefix) :].startswith(PARTS)]
-            tar.extractall(tmp, members=members, filter="data")
-        (tmp / prefix).rename(root)
-        return root
 
 
 def config() -> object:

@@ -95,7 +95,7 @@ class Reshaped:
     def read_raw(self, start: int, count: int, sources: Any) -> Any:
         from ckpt_cli.core.reading import window_bytes
 
-        return window_bytes(self.entry, start, count, self.entry.dtype, sources)
+        return window_bytes(self.entry, self.entry.dtype, start, count, sources)
 
 
 class ReshapedBoxes(Reshaped):

@@ -27,7 +27,7 @@ from ckpt_cli.core.paths import inside
 from ckpt_cli.core.pickles.zipio import Record
 from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
 from ckpt_cli.core.write.crc import RecordCheck, crc32_combine
-from ckpt_cli.core.write.plan import Deferred, FileSizes, Literal, OutputFile, Segment, TensorData, WritePlan, sizes_of
+from ckpt_cli.core.write.plan import Deferred, FileSizes, Literal, OutputFile, Segment, SharedBuild, TensorData, WritePlan, sizes_of
 from ckpt_cli.core.write.sinks import (
     WRITEBACK_BYTES,
     FileSink,
@@ -195,7 +195,8 @@ class _Cancelled(Exception):
 
 def records(tensors: Iterable[TensorEntry]) -> Iterator[tuple[str, Record]]:
     """The zip records (with their CRC32) the tensors' data is read from."""
-    return ((a.path, a.record) for tensor in tensors for a in tensor.stored_arrays() if a.record is not None)
+    # An empty tensor reads nothing (a ZeRO-3 model-states file's 2,000 placeholders: their records hold no bytes).
+    return ((a.path, a.record) for tensor in tensors if tensor.numel for a in tensor.stored_arrays() if a.record is not None)
 
 
 def source_records(files: list[tuple[Path, OutputFile]]) -> RecordCheck:
@@ -224,14 +225,27 @@ def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
     """The file's segments; a built file's made now (held only while it is written), its source records learnt."""
     segments = out.parts()
     if out.build is not None:
-        tensors = [s.tensor for s in segments if isinstance(s, TensorData)]
+        last = _made.get(id(segments))
+        if last is None or last[0] is not segments:  # not the very segments a recent file was made of
+            tensors = [s.tensor for s in segments if isinstance(s, TensorData)]
+            last = (segments, list(records(tensors)), shared_names([t.name for t in tensors]), sizes_of(segments))
+            if isinstance(out.build, SharedBuild):  # kept for the next file only where they are shared: not a DCP file's
+                with _NAME_LOCK:
+                    if len(_made) >= 4:
+                        _made.pop(next(iter(_made)))
+                    _made[id(segments)] = last
         if check is not None:
-            check.learn(records(tensors))
+            check.learn(last[1])
         if out.names is None:  # what the write report lists, without making the segments again
-            out.names = shared_names([t.name for t in tensors])
+            out.names = last[2]
         if out.sizes is None:
-            out.sizes = sizes_of(segments)
+            out.sizes = last[3]
     return segments
+
+
+# The last few shared builds' segments (plan.SharedBuild), with their source records, tensor names and sizes: a list that
+# several files are made of (ZeRO-3 model-states files of 2,000 placeholders, between the optimizer files) is walked once.
+_made: dict[int, tuple[list[Segment], list[tuple[str, Record]], tuple[str, ...], FileSizes]] = {}
 
 
 def write_files(
@@ -438,7 +452,7 @@ def execute(
 def file_runs(segments: list[Segment]) -> list[ByteRun]:
     """The stored bytes a file's tensor data is copied from, in order, when some are in object storage (read
     ahead: store/prefetch.py); [] otherwise, and for data that needs torch (casts, strided pieces)."""
-    data = [s for s in segments if isinstance(s, TensorData)]
+    data = [s for s in segments if isinstance(s, TensorData) and s.tensor.numel]
     if all(store.mappable(a.path) for s in data for a in s.tensor.stored_arrays()):
         return []
     return [run for s in data for run in byte_runs(s.tensor, s.dtype) or []]

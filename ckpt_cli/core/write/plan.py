@@ -8,6 +8,7 @@ checksums of earlier segments (zip descriptors and directories). The executor st
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,11 @@ class FileSizes:
 def sizes_of(segments: list[Segment]) -> FileSizes:
     data = [s.size for s in segments if isinstance(s, TensorData)]
     return FileSizes(sum(s.size for s in segments), sum(data), max(data, default=0))
+
+
+class SharedBuild(functools.partial):
+    """An OutputFile.build that gives several files the very same segments (ZeRO-3 model-states files of 2,000
+    placeholders, one list per old rank): the executor walks such a list once for its records, names and sizes."""
 
 
 @dataclass

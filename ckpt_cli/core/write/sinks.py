@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ckpt_cli import store
-from ckpt_cli.core.model import ZEROS
+from ckpt_cli.core.copies import Copies, PlannedFlat, gather
+from ckpt_cli.core.model import ZEROS, LazyPieces
 from ckpt_cli.core.reading import (
     BLOCK_BYTES,
     ByteRun,
@@ -140,6 +141,8 @@ def stream_tensor(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     Stored bytes that are already what the output needs are copied as bytes; anything else (casts,
     strided pieces) goes through torch, one window at a time.
     """
+    if not seg.tensor.numel:  # nothing to write (a ZeRO-3 model-states file's 2,000 placeholders): CRC32 of no bytes
+        return 0
     if seg.tensor.made_by_range():
         return _stream_by_range(seg, out, sources)
     runs = byte_runs(seg.tensor, seg.dtype)
@@ -156,9 +159,18 @@ def _stream_by_range(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     start, span = 0, FIRST_SPAN
     while start < entry.numel:
         count = min(span, entry.numel - start)
-        runs = byte_runs_in(entry, dst, start, count)
+        layout = entry.pieces.layout if isinstance(entry.pieces, LazyPieces) else None
+        copies = layout.copies(start, count) if isinstance(layout, PlannedFlat) and dst == entry.dtype else None
+        if copies is not None and copies.gathered() and all(store.mappable(p) for p in copies.paths):
+            part = _copy_gathered(copies, out, sources, seg.crc_key is not None)
+            span = min(SPAN_ELEMENTS, max(1, count * SPAN_PIECES // max(1, len(copies.nbytes))))
+            if seg.crc_key is not None:
+                crc = part if not start else crc32_combine(crc, part, count * dst.itemsize)
+            start += count
+            continue
+        runs = copies.byte_runs() if copies is not None else byte_runs_in(entry, dst, start, count)
         if runs is None:  # a cast, read through torch: its pieces are not counted and the span keeps its size
-            data = window_bytes(entry, start, count, dst, sources)
+            data = window_bytes(entry, dst, start, count, sources)
             part = zlib.crc32(data) if seg.crc_key is not None else 0
             out.write(data)
         else:
@@ -170,11 +182,23 @@ def _stream_by_range(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     return crc
 
 
+def _copy_gathered(copies: Copies, out: Sink, sources: SourceFiles, with_crc: bool) -> int:
+    """A window of small copies gathered by numpy from memory maps of their files (core/copies.py), written at once.
+    The source records they come from are checked whole, once (read in slivers, a record is checked so anyway)."""
+    if sources.check is not None:
+        for array in copies.arrays:
+            if array.record is not None:
+                sources.check.whole(array.path, array.record)
+    data = gather(copies, sources.mapped)
+    out.write(data)
+    return zlib.crc32(data) if with_crc else 0
+
+
 def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     entry, dst = seg.tensor, seg.dtype
     crc = 0
     for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
-        data = window_bytes(entry, start, count, dst, sources)
+        data = window_bytes(entry, dst, start, count, sources)
         if seg.crc_key is not None:
             crc = zlib.crc32(data, crc)
         out.write(data)

@@ -100,3 +100,8 @@ def rekey_client_state(tree: dict[str, Any], world: int, rule: str) -> str | Non
             del tree[key]
         tree.update(unflatten([(e.path, e.value) for e in entries], containers))
     return note
+
+
+def state_entry(ckpt: Checkpoint, param: str, key: str) -> TensorEntry:
+    """A param's fp32 master weight (key "") or its optimizer state `key`."""
+    return ckpt.tensors[param if not key else f"optimizer.state.{param}.{key}"]

@@ -206,6 +206,18 @@ def stage3_rank_count(numel: int, world: int) -> int:
     return ceil_div(numel, stage3_partition_size(numel, world)) if numel else 0
 
 
+def stage3_rank_parts(numels: Any, starts: Any, world: int, rank: int) -> tuple[Any, Any, Any, Any]:
+    """stage3_rank_range of every param of a sub-group at once (numpy arrays of their sizes and their partitions' starts
+    in a rank's flat): (start in the flat, param index, first element, count) of each param `rank` holds elements of."""
+    import numpy as np
+
+    size = -(-numels // world)
+    lo = np.minimum(rank * size, numels)
+    count = np.minimum(lo + size, numels) - lo
+    held = np.flatnonzero(count > 0)
+    return starts[held], held, lo[held], count[held]
+
+
 def stage3_slots(params: Sequence[Param], world: int) -> list[Slot]:
     """A sub-group's params in each rank's flat partition: every param takes ceil(n/W) elements."""
     out, offset = [], 0

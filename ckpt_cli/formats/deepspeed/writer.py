@@ -13,16 +13,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Checkpoint, FlatLayout, FlatPart, TensorEntry, flat_entry, lazy_flat
+from ckpt_cli.core.model import Checkpoint, TensorEntry, lazy_flat
 from ckpt_cli.core.paths import plain_component
 from ckpt_cli.core.pickles.safe_pickle import TorchSize
 from ckpt_cli.core.write.plan import Literal, OutputFile, WritePlan
@@ -31,10 +30,11 @@ from ckpt_cli.formats.deepspeed import layout as zl
 from ckpt_cli.formats.deepspeed import pipeline as deepspeed_pipeline
 from ckpt_cli.formats.deepspeed import regroup as deepspeed_regroup
 from ckpt_cli.formats.deepspeed import stage0 as deepspeed_stage0
-from ckpt_cli.formats.deepspeed.files import built, file_segments, outline, own, rekey_client_state, tensorize
+from ckpt_cli.formats.deepspeed.files import built, file_segments, outline, own, rekey_client_state, state_entry, tensorize
 from ckpt_cli.formats.deepspeed.layout import Slot, ZeroLayout
-from ckpt_cli.formats.deepspeed.rank_files import LazyRanks, fragment_address
+from ckpt_cli.formats.deepspeed.rank_files import fragment_address
 from ckpt_cli.formats.deepspeed.reader import LATEST, Source, ZeroSource
+from ckpt_cli.formats.deepspeed.stage3_reshard import Stage3Reshard
 from ckpt_cli.formats.deepspeed.template import BuiltSource
 
 
@@ -167,11 +167,6 @@ def _expert_layout(
     return target, f"{said}; load with MoE layers built with ep_size={sizes[0]} and the same num_experts"
 
 
-def _state_entry(ckpt: Checkpoint, param: str, key: str) -> TensorEntry:
-    """A param's fp32 master weight (key "") or its optimizer state `key`."""
-    return ckpt.tensors[param if not key else f"optimizer.state.{param}.{key}"]
-
-
 @dataclass
 class Stage12Reshard:
     """ZeRO-1/2 and BF16_Optimizer at a new world size: each group's flat buffer cut into W' equal partitions
@@ -258,7 +253,7 @@ class Stage12Reshard:
             start = index * size
             pad = zl.group_padding(data, count, index, bf16_optimizer)
             here = self.within(g, start, size)
-            dtypes = functools.partial(_state_entry, self.ckpt, name_of(slots[0].name))  # a group's params share their dtypes
+            dtypes = functools.partial(state_entry, self.ckpt, name_of(slots[0].name))  # a group's params share their dtypes
             fp32.append(self._flat(here, dtypes(""), "", start, zl.saved_partition_numel(size, pad, bf16_optimizer), f"fp32.{g}", name_of))
             state = osd["base_optimizer_state"]["state"].get(g)
             if state is not None:
@@ -296,125 +291,8 @@ class Stage12Reshard:
         for slot in slots:
             if shared := zl.overlap(slot.offset, slot.numel, start, length):
                 lo, hi = shared
-                parts.append((lo - start, _state_entry(self.ckpt, name_of(slot.name), key), lo - slot.offset, hi - lo))
+                parts.append((lo - start, state_entry(self.ckpt, name_of(slot.name), key), lo - slot.offset, hi - lo))
         return lazy_flat(name, like.dtype, length, parts)
-
-
-SLIVER = 1 << 16  # elements: a rank's share of a param below which making its file is Python work, not copying bytes
-
-
-class Stage3Reshard:
-    """ZeRO-3 at a new world size: per-parameter partitions of ceil(n/W) elements, sub-groups re-formed
-    (their number depends on W through the partition sizes), frozen fragments re-cut (docs/formats.md §2.7-2.9)."""
-
-    def __init__(self, ckpt: Checkpoint, src: ZeroSource, world: int, sub_group_size: int | None, per_rank_rule: str = "wrap") -> None:
-        self.ckpt, self.src, self.world = ckpt, src, world
-        self.per_rank_rule: str = per_rank_rule
-        self.per_rank_note: str | None = None
-        self._template: dict[str, Any] | None = None  # the source optimizer file tensorized, its per-rank entries left out
-        self._starts: dict[int, list[int]] = {}  # sub-group -> where each param's partition starts in a rank's flat
-        self._entries: dict[tuple[int, str], list[TensorEntry]] = {}  # (sub-group, state key) -> its params' tensors
-        shapes = src.layout.shapes
-        groups = [[(name, tuple(shape)) for s in group["params"] for name, shape in shapes[s].items()] for group in src.layout.groups]
-        self.subs, self.group_subs = zl.stage3_group_sub_groups(groups, world, sub_group_size)
-
-    def slivers(self) -> bool:
-        """Whether a rank's share of a param is small on average (< SLIVER elements): each rank file is then thousands
-        of slivers gathered by Python arithmetic, and one writing thread is faster and smaller than two (measured:
-        MoE ZeRO-3 2 -> 64 ranks 106 s / 174 MB on one, 113 s / 201 MB on two)."""
-        params = [math.prod(shape) for sub in self.subs for _, shape in sub]
-        return bool(params) and sum(params) < SLIVER * len(params) * self.world
-
-    def partition(self, entry: TensorEntry, rank: int, name: str) -> TensorEntry:
-        """Rank's ceil(n/W) elements of a parameter, zero-padded past its end."""
-        start, end = zl.stage3_rank_range(entry.numel, self.world, rank)
-        return lazy_flat(name, entry.dtype, zl.stage3_partition_size(entry.numel, self.world), [(0, entry, start, end - start)])
-
-    def flat(self, s: int, key: str, rank: int, name: str) -> TensorEntry:
-        """Rank's flat partition of sub-group s: its params' partitions end to end (made a range at a time). Where
-        each param lies is the same on every rank; what a rank holds of it follows from the rank's number."""
-        if (s, key) not in self._entries:
-            if s not in self._starts:
-                self._starts[s] = [slot.offset for slot in zl.stage3_slots(self.subs[s], self.world)]
-            self._entries[s, key] = [_state_entry(self.ckpt, name, key) for name, _ in self.subs[s]]
-        starts, entries = self._starts[s], self._entries[s, key]
-        length = zl.stage3_flat_numel(self.subs[s], self.world)
-        return flat_entry(name, FlatLayout(entries[-1].dtype, length, Stage3RankParts(starts, entries, self.world, rank), starts))
-
-    def files(self, tag: str) -> list[OutputFile]:
-        out = []
-        for rank in range(self.world):
-            name = f"{tag}/zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-            model = functools.partial(self._rank_file, self._model_states, rank, name)
-            out.append(OutputFile(name, model()) if rank == 0 else built(name, model, self.ckpt))  # rank 0's now: it sets the notes
-            name = f"{tag}/{self.src.optim_prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-            out.append(built(name, functools.partial(self._rank_file, self._optimizer, rank, name), self.ckpt))
-        return out
-
-    @staticmethod
-    def _rank_file(tree_of: Callable[[int], Any], rank: int, name: str) -> list[Any]:
-        return file_segments(tree_of(rank), name)
-
-    def _model_states(self, rank: int) -> Any:
-        # Every rank saves its own model states at stage 3, client state included (a per-rank RNG, say), and loads
-        # its own: new rank r starts from old rank r mod W ('wrap', as the per-rank rule), else from rank 0.
-        old = len(self.src.models)
-        models, which = self.src.models, rank % old if self.per_rank_rule == "wrap" else 0
-        tree = tensorize(models.unkept(which) if isinstance(models, LazyRanks) else models[which])
-        tree["dp_world_size"] = self.world
-        self.per_rank_note = rekey_client_state(tree, self.world, self.per_rank_rule)
-        tree["param_shapes"] = [OrderedDict((n, TorchSize(shape)) for n, shape in sub) for sub in self.subs]
-        fragments = tree.get("frozen_param_fragments")
-        if fragments:
-            for pname in fragments:
-                fragments[pname] = self.partition(self.ckpt.tensors[pname], rank, f"frozen.{pname}")
-        if rank:
-            tree["shared_params"] = {}  # DeepSpeed records aliases on global rank 0 only
-        return tree
-
-    def _optimizer(self, rank: int) -> Any:
-        if self._template is None:
-            self._template = tensorize(self.src.optims[0], outline(self.src.optims[0], ("fp32_flat_groups",)))
-        tree = own(self._template, ("optimizer_state_dict", "optimizer_state_dict"))
-        osd = tree["optimizer_state_dict"]
-        osd["partition_count"] = self.world
-        inner = osd["optimizer_state_dict"]
-        template = inner["state"].get(0, {})
-        inner["state"] = {
-            s: {
-                key: (copy.copy(value) if not value.shape else self.flat(s, key, rank, f"{key}.{s}"))
-                for key, value in template.items()
-                if isinstance(value, TensorEntry)
-            }
-            for s in range(len(self.subs))
-        }
-        inner["param_groups"] = [{**group, "params": self.group_subs[i]} for i, group in enumerate(inner["param_groups"])]
-        osd["fp32_flat_groups"] = [self.flat(s, "", rank, f"fp32.{s}") for s in range(len(self.subs))]
-        return tree
-
-
-class Stage3RankParts(Sequence[FlatPart]):
-    """A rank's parts of a stage 3 flat partition (FlatPart), made as indexed: ceil(n/W) elements of each param from
-    element rank * ceil(n/W), at the param's start (the same on every rank). 20,000 params, 3 flats a file."""
-
-    __slots__ = ("starts", "entries", "world", "rank")
-
-    def __init__(self, starts: list[int], entries: list[TensorEntry], world: int, rank: int) -> None:
-        self.starts, self.entries, self.world, self.rank = starts, entries, world, rank
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    @overload
-    def __getitem__(self, i: int) -> FlatPart: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[FlatPart]: ...
-    def __getitem__(self, i: int | slice) -> FlatPart | list[FlatPart]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        entry = self.entries[i]
-        start, end = zl.stage3_rank_range(entry.numel, self.world, self.rank)
-        return self.starts[i], entry, start, end - start
 
 
 class Stage0Reshard:
