@@ -224,3 +224,29 @@ def test_split_permute_and_stack_of_orbax_arrays(orbax_saves, ckpt, tmp_path):
     want = wq.reshape(4, rows // 8, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
     assert np.array_equal(got["params.decoder.layers_0.attn.wq"], want)
     assert np.array_equal(got["stacked"], array("params.decoder.layers_0.attn.wo")[None])
+
+
+def test_reshape_of_orbax_arrays(orbax_saves, ckpt, tmp_path):
+    """A name map's reshape of Orbax arrays (a kernel viewed as [embed, heads, head_dim], the layout JAX attention keeps)
+    reads them through tensorstore as they are: into safetensors and into DCP at 3 ranks, bit-equal to numpy's reshape."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    (tmp_path / "map.yaml").write_text(
+        "reshape:\n  - {from: 'params\\.head\\.kernel', shape: [0, 4, -1]}\n"
+        "  - {from: 'params\\.decoder\\.layers_0\\.mlp\\.wi', shape: [4, 8, 128]}\n"
+    )
+    src = orbax_saves / SRC
+    res = ckpt("convert", src, tmp_path / "w.safetensors", "--to", "safetensors", "--weights-only", "--name-map", tmp_path / "map.yaml")
+    assert res.code == 0 and "2 reshaped" in res.err, res.err
+    res = ckpt("convert", src, tmp_path / "dcp", "--to", "dcp", "--world-size", "3", "--weights-only", "--name-map", tmp_path / "map.yaml")
+    assert res.code == 0, res.err
+    flat = load_file(tmp_path / "w.safetensors")
+    meta = dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata()
+    wanted = {"params.head.kernel": (32, 4, 24), "params.decoder.layers_0.mlp.wi": (4, 8, 128)}
+    state = {n: torch.empty(meta.state_dict_metadata[n].size) for n in wanted}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    for name, shape in wanted.items():
+        want = np.load(orbax_saves / "arrays" / f"{name}.npy").reshape(shape)
+        assert np.array_equal(flat[name].numpy(), want) and np.array_equal(state[name].numpy(), want), name

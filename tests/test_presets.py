@@ -294,3 +294,55 @@ def test_each_layout_suggests_exactly_its_preset(names, preset):
 
     tensors = {n: TensorEntry(n, by_name("float32"), (2, 2), "model", []) for n in names}
     assert presets.suggest(Checkpoint("safetensors", "x", tensors)) == preset
+
+
+def test_reshape_of_stored_tensors(ckpt, tmp_path):
+    """A name map's reshape views a tensor in another shape of the same elements (a JAX attention kernel
+    [embed, heads, head_dim] as [embed, heads * head_dim]); with a transpose after it, the torch Linear's [out, in].
+    From a real safetensors file: bit-equal to torch's reshape; a shape its elements do not fill is refused (exit 2)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(8, 4, 6), torch.randn(8, 2, 6)
+    save_file({"attn.q.kernel": q, "attn.k.kernel": k, "norm": torch.randn(8)}, tmp_path / "src.safetensors")
+    (tmp_path / "map.yaml").write_text(
+        "reshape:\n  - {from: 'attn\\.q\\.kernel', shape: [0, -1]}\n  - {from: 'attn\\.k\\.kernel', shape: [4, 2, 12]}\n"
+        "transpose: ['attn\\.q\\.kernel']\n"
+    )
+    src = tmp_path / "src.safetensors"
+    res = ckpt("convert", src, tmp_path / "out.safetensors", "--to", "safetensors", "--name-map", tmp_path / "map.yaml")
+    assert res.code == 0 and "2 reshaped" in res.err and "1 transposed" in res.err, res.err
+    out = load_file(tmp_path / "out.safetensors")
+    assert torch.equal(out["attn.q.kernel"], q.reshape(8, 24).t()) and torch.equal(out["attn.k.kernel"], k.reshape(4, 2, 12))
+    (tmp_path / "bad.yaml").write_text("reshape:\n  - {from: 'norm', shape: [3, -1]}\n")
+    res = ckpt("convert", src, tmp_path / "bad.safetensors", "--to", "safetensors", "--name-map", tmp_path / "bad.yaml")
+    assert res.code == 2 and "'norm' [8]: 8 elements are not [3, -1]" in res.err and not (tmp_path / "bad.safetensors").exists(), res.err
+    (tmp_path / "bad.yaml").write_text("reshape:\n  - {from: 'norm', shape: [-1, -1]}\n")
+    res = ckpt("convert", src, tmp_path / "bad.safetensors", "--to", "safetensors", "--name-map", tmp_path / "bad.yaml")
+    assert res.code == 2 and "each reshape is" in res.err, res.err
+
+
+def test_reshaped_boxes_of_a_computed_tensor():
+    """A computed tensor with boxes (an Orbax array) reshaped [A, H, D] -> [A, H * D] reads boxes of its columns
+    through the source's boxes (what a transpose after the reshape asks), also across heads and from row ranges."""
+    from ckpt_cli.core.names.reshape import reshaped
+
+    w = torch.arange(5 * 3 * 4, dtype=torch.float32).reshape(5, 3, 4)
+
+    class Source:  # a stand-in for core/formats/orbax/arrays.OrbaxArray: flat windows and N-d boxes
+        def windows(self):
+            yield 0, w.numel()
+
+        def read(self, start, count, sources):
+            return w.reshape(-1)[start : start + count].clone()
+
+        def read_box(self, offsets, sizes):
+            return w[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].contiguous().reshape(-1)
+
+    entry = TensorEntry("w", by_name("float32"), (5, 3, 4), "model", [], derived=Source())
+    flat = reshaped(entry, (5, 12))
+    for offsets, sizes in [((0, 0), (5, 12)), ((0, 3), (5, 6)), ((1, 5), (3, 2)), ((2, 11), (1, 1))]:
+        want = w.reshape(5, 12)[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]].reshape(-1)
+        assert torch.equal(flat.derived.read_box(offsets, sizes), want), (offsets, sizes)
+    assert torch.equal(read_all(rope.transposed(flat, "t")), w.reshape(5, 12).t())
+    merged = reshaped(entry, (15, 4))  # rows of two merged axes
+    assert torch.equal(merged.derived.read_box((0, 1), (15, 2)), w.reshape(15, 4)[:, 1:3].reshape(-1))
+    assert torch.equal(merged.derived.read_box((4, 0), (3, 3)), w.reshape(15, 4)[4:7, :3].reshape(-1))

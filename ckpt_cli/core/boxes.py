@@ -54,16 +54,25 @@ class DerivedBox:
         for start in range(0, self.numel, step):
             yield start, min(step, self.numel - start)
 
-    def read(self, start: int, count: int, sources: Any) -> Any:
-        import torch
+    def read_raw(self, start: int, count: int, sources: Any) -> Any:
+        """The elements' bytes (numpy uint8), each run through the source's own `window_bytes` (no torch for an Orbax
+        array)."""
+        import numpy as np
 
-        from ckpt_cli.core.reading import read_elements
+        from ckpt_cli.core.reading import window_bytes
 
-        out = torch.empty(count, dtype=self.entry.dtype.torch())
+        size = self.entry.dtype.itemsize
+        out = np.empty(count * size, np.uint8)
         for gstart, length, lstart in box_runs(self.offsets, self.sizes, self.entry.shape):
             if lstart >= start + count:
                 break
             lo, hi = max(lstart, start), min(lstart + length, start + count)
             if lo < hi:
-                out[lo - start : hi - start] = read_elements(self.entry, gstart + lo - lstart, hi - lo, sources)
+                part = window_bytes(self.entry, self.entry.dtype, gstart + lo - lstart, hi - lo, sources)
+                out[(lo - start) * size : (hi - start) * size] = part
         return out
+
+    def read(self, start: int, count: int, sources: Any) -> Any:
+        import torch
+
+        return torch.from_numpy(self.read_raw(start, count, sources)).view(self.entry.dtype.torch())

@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 from ckpt_cli import store
 from ckpt_cli.core import structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
+from ckpt_cli.core.names.reshape import Reshape
 from ckpt_cli.core.names.row_split import RowSplit
 from ckpt_cli.core.names.stack import Stack
 from ckpt_cli.core.paths import read_regular_text
@@ -45,6 +46,7 @@ NAME_MAP_SCHEMA = {
     "stack": Optional([{"from": str, "to": str, "parts": Optional([str])}]),
     "transpose": Optional([str]),
     "zero": Optional([str]),
+    "reshape": Optional([{"from": str, "shape": list}]),
 }
 
 
@@ -102,11 +104,13 @@ class NameMap:
     stacks: tuple[Stack, ...] = ()
     transposes: tuple[str, ...] = ()  # regular expressions: 2-D tensors written transposed (core/names/rope.py)
     zeros: tuple[str, ...] = ()  # regular expressions: tensors the target has no place for, left out only while all zero
+    reshapes: tuple[Reshape, ...] = ()  # tensors viewed in another shape of the same element count (core/names/reshape.py)
 
     @classmethod
     def from_yaml(cls, path: Path) -> NameMap:
         """`strip_segments: [...]`, `rename: [{from: REGEX, to: REPL}, ...]`, `tied: {alias: owner}`,
-        `split: [{from: REGEX, to: NAMES, groups: N, layers: BOOL}, ...]`, `permute: [{from: REGEX, rope: LAYOUT, heads: N}]`."""
+        `split: [{from: REGEX, to: NAMES, groups: N, layers: BOOL}, ...]`, `permute: [{from: REGEX, rope: LAYOUT, heads: N}]`,
+        `reshape: [{from: REGEX, shape: [N, ...]}]`."""
         path = store.location(path)  # a local file or an object (s3://)
         try:
             text = read_regular_text(path, max_bytes=16 << 20)
@@ -143,6 +147,7 @@ class NameMap:
             tuple(Stack.parse(item, where) for item in data.get("stack") or []),
             tuple(str(p) for p in data.get("transpose") or []),
             tuple(str(p) for p in data.get("zero") or []),
+            reshapes=tuple(Reshape.parse(item, where) for item in data.get("reshape") or []),
         ).checked(where)
 
     def with_renames(self, pairs: list[str]) -> NameMap:
@@ -181,6 +186,7 @@ class NameMap:
         rules += [s.describe() for s in self.stacks]
         rules += [f"transpose /{p}/" for p in self.transposes]
         rules += [f"leave out /{p}/ while all zero" for p in self.zeros]
+        rules += [r.describe() for r in self.reshapes]
         return "; ".join(rules)
 
 

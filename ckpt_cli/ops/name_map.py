@@ -4,7 +4,8 @@ Training-state conversions rename parameters through their own path (ops/crossfr
 takes the checkpoint's tensors as they are: tensors a `stack` matches are laid end to end into one (core/names/stack.py:
 per-expert weights into packed experts), each other is permuted by the first `permute` that matches its name
 (core/names/rope.py: q/k rows to the other rotary layout, per head), split by the first `split` that matches
-(core/names/row_split.py: fused QKV to q/k/v, SwiGLU fc1 to gate/up, stacked layers to one tensor each), and renamed.
+(core/names/row_split.py: fused QKV to q/k/v, SwiGLU fc1 to gate/up, stacked layers to one tensor each), and renamed;
+a `reshape` (core/names/reshape.py) views a tensor in another shape first.
 Nothing is read here: split outputs point at the source's stored bytes, permuted ones are computed as they are read.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
 from ckpt_cli.core.names import rope
+from ckpt_cli.core.names.reshape import reshaped
 from ckpt_cli.core.training import NameMap
 from ckpt_cli.errors import UsageError
 
@@ -23,7 +25,7 @@ from ckpt_cli.errors import UsageError
 def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
     """The checkpoint with the map's stacks, permutes, splits and renames applied to its tensors (and its values' names)."""
     tensors: dict[str, TensorEntry] = {}
-    split, outputs, renamed, permuted, turned = 0, 0, 0, 0, 0
+    split, outputs, renamed, permuted, turned, shaped = 0, 0, 0, 0, 0, 0
     needs = any(isinstance(p.heads, str) for p in names.permutes) or any(s.needs_config() for s in names.splits)
     config = model_config(ckpt) if needs else None
     splits = [s.resolved(config) for s in names.splits]
@@ -38,6 +40,10 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
         _require_zero(sources.pop(name))
     for entry in sources.values():
         base = names.strip(entry.name)
+        reshape = next((r for r in names.reshapes if r.matches(base)), None)
+        if reshape is not None:  # first: a JAX kernel [embed, heads, head_dim] becomes the 2-D weight the rest expects
+            entry = reshaped(entry, reshape.target(entry))
+            shaped += 1
         permute = next((p for p in names.permutes if re.fullmatch(p.pattern, base)), None)
         if permute is not None:
             entry = rope.permuted(entry, entry.name, permute.head_count(config, entry.name), permute.rope)
@@ -74,6 +80,8 @@ def weights_view(ckpt: Checkpoint, names: NameMap) -> Checkpoint:
     note = f"name map: {split} tensors split into {outputs}, {renamed} renamed"
     if left_out:
         note += f", {len(left_out)} all-zero tensors left out ({left_out[0]}{', ...' if len(left_out) > 1 else ''})"
+    if names.reshapes:
+        note += f", {shaped} reshaped"
     if names.transposes:
         note += f", {turned} transposed"
     if names.stacks:

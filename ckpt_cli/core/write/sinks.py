@@ -14,22 +14,18 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ckpt_cli import store
 from ckpt_cli.core.copies import Copies, PlannedFlat, gather
-from ckpt_cli.core.dtypes import DType
-from ckpt_cli.core.model import ZEROS, LazyPieces, TensorEntry
+from ckpt_cli.core.model import ZEROS, LazyPieces
 from ckpt_cli.core.reading import (
     BLOCK_BYTES,
     ByteRun,
     SourceFiles,
-    as_bytes,
     byte_runs,
     byte_runs_in,
     element_windows,
-    read_elements,
     read_runs,
+    window_bytes,
 )
 from ckpt_cli.core.write.crc import crc32_combine
 from ckpt_cli.core.write.plan import Literal, Segment, TensorData
@@ -198,16 +194,6 @@ def _copy_gathered(copies: Copies, out: Sink, sources: SourceFiles, with_crc: bo
     return zlib.crc32(data) if with_crc else 0
 
 
-def window_bytes(entry: TensorEntry, dst: DType, start: int, count: int, sources: SourceFiles) -> Any:
-    """Elements [start, start + count) as `dst`'s bytes: cast through torch, or as a computed tensor gives them when
-    it makes its bytes in numpy already (GGUF's quantized tensors: formats/gguf/writer.py, no torch imported)."""
-    values = read_elements(entry, start, count, sources)
-    if isinstance(values, np.ndarray):
-        assert entry.dtype == dst, f"{entry.name}: a computed tensor's numpy window is in its own dtype"
-        return values.view(np.uint8)
-    return as_bytes(values.to(dst.torch()))
-
-
 def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     entry, dst = seg.tensor, seg.dtype
     crc = 0
@@ -216,6 +202,7 @@ def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
         if seg.crc_key is not None:
             crc = zlib.crc32(data, crc)
         out.write(data)
+        del data  # before the next window is read: a window may be a whole decoded chunk (an Orbax array's, ~46 MB)
     return crc
 
 

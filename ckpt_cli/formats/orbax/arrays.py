@@ -5,9 +5,11 @@ decodes the chunks its window covers, never the whole array unless one chunk row
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from ckpt_cli.errors import DataError, UsageError
 
 INSTALL_HINT = "the orbax extra: pip install 'ckpt-tools[orbax]'"
 CACHE_BYTES = 64 << 20  # tensorstore's cache of decoded chunks and OCDBT B-tree nodes, one per process
+DECODE_BUDGET = 64 << 20  # bytes of chunks decoded at once, all threads together (a larger chunk goes alone)
 
 
 def tensorstore() -> Any:
@@ -32,12 +35,16 @@ def tensorstore() -> Any:
 @functools.cache
 def context() -> Any:
     ts = tensorstore()
-    # Decoded chunks (`cache_pool#chunks`) apart from B-tree nodes (`cache_pool`): a DCP write reads each rank's box of
-    # a chunk, and without the cache decoded it once per box (1 GB to DCP at 2 ranks: 45-65 s against 10-15 s)
+    heap.map_large_blocks()  # decoded chunks freed by tensorstore's threads go back to the system, not to its arenas
+    # Decoded chunks (`cache_pool#chunks`) apart from B-tree nodes (`cache_pool`): a read of part of a chunk decodes all
+    # of it, and a DCP write reads each rank's box of a chunk BLOCK_BYTES at a time; without the cache it decoded the
+    # chunk once per window (1 GB to DCP at 2 ranks: 45-65 s against 10-15 s). A read of whole chunks keeps none
+    # (`cache_pool#none`): the chunk is the window, and kept it would only add to the resident size.
     return ts.Context(
         {
             "cache_pool": {"total_bytes_limit": CACHE_BYTES},
             "cache_pool#chunks": {"total_bytes_limit": CACHE_BYTES},
+            "cache_pool#none": {"total_bytes_limit": 0},
             "file_io_concurrency": {"limit": 32},
         }
     )
@@ -90,6 +97,34 @@ def list_keys(item: Path, use_ocdbt: bool) -> list[str]:
     return [k.decode("utf-8", "replace") for k in kv.list().result()]
 
 
+class _DecodeBudget:
+    """Bytes of chunks being decoded at once, across the writing threads. tensorstore decodes a whole chunk for any read
+    of it and holds its compressed bytes and the decoded chunk together. A read waits while others decode more than
+    the budget; one read alone always goes (a chunk above the budget is decoded alone)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.used, self.cond = budget, 0, threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, nbytes: int) -> Iterator[None]:
+        if not nbytes:
+            yield
+            return
+        nbytes = min(nbytes, self.budget)
+        with self.cond:
+            self.cond.wait_for(lambda: self.used + nbytes <= self.budget or self.used == 0)
+            self.used += nbytes
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.used -= nbytes
+                self.cond.notify_all()
+
+
+DECODING = _DecodeBudget(DECODE_BUDGET)
+
+
 @functools.lru_cache(maxsize=16)  # a write reads an array window by window: opened once, a few kept
 def _open(spec_json: str) -> Any:
     ts = tensorstore()
@@ -100,10 +135,11 @@ class OrbaxArray:
     """How a tensor of an Orbax save is read (core/model.Derived): element windows of whole chunk rows, each read as
     the few boxes of the array that hold it, decoded by tensorstore."""
 
-    __slots__ = ("spec", "shape", "dtype", "chunks", "where", "name")
+    __slots__ = ("spec", "uncached", "shape", "dtype", "chunks", "where", "name")
 
     def __init__(self, spec: dict[str, Any], shape: tuple[int, ...], dtype: DType, chunks: tuple[int, ...], where: str, name: str) -> None:
         self.spec = json.dumps(spec, sort_keys=True)
+        self.uncached = json.dumps({**spec, "cache_pool": "cache_pool#none"}, sort_keys=True)  # reads of whole chunks
         self.shape, self.dtype, self.chunks, self.where, self.name = shape, dtype, chunks, where, name
 
     def windows(self) -> Iterator[tuple[int, int]]:
@@ -119,22 +155,41 @@ class OrbaxArray:
         for start in range(0, numel, per):
             yield start, min(per, numel - start)
 
-    def read(self, start: int, count: int, sources: Any = None) -> Any:
+    def whole_chunks(self, start: int, count: int) -> bool:
+        """Whether elements [start, start + count) are whole rows of chunks (nothing of a chunk left for a next read)."""
+        band = max(self.chunks[0], 1) * math.prod(self.shape[1:]) if self.shape and self.chunks else 1
+        return start % band == 0 and (count % band == 0 or start + count == math.prod(self.shape))
+
+    def decoded_bytes(self, count: int) -> int:
+        """About what a read of `count` elements decodes: the chunks it covers, at least one."""
+        return max(count, math.prod(self.chunks) if self.chunks else 1) * self.dtype.itemsize
+
+    def read_raw(self, start: int, count: int, sources: Any = None) -> Any:
+        """Elements [start, start + count) as their bytes (a flat numpy uint8 array): no torch, so a write that copies
+        them (to safetensors, to DCP) never imports it."""
         import numpy as np
-        import torch
 
         if count == 0:
-            return torch.empty(0, dtype=self.dtype.torch())
+            return np.empty(0, np.uint8)
         try:
-            store = _open(self.spec)
-            parts = [np.ascontiguousarray(p).reshape(-1) for p in _flat_range(store, self.shape, start, count)]
+            whole = self.whole_chunks(start, count)
+            store = _open(self.uncached if whole else self.spec)
+            # Only reads of whole chunks wait their turn: they decode for certain, where a part of a chunk is mostly
+            # the cache's (a DCP rank's box read BLOCK_BYTES at a time: queued, 1 GB at 2 ranks took 31 s, not 15)
+            with DECODING.take(self.decoded_bytes(count) if whole else 0):
+                parts = [np.ascontiguousarray(p).reshape(-1) for p in _flat_range(store, self.shape, start, count)]
         except (ValueError, RuntimeError, OSError) as exc:
             raise DataError(f"{self.where}: array '{self.name}' cannot be read: {what_failed(exc)}") from exc
         flat = parts[0] if len(parts) == 1 else np.concatenate(parts)
         heap.give_back_when_grown()  # tensorstore's threads free decoded chunks into malloc arenas of their own
         if flat.size != count:
             raise DataError(f"{self.where}: array '{self.name}' gave {flat.size} elements for a read of {count}")
-        raw = flat.view(np.uint8)  # tensorstore's own buffer (or the concatenation's), not copied again
+        return flat.view(np.uint8)  # tensorstore's own buffer (or the concatenation's), not copied again
+
+    def read(self, start: int, count: int, sources: Any = None) -> Any:
+        import torch
+
+        raw = self.read_raw(start, count, sources)
         return torch.from_numpy(raw if raw.flags.writeable else raw.copy()).view(self.dtype.torch())
 
     def read_box(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
