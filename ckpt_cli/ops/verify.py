@@ -171,7 +171,8 @@ def write_manifest_file(path: Path, manifest: dict[str, Any]) -> None:
     store.put(path, (json.dumps(manifest, indent=2) + "\n").encode())
 
 
-def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], digests: Digests, report: Report, where: Path) -> None:
+def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], digests: Digests, report: Report, where: Path, tensors: bool = True) -> None:
+    """Each file's checksum against the manifest's and, with `tensors`, each tensor's (read in the scan before)."""
     root, algo, hashes = _root(ckpt), manifest_hash(manifest), digests.tensors
     if manifest.get("format") == ckpt.format:
         for rel, want in manifest.get("files", {}).items():
@@ -180,7 +181,7 @@ def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], digests: Digests,
                 report.problems.append(f"{path}: missing (listed in manifest {where})")
             elif not path.is_file() or (digests.files.get(str(path)) or file_digest(str(path), algo)) != want[algo]:
                 report.problems.append(f"{path}: checksum differs from manifest {where} (bytes changed)")
-    for name, want in manifest.get("tensors", {}).items():
+    for name, want in manifest.get("tensors", {}).items() if tensors else ():
         t = ckpt.tensors.get(name)
         if t is None:
             report.problems.append(f"{ckpt.path}: tensor '{name}' from manifest {where} is missing")
@@ -317,6 +318,8 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
                     report.nonfinite[t.name] = {"nan": nan, "inf": inf}
         except DataError as exc:
             report.problems.append(str(exc))
+            if manifest is not None and manifest_file is not None:  # its file checksums still name the file that changed
+                check_manifest(ckpt, manifest, hashes[manifest_hash(manifest)], report, manifest_file, tensors=False)
             return report
         finally:
             sources.close()
