@@ -124,7 +124,8 @@ def parameter_kvs(hf: str, arch: Arch, config: dict[str, Any], file_type: str) -
 
 
 # Hugging Face module names inside a layer -> GGUF's (gguf-py tensor_mapping.py, the names these architectures use)
-_LAYER = {
+# a dense decoder layer's tensors (Llama, Qwen2, Qwen3), which a GGUF file's reader maps back (formats/gguf/names.py)
+DENSE_LAYER = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -136,6 +137,9 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+}
+_LAYER = {
+    **DENSE_LAYER,
     "mlp.gate": "ffn_gate_inp",
     "block_sparse_moe.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
@@ -143,7 +147,7 @@ _LAYER = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
 LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 # per-expert weights: (layer, expert, which); the stacked tensor's GGUF name per `which`
@@ -177,8 +181,8 @@ def permuted_qk(entry: TensorEntry, name: str, config: dict[str, Any]) -> Tensor
 def gguf_name(name: str) -> str:
     """A Hugging Face tensor's GGUF name; a name these architectures do not have is refused, as the converter does."""
     stem, _, suffix = name.rpartition(".")
-    if stem in _TOP and suffix in ("weight", "bias"):
-        return f"{_TOP[stem]}.{suffix}"
+    if stem in TOP and suffix in ("weight", "bias"):
+        return f"{TOP[stem]}.{suffix}"
     match = LAYER_RE.fullmatch(name)
     if match and match[2] in _LAYER:
         return f"blk.{match[1]}.{_LAYER[match[2]]}.{match[3]}"

@@ -12,24 +12,15 @@ from __future__ import annotations
 
 import re
 
+from ckpt_cli.formats.gguf.arch import DENSE_LAYER, TOP
+
 # architectures whose tensors carry Hugging Face names on reading: the dense decoders of GGUF_CONFIG_MAPPING that share
 # Llama's layout (gguf-py MODEL_TENSORS for LLAMA, QWEN2, QWEN3)
 MAPPED = ("llama", "qwen2", "qwen3")
 UNPERMUTED = ("llama",)  # transformers' TENSOR_PROCESSORS["llama"]
-GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-BLOCK = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# the writer's names read backwards (formats/gguf/arch.py): GGUF name -> Hugging Face module path
+GLOBAL = {gguf: hf for hf, gguf in TOP.items()}
+BLOCK = {gguf: hf for hf, gguf in DENSE_LAYER.items()}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"([a-z_]+)\.(weight|bias)")
 
