@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import du, measure, remove, same_tensors
+from common import du, measure_rows, print_ratios, same_tensors
 
 PY = sys.executable
 CKPT = [PY, "-m", "ckpt_cli"]
@@ -104,14 +104,7 @@ def main() -> None:
         ("cp -r (the base's bytes)", ["cp", "-r", base, copy], copy),
     ]
     print(f"base: {base} ({du(base) / 1e9:.2f} GB), adapter r={RANK} on 7 projections per layer")
-    results = {}
-    for label, cmd, out in rows:
-        m = measure([str(c) for c in cmd], args.repeat, lambda out=out: remove(out))
-        results[label] = m
-        print(f"  {label:40s} {m.wall:7.1f} s  {m.peak_rss / 1e6:7.0f} MB", flush=True)
-    ckpt_m = results[rows[0][0]]
-    for label, m in list(results.items())[1:]:
-        print(f"  ckpt / {label}: time {ckpt_m.wall / m.wall:.2f}x, peak RSS {ckpt_m.peak_rss / m.peak_rss:.2f}x")
+    print_ratios(measure_rows(rows, args.repeat))
     print("  ckpt's release vs peft's:", same_tensors(ours, theirs))
 
 

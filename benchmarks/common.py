@@ -107,6 +107,28 @@ def _pss(pid: int) -> int:
     return 0
 
 
+def measure_rows(
+    rows: list[tuple[str, list, Path]], repeat: int, env: dict[str, str] | None = None, sizes: bool = False
+) -> dict[str, Measure]:
+    """Each (label, command, output) measured in turn, its output removed before each run, and printed as a line
+    (wall, peak RSS and, with `sizes`, the output's size)."""
+    width = max(len(label) for label, _, _ in rows)
+    results = {}
+    for label, cmd, out in rows:
+        m = measure([str(c) for c in cmd], repeat, lambda out=out: remove(out), env=env)
+        results[label] = m
+        size = f"  out {du(out) / 1e9:.2f} GB" if sizes else ""
+        print(f"  {label:{width}s} {m.wall:7.1f} s  {m.peak_rss / 1e6:7.0f} MB{size}", flush=True)
+    return results
+
+
+def print_ratios(results: dict[str, Measure], name: str = "ckpt") -> None:
+    """The first row's time and peak RSS over each other row's."""
+    base, *others = results.items()
+    for label, m in others:
+        print(f"  {name} / {label}: time {base[1].wall / m.wall:.2f}x, peak RSS {base[1].peak_rss / m.peak_rss:.2f}x")
+
+
 def remove(path: Path) -> None:
     """Delete a file or a folder if it is there."""
     if path.is_dir() and not path.is_symlink():

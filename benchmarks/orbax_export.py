@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import du, measure, remove, same_tensors
+from common import du, measure_rows, same_tensors
 
 PY = sys.executable
 CKPT = [PY, "-m", "ckpt_cli"]
@@ -92,11 +92,7 @@ def main() -> None:
     ours.parent.mkdir(parents=True, exist_ok=True)
     source_bytes = du(src)
     print(f"source: {src} ({source_bytes / 1e9:.2f} GB on disk, Orbax OCDBT + zarr v2, zstd)")
-    results = {}
-    for label, cmd, out in rows:
-        m = measure([str(c) for c in cmd], args.repeat, lambda out=out: remove(out), env=env)
-        results[label] = m
-        print(f"  {label:40s} {m.wall:7.1f} s  {m.peak_rss / 1e6:7.0f} MB  out {du(out) / 1e9:.2f} GB", flush=True)
+    results = measure_rows(rows, args.repeat, env=env, sizes=True)
     base, ref = results[rows[0][0]], results[rows[1][0]]
     print(f"  ckpt / reference: time {base.wall / ref.wall:.2f}x, peak RSS {base.peak_rss / ref.peak_rss:.2f}x")
     print("  outputs:", same_tensors(ours.parent, theirs.parent))

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import du, measure, remove, same_tensors
+from common import du, measure_rows, print_ratios, same_tensors
 
 PY = sys.executable
 CKPT = [PY, "-m", "ckpt_cli"]
@@ -134,14 +134,7 @@ def main() -> None:
     ]
     source_bytes = du(src)
     print(f"source: {src} ({source_bytes / 1e9:.2f} GB, {len(list(src.glob('*.safetensors')))} shards)")
-    results = {}
-    for label, cmd, out in rows:
-        m = measure([str(c) for c in cmd], args.repeat, lambda out=out: remove(out))
-        results[label] = m
-        print(f"  {label:46s} {m.wall:7.1f} s  {m.peak_rss / 1e6:7.0f} MB  out {du(out) / 1e9:.2f} GB", flush=True)
-    base = results[rows[0][0]]
-    for label, m in list(results.items())[1:]:
-        print(f"  ckpt / {label}: time {base.wall / m.wall:.2f}x, peak RSS {base.peak_rss / m.peak_rss:.2f}x")
+    print_ratios(measure_rows(rows, args.repeat, sizes=True))
     print("  outputs:", same_tensors(ours, theirs))
     config = json.loads((ours / "config.json").read_text())
     print("  written config.json has quantization_config:", "quantization_config" in config)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import du, measure, remove, same_tensors
+from common import du, measure_rows, print_ratios, same_tensors
 
 PY = sys.executable
 CKPT = [PY, "-m", "ckpt_cli"]
@@ -116,14 +116,7 @@ def main() -> None:
         ("cp (the source's bytes)", ["cp", src, copy], copy),
     ]
     print(f"source: {src} ({du(src) / 1e9:.2f} GB)")
-    results = {}
-    for label, cmd, out in rows:
-        m = measure([str(c) for c in cmd], args.repeat, lambda out=out: remove(out))
-        results[label] = m
-        print(f"  {label:46s} {m.wall:7.1f} s  {m.peak_rss / 1e6:7.0f} MB", flush=True)
-    base = results[rows[0][0]]
-    for label, m in list(results.items())[1:]:
-        print(f"  preset / {label}: time {base.wall / m.wall:.2f}x, peak RSS {base.peak_rss / m.peak_rss:.2f}x")
+    print_ratios(measure_rows(rows, args.repeat), "preset")
     print(
         "  preset vs torchtitan's way:",
         same_tensors(preset, theirs),
