@@ -21,7 +21,7 @@ from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.reading import BLOCK_BYTES, read_elements
-from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import registry
 from ckpt_cli.store import location
 
@@ -90,10 +90,7 @@ def open_adapter(folder: str | Path) -> Checkpoint:
     if not fmt.reader.detect(where):
         raise UsageError(f"--adapter {folder}: not a PEFT adapter folder (adapter_config.json + adapter_model.safetensors or .bin)")
     adapter_ckpt = fmt.reader.read(where, ReadOptions())
-    problems = adapter_ckpt.source.problems
-    if problems:
-        more = f" (and {len(problems) - 1} more problems; ckpt verify {folder} lists them)" if len(problems) > 1 else ""
-        raise DataError(f"refusing to apply the adapter: {problems[0]}{more}")
+    adapter_ckpt.source.refuse_problems("refusing to apply the adapter: ")
     return adapter_ckpt
 
 

@@ -27,8 +27,7 @@ def lora_tensors(ckpt: Checkpoint, config: dict[str, Any], arch: archs.Arch) -> 
     refused = _refused(adapter.config)
     if refused:
         raise UsageError(f"{ckpt.path}: {refused}; llama.cpp applies a LoRA as alpha / r, r each module's own rank")
-    if adapter.problems:
-        raise UsageError(adapter.problems[0])
+    adapter.refuse_problems()  # a broken adapter is data (exit 1), as for --adapter
     out = []
     for module in sorted(adapter.modules.values(), key=lambda m: m.name):
         weight = module.weight

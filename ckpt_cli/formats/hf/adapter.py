@@ -104,6 +104,14 @@ class Adapter:
         """peft's LoraLayer.update_layer: alpha / sqrt(r) with use_rslora, else alpha / r (Python floats)."""
         return module.alpha / math.sqrt(module.r) if self.rslora else module.alpha / module.r
 
+    def refuse_problems(self, doing: str = "", verify_lists: bool = True) -> None:
+        """DataError naming the first problem (and how many more) where there is any: an adapter with one is applied,
+        exported or converted nowhere. `verify_lists`: the adapter is a folder `ckpt verify` lists them for."""
+        if self.problems:
+            more = f" (and {len(self.problems) - 1} more" if len(self.problems) > 1 else ""
+            more += (f" problems; ckpt verify {self.path} lists them)" if verify_lists else ")") if more else ""
+            raise DataError(f"{doing}{self.problems[0]}{more}")
+
     def summary(self) -> dict[str, Any]:
         c = self.config
         return {

@@ -57,8 +57,7 @@ class AdapterWriter:
         if not lora:
             raise DataError(f"{ckpt.path}: holds no LoRA weight (M.lora_A.NAME.weight as a PeftModel saves it)")
         adapter = adapter_of(config, lora, where, WEIGHTS)
-        if adapter.problems:
-            raise DataError(adapter.problems[0] + (f" (and {len(adapter.problems) - 1} more)" if len(adapter.problems) > 1 else ""))
+        adapter.refuse_problems(verify_lists=False)  # its weights are the source's, not a folder's
         left = len(ckpt.tensors) - len(lora)
         notes = [f"adapter '{adapters.pop()}': {len(lora)} LoRA weights of {len(adapter.modules)} modules under peft's names"]
         if left:
