@@ -19,7 +19,7 @@ _ckpt() {
         --format) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter orbax hf safetensors torch gguf" -- "$cur")); return ;;
         --layout) COMPREPLY=($(compgen -W "get_state_dict torchtitan" -- "$cur")); return ;;
         --per-rank-state) COMPREPLY=($(compgen -W "wrap first drop" -- "$cur")); return ;;
-        --preset) COMPREPLY=($(compgen -W "hf-experts-pack hf-experts-unpack megatron-gpt torchtitan-deepseek-v3 torchtitan-llama3 torchtitan-qwen3" -- "$cur")); return ;;
+        --preset) COMPREPLY=($(compgen -W "hf-experts-pack hf-experts-unpack maxtext-llama megatron-gpt torchtitan-deepseek-v3 torchtitan-llama3 torchtitan-qwen3" -- "$cur")); return ;;
     esac
     local opts=""
     case "${words[1]}" in

@@ -236,6 +236,23 @@ def orbax_saves(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "orbax", build)
 
 
+@pytest.fixture(scope="session")
+def maxtext_saves(tmp_path_factory) -> Path:
+    """A small Llama in MaxText's layout saved as MaxText saves its train state, scanned (float32) and not (bfloat16),
+    with its config.json and its logits (tests/producers/maxtext_llama.py)."""
+    pytest.importorskip("orbax.checkpoint")
+
+    def build(root: Path) -> None:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+        proc = subprocess.run(
+            [sys.executable, str(PRODUCERS / "maxtext_llama.py"), str(root)], capture_output=True, text=True, timeout=300, env=env
+        )
+        if proc.returncode:
+            raise AssertionError(f"the MaxText-layout save failed:\n{proc.stderr[-4000:]}")
+
+    return built_once(tmp_path_factory, "maxtext", build)
+
+
 DS_CONFIGS = ["stage1-fp32", "stage2-fp32", "stage3-fp32", "stage1-bf16", "stage2-bf16", "stage3-bf16", "stage1-bf16acc32", "stage2-fp32rr"]
 
 

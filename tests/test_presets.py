@@ -346,3 +346,76 @@ def test_reshaped_boxes_of_a_computed_tensor():
     merged = reshaped(entry, (15, 4))  # rows of two merged axes
     assert torch.equal(merged.derived.read_box((0, 1), (15, 2)), w.reshape(15, 4)[:, 1:3].reshape(-1))
     assert torch.equal(merged.derived.read_box((4, 0), (3, 3)), w.reshape(15, 4)[4:7, :3].reshape(-1))
+
+
+def test_unstack_and_scale_of_stored_tensors(ckpt, tmp_path):
+    """A name map's unstack (one tensor per index of an axis: a scanned JAX model's layers on axis 1) and scale (times
+    a constant in float32, cast back), from a real safetensors file: bit-equal to numpy's slicing and torch's product,
+    with a reshape, transpose and permute after the unstack; bad rules are exit 2, naming the rule, with no output."""
+    torch.manual_seed(0)
+    q = torch.randn(8, 3, 2, 6).to(torch.bfloat16)  # [embed, layers, heads, head_dim]
+    norm = torch.randn(8, 3)
+    save_file({"layers.q.kernel": q, "layers.norm": norm}, tmp_path / "src.safetensors")
+    (tmp_path / "map.yaml").write_text(
+        "unstack:\n  - {from: 'layers\\.(.+)', axis: 1, to: 'layers_{layer}.\\1'}\n"
+        "reshape:\n  - {from: 'layers_\\d+\\.q\\.kernel', shape: [0, -1]}\n"
+        "transpose: ['layers_\\d+\\.q\\.kernel']\n"
+        "permute:\n  - {from: 'layers_\\d+\\.q\\.kernel', rope: halves, heads: 2}\n"
+        "scale:\n  - {from: 'layers_\\d+\\.q\\.kernel', by: 2.5}\n"
+    )
+    src = tmp_path / "src.safetensors"
+    res = ckpt("convert", src, tmp_path / "out.safetensors", "--to", "safetensors", "--name-map", tmp_path / "map.yaml")
+    assert res.code == 0 and "2 unstacked into 6" in res.err and "3 scaled" in res.err, res.err
+    out = load_file(tmp_path / "out.safetensors")
+    assert sorted(out) == [f"layers_{i}.{n}" for i in range(3) for n in ("norm", "q.kernel")]
+    for i in range(3):
+        assert torch.equal(out[f"layers_{i}.norm"], norm[:, i])
+        w = q[:, i].reshape(8, 12).t()
+        w = w.reshape(2, 3, 2, 8).transpose(1, 2).reshape(12, 8)  # interleaved -> halves per head
+        want = (w.to(torch.float32) * torch.tensor(2.5)).to(torch.bfloat16)
+        assert torch.equal(out[f"layers_{i}.q.kernel"].view(torch.int16), want.view(torch.int16)), i
+    for rule, says in [
+        ("unstack:\n  - {from: 'layers\\.norm', axis: 2, to: 'n{layer}'}\n", "has no axis 2"),
+        ("unstack:\n  - {from: 'layers\\.norm', axis: 1, to: 'n'}\n", "a name holding {layer}"),
+        ("scale:\n  - {from: 'layers\\.norm', by: 0}\n", "each scale is"),
+        ("scale:\n  - {from: 'layers\\.norm', by: 'sqrt(head_dim)'}\n", "--hf-config"),
+        ("reshape:\n  - {from: 'layers\\.norm', shape: [-1, hidden_size]}\n", "--hf-config"),
+    ]:
+        (tmp_path / "bad.yaml").write_text(rule)
+        res = ckpt("convert", src, tmp_path / "bad.safetensors", "--to", "safetensors", "--name-map", tmp_path / "bad.yaml")
+        assert res.code == 2 and says in res.err and len(res.err.strip().splitlines()) == 1, (rule, res.err)
+        assert not (tmp_path / "bad.safetensors").exists()
+
+
+def test_unstacked_boxes_of_a_computed_tensor():
+    """Index i of axis k of a computed tensor with boxes (an Orbax array) reads the source's box with that axis fixed,
+    for flat windows and for boxes (what a reshape and a transpose after it ask)."""
+    from ckpt_cli.core.names.unstack import Unstack
+
+    w = torch.arange(5 * 3 * 2 * 4, dtype=torch.float32).reshape(5, 3, 2, 4)
+
+    class Source:
+        def windows(self):
+            yield 0, w.numel()
+
+        def read(self, start, count, sources):
+            return w.reshape(-1)[start : start + count].clone()
+
+        def read_box(self, offsets, sizes):
+            return w[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].contiguous().reshape(-1)
+
+    entry = TensorEntry("stack", by_name("float32"), (5, 3, 2, 4), "model", [], derived=Source())
+    layers = Unstack("stack", 1, "layer_{layer}").apply(entry, "stack")
+    assert [e.name for e in layers] == ["layer_0", "layer_1", "layer_2"]
+    for i, layer in enumerate(layers):
+        assert layer.shape == (5, 2, 4) and torch.equal(read_all(layer), w[:, i])
+        assert torch.equal(layer.derived.read(7, 13, None), w[:, i].reshape(-1)[7:20])
+        assert torch.equal(layer.derived.read_box((1, 1, 2), (3, 1, 2)), w[1:4, i, 1:2, 2:4].reshape(-1))
+        flat = rope.transposed(reshaped_to(layer, (5, 8)), "t")
+        assert torch.equal(read_all(flat), w[:, i].reshape(5, 8).t())
+
+
+def reshaped_to(entry, shape):
+    from ckpt_cli.core.names.reshape import reshaped
+
+    return reshaped(entry, shape)

@@ -21,6 +21,8 @@ from ckpt_cli import store
 from ckpt_cli.core import structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.names.reshape import Reshape
+from ckpt_cli.core.names.scale import Scale
+from ckpt_cli.core.names.unstack import Unstack
 from ckpt_cli.core.names.row_split import RowSplit
 from ckpt_cli.core.names.stack import Stack
 from ckpt_cli.core.paths import read_regular_text
@@ -47,6 +49,8 @@ NAME_MAP_SCHEMA = {
     "transpose": Optional([str]),
     "zero": Optional([str]),
     "reshape": Optional([{"from": str, "shape": list}]),
+    "unstack": Optional([{"from": str, "axis": int, "to": str}]),
+    "scale": Optional([{"from": str, "by": (int, float, str)}]),
 }
 
 
@@ -105,12 +109,15 @@ class NameMap:
     transposes: tuple[str, ...] = ()  # regular expressions: 2-D tensors written transposed (core/names/rope.py)
     zeros: tuple[str, ...] = ()  # regular expressions: tensors the target has no place for, left out only while all zero
     reshapes: tuple[Reshape, ...] = ()  # tensors viewed in another shape of the same element count (core/names/reshape.py)
+    unstacks: tuple[Unstack, ...] = ()  # tensors stacked on an axis made one per index (core/names/unstack.py)
+    scales: tuple[Scale, ...] = ()  # tensors multiplied by a constant as they are read (core/names/scale.py)
 
     @classmethod
     def from_yaml(cls, path: Path) -> NameMap:
         """`strip_segments: [...]`, `rename: [{from: REGEX, to: REPL}, ...]`, `tied: {alias: owner}`,
         `split: [{from: REGEX, to: NAMES, groups: N, layers: BOOL}, ...]`, `permute: [{from: REGEX, rope: LAYOUT, heads: N}]`,
-        `reshape: [{from: REGEX, shape: [N, ...]}]`."""
+        `reshape: [{from: REGEX, shape: [N, ...]}]`, `unstack: [{from: REGEX, axis: K, to: NAME}]`,
+        `scale: [{from: REGEX, by: NUMBER}]`."""
         path = store.location(path)  # a local file or an object (s3://)
         try:
             text = read_regular_text(path, max_bytes=16 << 20)
@@ -148,6 +155,8 @@ class NameMap:
             tuple(str(p) for p in data.get("transpose") or []),
             tuple(str(p) for p in data.get("zero") or []),
             reshapes=tuple(Reshape.parse(item, where) for item in data.get("reshape") or []),
+            unstacks=tuple(Unstack.parse(item, where) for item in data.get("unstack") or []),
+            scales=tuple(Scale.parse(item, where) for item in data.get("scale") or []),
         ).checked(where)
 
     def with_renames(self, pairs: list[str]) -> NameMap:
@@ -187,6 +196,8 @@ class NameMap:
         rules += [f"transpose /{p}/" for p in self.transposes]
         rules += [f"leave out /{p}/ while all zero" for p in self.zeros]
         rules += [r.describe() for r in self.reshapes]
+        rules += [u.describe() for u in self.unstacks]
+        rules += [s.describe() for s in self.scales]
         return "; ".join(rules)
 
 

@@ -20,29 +20,46 @@ from ckpt_cli.errors import UsageError
 @dataclass(frozen=True)
 class Reshape:
     """`{from: REGEX, shape: [N, ...]}`: each N a size, 0 for the source's size at that position, -1 (once) for
-    what the element count leaves."""
+    what the element count leaves, or a key of the model's config.json (`hidden_size`)."""
 
     pattern: str
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]
 
     @classmethod
     def parse(cls, item: Any, where: str) -> Reshape:
         shape = item.get("shape") if isinstance(item, dict) else None
-        if not isinstance(shape, list) or not shape or not all(type(n) is int and n >= -1 for n in shape) or shape.count(-1) > 1:
-            raise UsageError(f"{where}: each reshape is {{from: REGEX, shape: [N, ...]}} (N >= 1, 0: the source's, -1: once)")
+        if (
+            not isinstance(shape, list)
+            or not shape
+            or not all(type(n) is int and n >= -1 or isinstance(n, str) and re.fullmatch(r"\w+", n) for n in shape)
+            or shape.count(-1) > 1
+        ):
+            raise UsageError(
+                f"{where}: each reshape is {{from: REGEX, shape: [N, ...]}} (N >= 1, 0: the source's, -1: once, or a config.json key)"
+            )
         structured.regex(str(item["from"]), where)
         return cls(str(item["from"]), tuple(shape))
 
     def matches(self, name: str) -> bool:
         return re.fullmatch(self.pattern, name) is not None
 
-    def target(self, entry: TensorEntry) -> tuple[int, ...]:
+    def needs_config(self) -> bool:
+        return any(isinstance(n, str) for n in self.shape)
+
+    def target(self, entry: TensorEntry, config: dict[str, Any] | None = None) -> tuple[int, ...]:
         """The new shape of `entry`; a UsageError naming it when its element count does not fit."""
         dims = []
         for i, n in enumerate(self.shape):
-            if n == 0 and i >= len(entry.shape):
+            if isinstance(n, str):
+                value = (config or {}).get(n)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    where = "pass --hf-config DIR" if config is None else f"config.json has no positive integer '{n}' ({value!r})"
+                    raise UsageError(f"reshape /{self.pattern}/ of '{entry.name}' takes '{n}' from the model's config: {where}")
+                dims.append(value)
+            elif n == 0 and i >= len(entry.shape):
                 raise UsageError(f"reshape /{self.pattern}/ of '{entry.name}' {list(entry.shape)}: it has no dimension {i} to keep")
-            dims.append(entry.shape[i] if n == 0 else n)
+            else:
+                dims.append(entry.shape[i] if n == 0 else n)
         known = math.prod(n for n in dims if n != -1)
         if -1 in dims:
             if known == 0 or entry.numel % known:
