@@ -110,6 +110,7 @@ class SourceOptions:
 
 
 QUANTIZE_METHODS = ("fp8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # fp8 for weight exports; the rest for GGUF
+ORBAX_STORAGES = ("ocdbt", "ocdbt-zarr3", "zarr3")  # Orbax's use_ocdbt / use_zarr3 pairs (formats/orbax/writer.py)
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,13 @@ class LayoutOptions:
     )
     num_shards: int | None = option("--num-shards", "hf: exact number of shards.", kind="int", metavar="N", minimum=1)
     max_shard_size: int | str | None = option("--max-shard-size", "hf: largest shard, e.g. 5GB, 500MB, 2GiB.", metavar="SIZE")
+    orbax_storage: str | None = option(
+        "--orbax-storage",
+        "orbax target: ocdbt (one OCDBT database of zarr v2 arrays, Orbax's defaults), ocdbt-zarr3 (zarr3 arrays in "
+        "OCDBT, MaxText's) or zarr3 (OCDBT off: a zarr3 folder per array).",
+        metavar="KIND",
+        choices=lambda: ORBAX_STORAGES,
+    )
 
 
 @dataclass(frozen=True)
@@ -335,7 +343,7 @@ class Command:
     takes_to: bool = False
 
 
-_EXPORT_ONLY = {"zero_stage", "ds_config", "quantize", "preset", "hf_config"}
+_EXPORT_ONLY = {"zero_stage", "ds_config", "quantize", "preset", "hf_config", "orbax_storage"}
 _LAYOUT = {"world_size", "tp", "ep_size", "layout", "per_rank_state", "rename", "name_map"}
 COMMANDS = {
     c.name: c

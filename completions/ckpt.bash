@@ -14,6 +14,7 @@ _ckpt() {
         --to) COMPREPLY=($(compgen -W "deepspeed dcp dtensor adapter orbax hf safetensors torch gguf" -- "$cur")); return ;;
         --format-a) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter orbax hf safetensors torch gguf" -- "$cur")); return ;;
         --format-b) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter orbax hf safetensors torch gguf" -- "$cur")); return ;;
+        --orbax-storage) COMPREPLY=($(compgen -W "ocdbt ocdbt-zarr3 zarr3" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "keep fp32 bf16 fp16" -- "$cur")); return ;;
         --quantize) COMPREPLY=($(compgen -W "fp8 q8_0 q4_0 q4_1 q5_0 q5_1" -- "$cur")); return ;;
         --format) COMPREPLY=($(compgen -W "deepspeed-universal deepspeed megatron dcp dtensor dcp-hf adapter orbax hf safetensors torch gguf" -- "$cur")); return ;;
@@ -24,7 +25,7 @@ _ckpt() {
     local opts=""
     case "${words[1]}" in
         completion) opts="--help -h" ;;
-        convert) opts="--to --world-size --tp --num-shards --max-shard-size --dtype --quantize --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --adapter --layout --zero-stage --ds-config --rename --name-map --per-rank-state --preset --hf-config --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
+        convert) opts="--to --world-size --tp --num-shards --max-shard-size --orbax-storage --dtype --quantize --weights-only --filter --exclude --strip-prefix --add-prefix --format --tag --trust-pickle --adapter --layout --zero-stage --ds-config --rename --name-map --per-rank-state --preset --hf-config --overwrite --dry-run --quiet -q --json --workers --write-manifest --help -h" ;;
         demo) opts="--overwrite --json --quiet -q --help -h" ;;
         diff) opts="--atol --rtol --filter --depth --json --format-a --format-b --tag-a --tag-b --trust-pickle --quiet -q --help -h" ;;
         inspect) opts="--json --yaml --tensors --filter --tree --depth --markdown --format --tag --trust-pickle --quiet -q --help -h" ;;

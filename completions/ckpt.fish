@@ -19,6 +19,7 @@ complete -c ckpt -n '__fish_seen_subcommand_from convert' -l world-size -r -d 'd
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l tp -r -d 'dcp: tensor-parallel size T: lay out FSDP2 + tensor parallel on a (N/T) x T (dp x tp) mesh of the --world-size N ranks, each tensor split along the dim its source chunks show.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l num-shards -r -d 'hf: exact number of shards.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l max-shard-size -r -d 'hf: largest shard, e.g. 5GB, 500MB, 2GiB.'
+complete -c ckpt -n '__fish_seen_subcommand_from convert' -l orbax-storage -x -a 'ocdbt ocdbt-zarr3 zarr3' -d 'orbax target: ocdbt (one OCDBT database of zarr v2 arrays, Orbaxs defaults), ocdbt-zarr3 (zarr3 arrays in OCDBT, MaxTexts) or zarr3 (OCDBT off: a zarr3 folder per array).'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l dtype -x -a 'keep fp32 bf16 fp16' -d 'keep, fp32, bf16 or fp16: cast floating-point model weights (optimizer state keeps its precision); a quantized source (FP8 block-scaled, MXFP4) is dequantized.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l quantize -x -a 'fp8 q8_0 q4_0 q4_1 q5_0 q5_1' -d 'fp8: write model weights FP8 block-scaled (128 x 128 blocks, amax / 448), as DeepSeek-V3 ships; q8_0, q4_0, q4_1, q5_0, q5_1: GGUF block types (--to gguf), as llama.cpps gguf-py quantizes.'
 complete -c ckpt -n '__fish_seen_subcommand_from convert' -l weights-only -d 'Model weights only (no optimizer or training state).'

@@ -114,9 +114,11 @@ def test_fsdp2_dcp_to_orbax(ckpt, tmp_path):
     assert int(got["opt_state.0.count"]) == 2 and got["opt_state.0.count"].dtype == np.int32 and int(got["step"]) == 2
 
 
-def test_safetensors_to_orbax(ckpt, tmp_path):
+@pytest.mark.parametrize("storage", [None, "ocdbt-zarr3", "zarr3"])
+def test_safetensors_to_orbax(ckpt, tmp_path, storage):
     """Weights (a safetensors file saved by safetensors itself) -> an Orbax tree from their dotted names, restored by
-    PyTreeCheckpointer and StandardCheckpointer without a target; ckpt reads its own output back."""
+    PyTreeCheckpointer and StandardCheckpointer without a target; ckpt reads its own output back. In each storage:
+    OCDBT of zarr v2 arrays (Orbax's defaults), OCDBT of zarr3 arrays (MaxText's), zarr3 folders without OCDBT."""
     import torch
     from safetensors.torch import save_file
 
@@ -130,8 +132,13 @@ def test_safetensors_to_orbax(ckpt, tmp_path):
         "mask": torch.tensor([True, False, True]),
     }
     save_file(tensors, tmp_path / "w.safetensors")
-    res = ckpt("convert", tmp_path / "w.safetensors", tmp_path / "orbax", "--to", "orbax")
+    res = ckpt(
+        "convert", tmp_path / "w.safetensors", tmp_path / "orbax", "--to", "orbax", *(["--orbax-storage", storage] if storage else [])
+    )
     assert res.code == 0, res.err
+    meta = json.loads((tmp_path / "orbax" / "_METADATA").read_text())
+    assert (meta["use_ocdbt"], meta["use_zarr3"]) == {None: (True, False), "ocdbt-zarr3": (True, True), "zarr3": (False, True)}[storage]
+    assert (tmp_path / "orbax" / "manifest.ocdbt").exists() == (storage != "zarr3")
     for how in ("pytree", "standard"):
         got = orbax_restore(tmp_path / "orbax", tmp_path / how, how)
         assert sorted(got) == sorted(tensors)
@@ -169,6 +176,10 @@ def test_to_orbax_refusals(orbax_saves, ckpt, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
     res = ckpt("convert", orbax_saves / SRC, tmp_path / "out", "--to", "orbax", "--world-size", "2")
     assert res.code == 2 and "--world-size" in res.err
+    res = ckpt("convert", orbax_saves / SRC, tmp_path / "out", "--to", "hf", "--orbax-storage", "zarr3")
+    assert res.code == 2 and "--orbax-storage applies to orbax targets" in res.err
+    res = ckpt("convert", orbax_saves / SRC, tmp_path / "out", "--to", "orbax", "--orbax-storage", "zarr2")
+    assert res.code == 2 and "--orbax-storage" in res.err
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: one OCDBT database has one writer
     res = ckpt("convert", orbax_saves / SRC, tmp_path / "out", "--to", "orbax")
     assert res.code == 2 and "without torchrun" in res.err

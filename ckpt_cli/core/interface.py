@@ -32,6 +32,7 @@ class WriteOptions:
     # a writer that picks each tensor's type itself (registry `casts_itself`): --dtype's target and --quantize's method
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: keep
     quantize: str | None = None  # gguf: "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
+    orbax_storage: str | None = None  # orbax: "ocdbt" (the default), "ocdbt-zarr3", "zarr3"
 
 
 class Reader(Protocol):

@@ -21,10 +21,10 @@ from ckpt_cli import store
 from ckpt_cli.core import structured
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.names.reshape import Reshape
-from ckpt_cli.core.names.scale import Scale
-from ckpt_cli.core.names.unstack import Unstack
 from ckpt_cli.core.names.row_split import RowSplit
+from ckpt_cli.core.names.scale import Scale
 from ckpt_cli.core.names.stack import Stack
+from ckpt_cli.core.names.unstack import Unstack
 from ckpt_cli.core.paths import read_regular_text
 from ckpt_cli.core.structured import Optional
 from ckpt_cli.core.tree import path_name

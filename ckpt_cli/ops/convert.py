@@ -152,6 +152,8 @@ def layout_for(target: registry.Format, write: WriteOptions, source_world: int |
     if write.ep_size is not None and not target.takes_ep:
         takers = " and ".join(n for n, f in registry.FORMATS.items() if f.takes_ep)
         raise UsageError(f"--ep-size applies to {takers} targets (MoE, expert parallel), not {target.name}")
+    if write.orbax_storage is not None and target.name != "orbax":
+        raise UsageError(f"--orbax-storage applies to orbax targets, not {target.name}")
     splits = target.splits and not write.num_shards  # a split set by size (GGUF: gguf-split's --split-max-size)
     if (write.num_shards or write.max_shard_size) and target.reshard_by != "shards" and not splits:
         raise UsageError(f"--num-shards/--max-shard-size apply to {_targets_by('shards')} targets, not {target.name}")

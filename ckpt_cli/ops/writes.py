@@ -25,7 +25,7 @@ from ckpt_cli.ops import convert as convert_op
 from ckpt_cli.ops import transform
 from ckpt_cli.ops.request import CrossSettings, Job, Request
 from ckpt_cli.ops.verify import VerifyOptions, check_manifest_destination, verify
-from ckpt_cli.options import CrossOptions, LayoutOptions, Options
+from ckpt_cli.options import ORBAX_STORAGES, CrossOptions, LayoutOptions, Options
 from ckpt_cli.store import location
 
 Progress = Callable[[int], None]  # called with the number of bytes written since the last call
@@ -68,7 +68,9 @@ def write_options(layout: LayoutOptions) -> WriteOptions:
     size = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     if size is not None and size <= 0:
         raise UsageError(f"size must be positive, got '{max_shard_size}'")
-    return WriteOptions(size or None, num_shards, world_size, tp, ep_size=ep_sizes(layout.ep_size))
+    if layout.orbax_storage is not None and layout.orbax_storage not in ORBAX_STORAGES:
+        raise UsageError(f"--orbax-storage is one of {', '.join(ORBAX_STORAGES)}, not '{layout.orbax_storage}'")
+    return WriteOptions(size or None, num_shards, world_size, tp, ep_size=ep_sizes(layout.ep_size), orbax_storage=layout.orbax_storage)
 
 
 def cross_settings(cross: CrossOptions) -> CrossSettings:

@@ -3,8 +3,10 @@ Orbax's PyTreeCheckpointer and StandardCheckpointer restore (with no target: num
 jax arrays on its shardings). The facts and their sources in orbax-checkpoint are in docs/formats.md §14.8.
 
     DST/_CHECKPOINT_METADATA   the checkpointer's record (item handler, timestamps)
-    DST/manifest.ocdbt, d/     one OCDBT database holding every array as zarr v2 (Orbax's defaults), written through
-                               tensorstore a window of whole chunk rows at a time, committed in batches
+    DST/manifest.ocdbt, d/     one OCDBT database holding every array as zarr v2 (Orbax's defaults) or zarr3
+                               (`--orbax-storage ocdbt-zarr3`, MaxText's), written through tensorstore a window of
+                               whole chunk rows at a time, committed in batches
+    DST/<leaf>/zarr.json, c/   with OCDBT off (`--orbax-storage zarr3`): one zarr3 folder per array
     DST/_METADATA              the tree: each leaf's keys and value type (written after the arrays, as Orbax does)
     DST/commit_success.txt     the commit marker, last
 
@@ -121,7 +123,26 @@ def chunk_rows(tensor: TensorEntry) -> int:
     return max(1, min(tensor.shape[0], CHUNK_BYTES // max(row, 1)))
 
 
-def tree_metadata(leaves: list[Leaf]) -> bytes:
+def zarr_metadata(tensor: TensorEntry, chunks: list[int], zarr3: bool) -> dict[str, Any]:
+    """An array's zarr metadata as Orbax builds it (serialization/tensorstore_utils.py `_build_zarr2_metadata`,
+    `_build_zarr3_metadata`): zstd level 1 for zarr v2; for zarr3, one `sharding_indexed` chunk per shard with
+    little-endian bytes, zstd level 3, and a CRC32C of the shard index, at its end."""
+    if not zarr3:
+        return {"shape": list(tensor.shape), "chunks": chunks, "compressor": {"id": "zstd", "level": 1}}
+    sharding = {
+        "chunk_shape": chunks,
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd", "configuration": {"level": 3}}],
+        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        "index_location": "end",
+    }
+    return {
+        "shape": list(tensor.shape),
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+        "codecs": [{"name": "sharding_indexed", "configuration": sharding}],
+    }
+
+
+def tree_metadata(leaves: list[Leaf], use_ocdbt: bool = True, use_zarr3: bool = False) -> bytes:
     """`_METADATA` as Orbax's PyTree handlers write it (orbax metadata/tree.py InternalTreeMetadata.to_json)."""
     tree = {}
     for leaf in leaves:
@@ -135,8 +156,8 @@ def tree_metadata(leaves: list[Leaf]) -> bytes:
         tree[key] = {"key_metadata": keys, "value_metadata": value}
     doc = {
         "tree_metadata": tree,
-        "use_ocdbt": True,
-        "use_zarr3": False,
+        "use_ocdbt": use_ocdbt,
+        "use_zarr3": use_zarr3,
         "store_array_data_equal_to_fill_value": True,
         "custom_metadata": None,
     }
@@ -156,15 +177,18 @@ def checkpoint_metadata() -> bytes:
     return json.dumps(doc).encode()
 
 
-def fill(leaves: list[Leaf]) -> Callable[[Path, Callable[[int], None], Any], None]:
-    """Writes the arrays into the OCDBT database at the target's folder, chunk row by chunk row, through tensorstore."""
+def fill(leaves: list[Leaf], use_ocdbt: bool, zarr3: bool) -> Callable[[Path, Callable[[int], None], Any], None]:
+    """Writes the arrays, chunk row by chunk row, through tensorstore: into the OCDBT database at the target's folder
+    (in transactions of BATCH_BYTES), or with OCDBT off each array into its own folder (`leaves` is then that one)."""
 
     def write(target: Path, progress: Callable[[int], None], sources: Any) -> None:
         from ckpt_cli.core.reading import read_elements
 
         ts = arrays.tensorstore()
-        base = {"driver": "ocdbt", "base": {"driver": "file", "path": str(target.parent.resolve()) + "/"}, "config": OCDBT_CONFIG}
-        txn, pending = ts.Transaction(), 0
+        folder = str(target.parent.resolve()) + "/"
+        if use_ocdbt:
+            base: dict[str, Any] = {"driver": "ocdbt", "base": {"driver": "file", "path": folder}, "config": OCDBT_CONFIG}
+        txn, pending = (ts.Transaction() if use_ocdbt else None), 0  # files without OCDBT: written in place, in a staged folder
         context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})  # chunks written once: nothing worth keeping
         try:
             for leaf in leaves:
@@ -173,11 +197,12 @@ def fill(leaves: list[Leaf]) -> Callable[[Path, Callable[[int], None], Any], Non
                     continue
                 rows, dtype = chunk_rows(tensor), ts.dtype(tensor.dtype.name)
                 chunks = [rows, *(max(n, 1) for n in tensor.shape[1:])] if tensor.shape else []
+                kvstore = {**base, "path": leaf.name + "/"} if use_ocdbt else {"driver": "file", "path": folder}
                 spec = {
-                    "driver": "zarr",
-                    "kvstore": {**base, "path": leaf.name + "/"},
+                    "driver": "zarr3" if zarr3 else "zarr",
+                    "kvstore": kvstore,
                     "dtype": tensor.dtype.name,
-                    "metadata": {"shape": list(tensor.shape), "chunks": chunks, "compressor": {"id": "zstd", "level": 1}},
+                    "metadata": zarr_metadata(tensor, chunks, zarr3),
                     "create": True,
                 }
                 array = ts.open(spec, context=context, transaction=txn).result()
@@ -193,12 +218,13 @@ def fill(leaves: list[Leaf]) -> Callable[[Path, Callable[[int], None], Any], Non
                     (array[start:stop] if tensor.shape else array).write(raw.reshape(shape)).result()
                     pending += raw.nbytes
                     progress(raw.nbytes)
-                    if pending >= BATCH_BYTES:  # committed: the next writes go into a new transaction
+                    if txn is not None and pending >= BATCH_BYTES:  # committed: the next writes go into a new transaction
                         txn.commit_async().result()
                         txn, pending = ts.Transaction(), 0
                         array = array.with_transaction(txn)
                         heap.give_back_when_grown()  # what tensorstore's threads freed in their own malloc arenas
-            txn.commit_async().result()
+            if txn is not None:
+                txn.commit_async().result()
         except (ValueError, RuntimeError, OSError) as exc:
             raise DataError(f"{target.parent}: tensorstore could not write the Orbax arrays: {arrays.what_failed(exc)}") from exc
 
@@ -227,18 +253,32 @@ class OrbaxWriter:
         if not leaves:
             raise UsageError("nothing to write: an Orbax save holds arrays, and the source has none")
         arrays_out = [leaf for leaf in leaves if leaf.tensor is not None]
-        data = OutputFile(
-            "manifest.ocdbt",
-            [TensorData(leaf.tensor, leaf.tensor.dtype) for leaf in arrays_out if leaf.tensor is not None],
-            fill=fill(leaves),
-        )
+        storage = options.orbax_storage or "ocdbt"
+        use_ocdbt, zarr3 = storage.startswith("ocdbt"), storage.endswith("zarr3")
+        if use_ocdbt:  # one database: one file the library fills with every array
+            data = [
+                OutputFile(
+                    "manifest.ocdbt",
+                    [TensorData(leaf.tensor, leaf.tensor.dtype) for leaf in arrays_out if leaf.tensor],
+                    fill=fill(leaves, True, zarr3),
+                )
+            ]
+        else:  # a folder per array, its zarr.json written by the library with its chunks
+            data = [
+                OutputFile(f"{leaf.name}/zarr.json", [TensorData(leaf.tensor, leaf.tensor.dtype)], fill=fill([leaf], False, True))
+                for leaf in arrays_out
+                if leaf.tensor is not None
+            ]
         files = [
             OutputFile(layout.STEP_METADATA, [Literal(checkpoint_metadata())]),
-            data,
-            OutputFile(layout.TREE_METADATA, [Literal(tree_metadata(leaves))], commit_marker=True),
+            *data,
+            OutputFile(layout.TREE_METADATA, [Literal(tree_metadata(leaves, use_ocdbt, zarr3))], commit_marker=True),
             OutputFile(layout.COMMIT, [Literal(f"Checkpoint commit was successful to {dest}".encode())], commit_marker=True),
         ]
-        notes = [f"Orbax: one item, OCDBT + zarr v2 (Orbax's defaults), {len(arrays_out)} arrays as numpy leaves"]
+        kind = {"ocdbt": "OCDBT + zarr v2 (Orbax's defaults)", "ocdbt-zarr3": "OCDBT + zarr3", "zarr3": "zarr3, a folder per array"}[
+            storage
+        ]
+        notes = [f"Orbax: one item, {kind}, {len(arrays_out)} arrays as numpy leaves"]
         if dropped:
             more = ", ..." if len(dropped) > 8 else ""
             notes.append(f"not written (an Orbax tree of arrays has no place for them): {', '.join(dropped[:8])}{more}")
