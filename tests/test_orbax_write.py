@@ -114,6 +114,26 @@ def test_fsdp2_dcp_to_orbax(ckpt, tmp_path):
     assert int(got["opt_state.0.count"]) == 2 and got["opt_state.0.count"].dtype == np.int32 and int(got["step"]) == 2
 
 
+def test_deepspeed_to_orbax(ds_saves, ckpt, tmp_path):
+    """A transformers Llama trained under DeepSpeed ZeRO-2 on 2 ranks -> Orbax: Orbax's restore holds, for every
+    parameter, DeepSpeed's own extraction (ds_to_universal) bit for bit: params = fp32 masters, mu = exp_avg,
+    nu = exp_avg_sq; count and step = the 2 steps taken."""
+    import torch
+    from conftest import ds_to_universal
+
+    tag = ds_saves[2] / "llama"
+    res = ckpt("convert", tag, tmp_path / "orbax", "--to", "orbax", "--orbax-storage", "ocdbt-zarr3")
+    assert res.code == 0, res.err
+    got = orbax_restore(tmp_path / "orbax", tmp_path / "got", "pytree")
+    want = ds_to_universal(tag / "global_step2", tmp_path / "universal")
+    assert len(want) == 21
+    for name, state in want.items():
+        for key, leaf in (("fp32", "params"), ("exp_avg", "opt_state.0.mu"), ("exp_avg_sq", "opt_state.0.nu")):
+            raw = state[key].contiguous().reshape(-1).view(torch.uint8).numpy()
+            assert got[f"{leaf}.{name}"].reshape(-1).view(np.uint8).tobytes() == raw.tobytes(), (name, key)
+    assert int(got["opt_state.0.count"]) == 2 and int(got["step"]) == 2
+
+
 @pytest.mark.parametrize("storage", [None, "ocdbt-zarr3", "zarr3"])
 def test_safetensors_to_orbax(ckpt, tmp_path, storage):
     """Weights (a safetensors file saved by safetensors itself) -> an Orbax tree from their dotted names, restored by
