@@ -14,10 +14,9 @@ Timed, each with its peak RSS (common.measure):
 The two safetensors outputs are compared tensor by tensor (bit-equal or not).
 
 What bounds ckpt's peak RSS here (docs/formats.md §14.3): the imports (Python, numpy and tensorstore: ~70 MB with the
-save's metadata; torch is not imported, the arrays' bytes go to the sinks as numpy windows), plus tensorstore's decode
-of one chunk (its compressed bytes and the decoded chunk together: ~2x a chunk; reads of whole chunks wait for each
-other past 64 MiB), plus the window each other writer thread holds (one chunk row), plus for DCP the 64 MiB cache of
-decoded chunks its rank boxes read from. With one 46 MB chunk per MLP array that is ~210-230 MB, whatever the size.
+save's metadata; torch is not imported, the arrays' bytes go to the sinks as numpy windows), plus one 4 MiB window per
+writer thread: Orbax's default chunks (zarr v2, zstd) are decoded as zstd streams a window at a time, so the 46 MB
+chunks here (one per MLP array) are never held whole. About 100-130 MB, whatever the size.
 """
 
 from __future__ import annotations

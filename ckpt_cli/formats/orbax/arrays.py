@@ -12,12 +12,15 @@ import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_cli.core import heap
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.reading import BLOCK_BYTES
 from ckpt_cli.errors import DataError, UsageError
+
+if TYPE_CHECKING:
+    from ckpt_cli.formats.orbax.stream import ChunkStream
 
 INSTALL_HINT = "the orbax extra: pip install 'ckpt-tools[orbax]'"
 CACHE_BYTES = 64 << 20  # tensorstore's cache of decoded chunks and OCDBT B-tree nodes, one per process
@@ -135,12 +138,22 @@ class OrbaxArray:
     """How a tensor of an Orbax save is read (core/model.Derived): element windows of whole chunk rows, each read as
     the few boxes of the array that hold it, decoded by tensorstore."""
 
-    __slots__ = ("spec", "uncached", "shape", "dtype", "chunks", "where", "name")
+    __slots__ = ("spec", "uncached", "shape", "dtype", "chunks", "where", "name", "stream")
 
-    def __init__(self, spec: dict[str, Any], shape: tuple[int, ...], dtype: DType, chunks: tuple[int, ...], where: str, name: str) -> None:
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        shape: tuple[int, ...],
+        dtype: DType,
+        chunks: tuple[int, ...],
+        where: str,
+        name: str,
+        stream: ChunkStream | None = None,
+    ) -> None:
         self.spec = json.dumps(spec, sort_keys=True)
         self.uncached = json.dumps({**spec, "cache_pool": "cache_pool#none"}, sort_keys=True)  # reads of whole chunks
         self.shape, self.dtype, self.chunks, self.where, self.name = shape, dtype, chunks, where, name
+        self.stream = stream  # chunks decoded as zstd streams, a window at a time (formats/orbax/stream.py)
 
     def windows(self) -> Iterator[tuple[int, int]]:
         numel = math.prod(self.shape)
@@ -148,6 +161,13 @@ class OrbaxArray:
             yield 0, numel
             return
         inner = math.prod(self.shape[1:])
+        if self.stream is not None:  # bands of BLOCK_BYTES of rows, never across two chunks
+            band = max(BLOCK_BYTES // max(inner * self.dtype.itemsize, 1), 1)
+            for first in range(0, self.shape[0], self.chunks[0]):
+                last = min(first + self.chunks[0], self.shape[0])
+                for row in range(first, last, band):
+                    yield row * inner, (min(row + band, last) - row) * inner
+            return
         band = max(self.chunks[0], 1) * inner  # one row of chunks
         per = max(band * max(BLOCK_BYTES // max(band * self.dtype.itemsize, 1), 1), 1)
         if band == 0:
@@ -171,6 +191,11 @@ class OrbaxArray:
 
         if count == 0:
             return np.empty(0, np.uint8)
+        if self.stream is not None:
+            size = self.dtype.itemsize
+            raw = self.stream.read(start * size, count * size)
+            if raw is not None:
+                return raw
         try:
             whole = self.whole_chunks(start, count)
             store = _open(self.uncached if whole else self.spec)

@@ -16,15 +16,16 @@ from ckpt_cli.formats.orbax.arrays import context, kvstore_spec, tensorstore, wh
 
 @dataclass(frozen=True)
 class Ref:
-    """`length` bytes at `offset` of the data file `file` (under the item), holding `what`."""
+    """`length` bytes at `offset` of the data file `file` (under the item), holding `what` (a value: its `key`)."""
 
     file: str
     offset: int
     length: int
     what: str
+    key: str | None = None
 
 
-def _ref(location: str, what: str, where: Path) -> Ref:
+def _ref(location: str, what: str, where: Path, key: str | None = None) -> Ref:
     """`btreenode:<base>:<file>:<offset>:<length>` or `value:...` (tensorstore's dump of an OCDBT reference)."""
     parts = location.split(":")
     if len(parts) != 5 or not parts[3].isdigit() or not parts[4].isdigit():
@@ -33,7 +34,7 @@ def _ref(location: str, what: str, where: Path) -> Ref:
     file = base + rel
     if file.startswith("/") or ".." in file.split("/"):
         raise DataError(f"{where}: an OCDBT reference to {file[:80]!r}, outside the item")
-    return Ref(file, int(offset), int(length), what)
+    return Ref(file, int(offset), int(length), what, key)
 
 
 def references(item: Path) -> Iterator[Ref]:
@@ -64,8 +65,8 @@ def references(item: Path) -> Iterator[Ref]:
             if "node" in entry:
                 stack.append(entry["node"])
             elif "indirect_value" in entry:
-                key = entry.get("key", b"")
-                yield _ref(entry["indirect_value"], f"'{bytes(key).decode('utf-8', 'replace')}'", item)
+                key = bytes(entry.get("key", b"")).decode("utf-8", "replace")
+                yield _ref(entry["indirect_value"], f"'{key}'", item, key)
 
 
 def problems(item: Path) -> list[str]:

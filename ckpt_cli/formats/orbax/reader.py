@@ -19,7 +19,7 @@ from typing import Any
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, FlatRange, LazyPieces, Piece, StoredArray, TensorEntry
 from ckpt_cli.errors import DataError
-from ckpt_cli.formats.orbax import arrays, layout, ocdbt
+from ckpt_cli.formats.orbax import arrays, layout, ocdbt, stream
 from ckpt_cli.formats.orbax import metadata as meta
 
 UNPREFIXED_ITEMS = ("default", "state")  # a step's only item of this name gives its leaves their own names
@@ -104,6 +104,9 @@ class OrbaxReader:
                     info.chunks,
                     str(where),
                     name,
+                    stream.for_array(folder, leaf.name, info.doc, info.shape, info.chunks, info.dtype.itemsize)
+                    if tree.use_ocdbt and not tree.use_zarr3
+                    else None,
                 )
                 numel = math.prod(info.shape)
                 stored_at = StoredArray(str(where), 0, info.dtype, (numel,), (1,))
