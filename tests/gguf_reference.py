@@ -82,9 +82,7 @@ def logits(path: Path, tokens: list[int], lora: Path | None = None) -> object:
 
     # an f32 KV cache (type 0), so the logits of an f32 file can be held to transformers closely
     lora_path = str(lora) if lora is not None else None
-    model = Llama(
-        model_path=str(path), lora_path=lora_path, logits_all=True, n_ctx=64, n_threads=1, verbose=False, type_k=0, type_v=0
-    )
+    model = Llama(model_path=str(path), lora_path=lora_path, logits_all=True, n_ctx=64, n_threads=1, verbose=False, type_k=0, type_v=0)
     model.eval(tokens)
     out = np.array(model.scores[: len(tokens)], dtype=np.float32)
     model.close()

@@ -15,7 +15,7 @@ from conftest import assert_fails
 
 pytest.importorskip("tensorstore")
 
-SAVES = {"ocdbt": "ocdbt/7", "zarr3": "zarr3/7", "multi": "multi/7"}
+SAVES = {"ocdbt": "ocdbt/7", "zarr3": "zarr3/7", "zarr2": "zarr2/7", "multi": "multi/7"}
 WQ = "params.decoder.layers_0.mlp.wi"
 
 
@@ -131,6 +131,8 @@ DAMAGE = [
     ("zarr3 truncated", "zarr3/7", lambda s: truncate(zarr3_chunk(s)), lambda s: str(zarr3_chunk(s)), []),
     ("zarr3 missing", "zarr3/7", lambda s: zarr3_chunk(s).unlink(), lambda s: WQ, []),
     ("zarr3 truncated, deep", "zarr3/7", lambda s: truncate(zarr3_chunk(s)), lambda s: WQ, ["--deep"]),
+    ("zarr2 missing", "zarr2/7", lambda s: (s / "state" / WQ / "1.1").unlink(), lambda s: WQ, []),
+    ("zarr2 truncated, deep", "zarr2/7", lambda s: truncate(s / "state" / WQ / "1.1"), lambda s: WQ, ["--deep"]),
     ("no commit marker", "ocdbt/7", lambda s: (s / "commit_success.txt").unlink(), lambda s: "commit_success.txt", []),
     ("no item marker", "zarr3/7", lambda s: (s / "state" / "commit_success.txt").unlink(), lambda s: "state/commit_success.txt", []),
 ]
@@ -160,12 +162,12 @@ def test_unfinished_save(orbax_saves, ckpt, tmp_path):
     assert "8.orbax-checkpoint-tmp" in res.out  # listed among the root's checkpoints, not read
 
 
-@pytest.mark.parametrize("save", ["ocdbt/7", "zarr3/7"])
+@pytest.mark.parametrize("save", ["ocdbt/7", "zarr3/7", "zarr2/7"])
 def test_manifest_catches_flipped_byte(orbax_saves, ckpt, tmp_path, save):
     step = damaged_copy(orbax_saves, save, tmp_path)
     manifest = tmp_path / "m.json"
     assert ckpt("verify", step, "--write-manifest", manifest).code == 0
-    victim = ocdbt_value_file(step) if save.startswith("ocdbt") else zarr3_chunk(step)
+    victim = {"ocdbt/7": ocdbt_value_file, "zarr3/7": zarr3_chunk, "zarr2/7": lambda s: s / "state" / WQ / "1.1"}[save](step)
     data = bytearray(victim.read_bytes())
     data[len(data) // 3] ^= 0x01
     victim.write_bytes(bytes(data))

@@ -30,7 +30,9 @@ def by_tensorstore(array, start: int, count: int) -> np.ndarray:
     from ckpt_cli.formats.orbax import arrays
 
     store = arrays._open(array.spec)
-    return np.concatenate([np.ascontiguousarray(p).reshape(-1) for p in arrays._flat_range(store, array.shape, start, count)]).view(np.uint8)
+    return np.concatenate([np.ascontiguousarray(p).reshape(-1) for p in arrays._flat_range(store, array.shape, start, count)]).view(
+        np.uint8
+    )
 
 
 def test_streamed_reads_equal_tensorstores(maxtext_saves):
@@ -78,7 +80,10 @@ def test_a_damaged_frame_is_one_line(maxtext_saves, ckpt, tmp_path, damage):
 
     shutil.copytree(maxtext_saves / "scanned", tmp_path / "run")
     item = tmp_path / "run" / "10" / "items"
-    ref = max((r for r in ocdbt.references(item) if r.key and r.key.startswith("params.params.decoder.layers.mlp.wi_0.kernel/")), key=lambda r: r.length)
+    ref = max(
+        (r for r in ocdbt.references(item) if r.key and r.key.startswith("params.params.decoder.layers.mlp.wi_0.kernel/")),
+        key=lambda r: r.length,
+    )
     path = item / ref.file
     data = bytearray(path.read_bytes())
     if damage == "magic":

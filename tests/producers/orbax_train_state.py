@@ -4,7 +4,7 @@ Run with JAX on the CPU and XLA_FLAGS=--xla_force_host_platform_device_count=8: 
 transformer-ish tree (2-D kernels of up to 16 KiB, so chunks above and below OCDBT's 1 KiB inline limit, a bf16
 embedding, a scalar) and optax adamw's state, sharded over a 4 x 2 mesh of 8 simulated devices, saved by a
 CheckpointManager with Orbax's defaults (OCDBT holding zarr v2 arrays; OUT/ocdbt/<step>/state) and with OCDBT off
-and zarr3 (OUT/zarr3/<step>/state). Every leaf is saved too as OUT/arrays/<name>.npy (name: the pytree path joined
+and zarr3 (OUT/zarr3/<step>/state), and with OCDBT off and zarr v2 (OUT/zarr2/<step>/state, older saves' layout). Every leaf is saved too as OUT/arrays/<name>.npy (name: the pytree path joined
 with '.'; bfloat16 as its uint16 bits), bit for bit what the producer held; OUT/arrays/index.json lists them.
 
 With `--process I --processes N --port P` (N local processes, gloo collectives, 4 devices each): one save from N JAX
@@ -96,11 +96,11 @@ def save_arrays(state: dict, out: Path) -> None:
     (out / "index.json").write_text(json.dumps(index, indent=1))
 
 
-def save(state: dict, root: Path, ocdbt: bool) -> None:
+def save(state: dict, root: Path, ocdbt: bool, zarr3: bool = True) -> None:
     """A CheckpointManager save of item `state`: Orbax's defaults (OCDBT, zarr v2 arrays inside it), or with OCDBT
-    off and zarr3 (one folder of chunk files per array)."""
+    off, zarr3 or zarr v2 (one folder of chunk files per array: older Orbax's layout)."""
     options = ocp.CheckpointManagerOptions(max_to_keep=3)
-    handlers = {} if ocdbt else {"item_handlers": {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)}}
+    handlers = {} if ocdbt else {"item_handlers": {"state": ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=zarr3)}}
     with ocp.CheckpointManager(root, options=options, **handlers) as mgr:
         item = ocp.args.StandardSave(state) if ocdbt else ocp.args.PyTreeSave(state)
         mgr.save(STEP, args=ocp.args.Composite(state=item))
@@ -129,6 +129,7 @@ def main() -> None:
     save_arrays(host, args.out / "arrays")
     save(state, args.out / "ocdbt", ocdbt=True)
     save(state, args.out / "zarr3", ocdbt=False)
+    save(state, args.out / "zarr2", ocdbt=False, zarr3=False)
 
 
 if __name__ == "__main__":
