@@ -3,9 +3,10 @@
 Run with JAX on the CPU and XLA_FLAGS=--xla_force_host_platform_device_count=8: the params of a tiny
 transformer-ish tree (2-D kernels of up to 16 KiB, so chunks above and below OCDBT's 1 KiB inline limit, a bf16
 embedding, a scalar) and optax adamw's state, sharded over a 4 x 2 mesh of 8 simulated devices, saved by a
-CheckpointManager with Orbax's defaults (OCDBT holding zarr v2 arrays; OUT/ocdbt/<step>/state) and with OCDBT off
-and zarr3 (OUT/zarr3/<step>/state), and with OCDBT off and zarr v2 (OUT/zarr2/<step>/state, older saves' layout). Every leaf is saved too as OUT/arrays/<name>.npy (name: the pytree path joined
-with '.'; bfloat16 as its uint16 bits), bit for bit what the producer held; OUT/arrays/index.json lists them.
+CheckpointManager with Orbax's defaults (OCDBT holding zarr v2 arrays; OUT/ocdbt/<step>/state), with OCDBT off and
+zarr3 (OUT/zarr3/<step>/state), and with OCDBT off and zarr v2 (OUT/zarr2/<step>/state, older saves' layout). Every
+leaf is saved too as OUT/arrays/<name>.npy (name: the pytree path joined with '.'; bfloat16 as its uint16 bits), bit
+for bit what the producer held; OUT/arrays/index.json lists them.
 
 With `--process I --processes N --port P` (N local processes, gloo collectives, 4 devices each): one save from N JAX
 processes, Orbax's defaults, OUT/multi/<step>/state (each process writes its ocdbt.process_I/), and OUT/multi_arrays.
