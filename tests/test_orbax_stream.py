@@ -96,3 +96,13 @@ def test_a_damaged_frame_is_one_line(maxtext_saves, ckpt, tmp_path, damage):
     assert res.code == 1 and len(errors) == 1 and "Traceback" not in res.err, res.err
     assert str(path) in errors[0] and "mlp.wi_0.kernel" in errors[0], errors
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_streamed_chunks_from_s3(maxtext_saves, ckpt, s3, tmp_path):
+    """The same frames read by range from S3 objects (moto): the release is byte-equal to the local one."""
+    url = s3.upload(maxtext_saves / "scanned", "maxtext/scanned") + "/10"
+    for src, out in ((url, tmp_path / "s3"), (maxtext_saves / SAVE, tmp_path / "here")):
+        res = ckpt("convert", src, out, "--to", "hf", "--preset", "maxtext-llama", "--hf-config", maxtext_saves / "hf-config")
+        assert res.code == 0, res.err
+    shard = "model-00001-of-00001.safetensors"
+    assert (tmp_path / "s3" / shard).read_bytes() == (tmp_path / "here" / shard).read_bytes()

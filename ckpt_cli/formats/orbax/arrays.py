@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpt_cli import store
 from ckpt_cli.core import heap
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.reading import BLOCK_BYTES
 from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.store.location import protocol_of
 
 if TYPE_CHECKING:
     from ckpt_cli.formats.orbax.stream import ChunkStream
@@ -55,13 +57,35 @@ def context() -> Any:
 
 def kvstore_spec(item: Path, name: str | None, use_ocdbt: bool) -> dict[str, Any]:
     """The key-value store holding an array (`name`) or, with no name, the whole item."""
-    folder = str(item.resolve())
     if use_ocdbt:
-        spec: dict[str, Any] = {"driver": "ocdbt", "base": {"driver": "file", "path": folder + "/"}}
+        spec: dict[str, Any] = {"driver": "ocdbt", "base": folder_spec(item, "")}
         if name is not None:
             spec["path"] = name + "/"
         return spec
-    return {"driver": "file", "path": folder + "/" + (name + "/" if name is not None else "")}
+    return folder_spec(item, name + "/" if name is not None else "")
+
+
+def folder_spec(item: Path, below: str) -> dict[str, Any]:
+    """tensorstore's kvstore for a folder: the `file` driver, or for an s3:// save its `s3` driver, pointed where
+    ckpt's own S3 reads go (AWS_ENDPOINT_URL, the region), with the credentials of the environment."""
+    if protocol_of(item) == "s3":
+        import os
+
+        location = store.location(item)
+        bucket, _, key = str(location)[len("s3://") :].partition("/")
+        spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": (key.rstrip("/") + "/" if key else "") + below}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            spec["aws_region"] = region
+        if os.environ.get("AWS_ACCESS_KEY_ID"):  # keys in the environment: the provider chain's other links not tried
+            spec["context"] = {"aws_credentials": {"type": "environment"}}
+        return spec
+    if not store.mappable(item):
+        raise UsageError(f"{item}: ckpt reads Orbax saves from local folders and s3:// (tensorstore's own drivers)")
+    return {"driver": "file", "path": str(item.resolve()) + "/" + below}
 
 
 def array_spec(item: Path, name: str, use_ocdbt: bool, zarr3: bool) -> dict[str, Any]:

@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli import store
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, FlatRange, LazyPieces, Piece, StoredArray, TensorEntry
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats.orbax import arrays, layout, ocdbt, stream
 from ckpt_cli.formats.orbax import metadata as meta
+from ckpt_cli.store.clients import call
+from ckpt_cli.store.location import remote
 
 UNPREFIXED_ITEMS = ("default", "state")  # a step's only item of this name gives its leaves their own names
 OPTAX_ADAM = {"mu", "nu", "count"}  # optax ScaleByAdamState's fields
@@ -54,13 +57,24 @@ def _metadata_key(name: str, zarr3: bool) -> str:
 
 
 def _files(folder: Path) -> list[FileInfo]:
-    out = []
-    for root, dirs, names in os.walk(folder):
-        dirs.sort()
-        for n in sorted(names):
-            path = Path(root) / n
-            out.append(FileInfo(str(path), path.stat().st_size))
-    return out
+    """Every file under the item, by path."""
+    return [FileInfo(str(path), size) for path, size in _walk(folder)]
+
+
+def _walk(folder: Path) -> list[tuple[Path, int]]:
+    """Every file under `folder` with its size, by path (in object storage one listing with sizes, not a request per
+    file)."""
+    if not store.mappable(folder):
+        location = remote(folder)
+        found = call(location, location.fs.find, location.key, detail=True)
+        out = [
+            (store.location(f"{location.protocol}://{k}"), int(v.get("size") or 0))
+            for k, v in found.items()
+            if v.get("type") != "directory"
+        ]
+    else:
+        out = [(Path(root) / n, (Path(root) / n).stat().st_size) for root, _, names in os.walk(folder) for n in names]
+    return sorted(out, key=lambda found: str(found[0]))
 
 
 class OrbaxReader:
@@ -187,10 +201,10 @@ def _chunk_problems(item: Item, keys: list[str] | None) -> list[str]:
     for name, info in item.infos.items():
         if keys is None:
             folder = item.folder / name
-            chunk_files = [Path(r) / n for r, _, ns in os.walk(folder) for n in ns if n not in ("zarr.json", ".zarray")]
+            chunk_files = [(p, size) for p, size in _walk(folder) if p.name not in ("zarr.json", ".zarray")]
             count = len(chunk_files)
             if item.tree.use_zarr3:
-                out += [p for p in (_shard_index_problem(f, info) for f in chunk_files) if p]
+                out += [p for p in (_shard_index_problem(f, size, info) for f, size in chunk_files) if p]
         else:
             count = by_array.get(name, 0)
         if item.tree.fill_value_stored and count < info.chunk_count:
@@ -199,7 +213,7 @@ def _chunk_problems(item: Item, keys: list[str] | None) -> list[str]:
     return out
 
 
-def _shard_index_problem(path: Path, info: meta.ArrayInfo) -> str | None:
+def _shard_index_problem(path: Path, size: int, info: meta.ArrayInfo) -> str | None:
     """A zarr3 `sharding_indexed` chunk file ends with an index of (offset, length) per inner chunk (little-endian
     uint64 pairs, then a CRC32C): every entry inside the file, else the file was cut short."""
     codecs = info.doc.get("codecs")
@@ -212,10 +226,9 @@ def _shard_index_problem(path: Path, info: meta.ArrayInfo) -> str | None:
         return None
     entries = math.prod(-(-c // i) for c, i in zip(info.chunks, inner))
     index_bytes = entries * 16 + 4
-    size = path.stat().st_size
     if size < index_bytes:
         return f"{path}: truncated: {size} bytes, less than its shard index ({index_bytes})"
-    with open(path, "rb") as f:
+    with path.open("rb") as f:  # (a local file, or an object read by range)
         f.seek(size - index_bytes)
         index = f.read(index_bytes - 4)
     for offset, length in struct.iter_unpack("<QQ", index):

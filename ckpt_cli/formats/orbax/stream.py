@@ -149,7 +149,7 @@ class ChunkStream:
             return None
         path = self.item / ref.file
         try:
-            file = open(path, "rb")  # noqa: SIM115 (closed with the cursor)
+            file = path.open("rb")  # (closed with the cursor; an s3:// object is read by range)
         except OSError as exc:
             raise DataError(f"{path}: cannot open the OCDBT data file holding array '{self.name}' ({exc.strerror})") from exc
         if file.seek(0, 2) < ref.offset + ref.length:
