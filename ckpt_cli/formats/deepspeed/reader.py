@@ -22,8 +22,7 @@ from ckpt_cli.core import roles
 from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, TensorEntry
-from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
-from ckpt_cli.core.pickles import zipio
+from ckpt_cli.core.paths import plain_component, present, read_regular_text, step_number
 from ckpt_cli.core.pickles.safe_pickle import TensorRef
 from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import flatten, path_name, share_equal
@@ -37,7 +36,7 @@ from ckpt_cli.formats.deepspeed.model_states import frozen_and_buffers, training
 from ckpt_cli.formats.deepspeed.partitions import Stage3Partitions, Stage12Partitions, ZeroFile
 from ckpt_cli.formats.deepspeed.rank_files import LazyRanks, RankFile
 from ckpt_cli.formats.deepspeed.variants import refuse_universal, refuse_variants, world_problems
-from ckpt_cli.formats.torch_save import Shared
+from ckpt_cli.formats.torch_save import Shared, crc_problems
 from ckpt_cli.store import location
 
 LATEST = "latest"
@@ -374,11 +373,7 @@ class DeepSpeedReader:
                 problems += ckpt.source.layout.flat_problems()
             if ckpt.source.layout.experts is not None:
                 problems += deepspeed_moe.partition_problems(ckpt.source.layout)
-        if deep:
-            for info in ckpt.files:
-                with open_regular(info.path) as f:
-                    problems += zipio.archive_problems(f, info.path)
-        return problems
+        return problems + (crc_problems(f.path for f in ckpt.files) if deep else [])
 
 
 def _tag_step(tag: str) -> int:

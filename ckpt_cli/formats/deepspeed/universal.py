@@ -24,7 +24,6 @@ from typing import Any
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, FlatRange, ObjectEntry, Piece, TensorEntry
 from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
-from ckpt_cli.core.pickles import zipio
 from ckpt_cli.core.pickles.safe_pickle import TensorRef
 from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import path_name
@@ -36,7 +35,7 @@ from ckpt_cli.formats.deepspeed.rank_files import DS_GLOBALS, LazyRanks, RankFil
 from ckpt_cli.formats.deepspeed.reader import MODEL_STATES
 from ckpt_cli.formats.deepspeed.reader import READER as NATIVE
 from ckpt_cli.formats.deepspeed.variants import refuse_variants
-from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
+from ckpt_cli.formats.torch_save import Shared, crc_problems, load_archive, stored_array
 
 LATEST = "latest_universal"
 ZERO = "zero"
@@ -202,11 +201,7 @@ class UniversalReader:
                     problems.append(f"{ckpt.path}: the param groups name '{name}', which has no folder under zero/")
                 elif trained and f"optimizer.state.{name}.exp_avg" not in ckpt.tensors:
                     problems.append(f"{ckpt.path}: '{name}' is trained (in a param group) but zero/{name}/ holds no exp_avg.pt")
-        if deep:
-            for info in ckpt.files:
-                with open_regular(info.path) as f:
-                    problems += zipio.archive_problems(f, info.path)
-        return problems
+        return problems + (crc_problems(f.path for f in ckpt.files) if deep else [])
 
 
 def _model_ranks(folder: Path, paths: list[Path], first: RankFile, options: ReadOptions, parsed: Shared) -> LazyRanks:
