@@ -251,10 +251,6 @@ def _read_extra(files: list[RankFile]) -> _Kind:
     return out
 
 
-def pattern_of(folder: Path, kind: str, world: int) -> Path:
-    return folder / f"{kind}_world_size_{world}_rank_*.pt"
-
-
 def saved_by_fsdp1(config: dict[str, Any]) -> bool:
     """What fsdp_config.json says: verl's FSDP_version 1, or SkyRL's strategy "fsdp"."""
     return config.get("FSDP_version") == 1 or config.get("fsdp_strategy") == "fsdp"
@@ -315,7 +311,7 @@ class DTensorRanksReader:
             elif kind == "optim" and one_rank_fsdp1 and not part.not_read:
                 flat_part = _flat_kind(loaded, params, "optimizer.state")
                 part = part if flat_part.not_read else flat_part
-            pattern = pattern_of(path, kind, world)
+            pattern = path / f"{kind}_world_size_{world}_rank_*.pt"
             if part.flat is not None:
                 flat = part.flat
                 notes.append(
