@@ -23,7 +23,7 @@ from typing import Any
 
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, FlatRange, ObjectEntry, Piece, TensorEntry
-from ckpt_cli.core.paths import open_regular, present, step_number
+from ckpt_cli.core.paths import present, step_number
 from ckpt_cli.core.pickles.safe_pickle import TensorRef
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError
@@ -34,7 +34,7 @@ from ckpt_cli.formats.deepspeed.rank_files import DS_GLOBALS, LazyRanks, RankFil
 from ckpt_cli.formats.deepspeed.reader import MODEL_STATES
 from ckpt_cli.formats.deepspeed.reader import READER as NATIVE
 from ckpt_cli.formats.deepspeed.variants import refuse_variants
-from ckpt_cli.formats.torch_save import Shared, crc_problems, load_archive, stored_array
+from ckpt_cli.formats.torch_save import Shared, crc_problems, open_archive, stored_array
 
 LATEST = "latest_universal"
 ZERO = "zero"
@@ -200,8 +200,7 @@ def _model_ranks(folder: Path, paths: list[Path], first: RankFile, options: Read
 
 def _state_tensor(file: Path, name: str, state: str, shape: tuple[int, ...] | None, options: ReadOptions, parsed: Shared) -> TensorEntry:
     """One state file as a tensor of the parameter's shape (stage 3 stores it flat); `step` is 0-d."""
-    with open_regular(file) as f:
-        tree, records = load_archive(f, str(file), options, extra_globals=DS_GLOBALS, parsed=parsed)
+    tree, records = open_archive(file, options, DS_GLOBALS, not_zip=None, parsed=parsed)
     ref = tree.get("param") if isinstance(tree, dict) else tree
     if not isinstance(ref, TensorRef):
         raise DataError(f"{file}: holds {type(ref).__name__}, not a tensor ('param')")
