@@ -43,10 +43,6 @@ class Cmd:
         return self.help.split(". ")[0].rstrip(".") + "."
 
 
-def _first_paragraph(text: str | None) -> str:
-    return " ".join((text or "").strip().split("\n\n")[0].split())
-
-
 def commands(group: Any) -> list[Cmd]:
     """The command tree as plain data, read from the CLI's click group."""
     out = []
@@ -61,7 +57,8 @@ def commands(group: Any) -> list[Cmd]:
             metavar = (p.metavar or p.name or "VALUE").upper()
             options.append(Opt(names, " ".join((p.help or "").split()), not p.is_flag, metavar))
         options.append(Opt(["--help", "-h"], "Show this message and exit.", False, ""))
-        out.append(Cmd(name, _first_paragraph(cmd.help), arguments, options))
+        first_paragraph = " ".join((cmd.help or "").strip().split("\n\n")[0].split())
+        out.append(Cmd(name, first_paragraph, arguments, options))
     return out
 
 

@@ -67,8 +67,6 @@ class Permute:
     def parse(cls, item: Any, where: str) -> Permute:
         from ckpt_cli.core.names.rope import LAYOUTS
 
-        if not isinstance(item, dict) or set(item) != {"from", "rope", "heads"}:
-            raise UsageError(f"{where}: each permute is {{from: REGEX, rope: {'|'.join(LAYOUTS)}, heads: N or a config.json key}}")
         if item["rope"] not in LAYOUTS:
             raise UsageError(f"{where}: permute '{item['from']}': rope is {' or '.join(LAYOUTS)}, not {item['rope']!r}")
         heads = item["heads"]
@@ -130,26 +128,12 @@ class NameMap:
     @classmethod
     def from_data(cls, data: Any, where: str) -> NameMap:
         """A name map from its parsed YAML (a file's, or a preset's)."""
-        structured.check(data, NAME_MAP_SCHEMA, where, UsageError)
-        renames = []
-        for item in data.get("rename") or []:
-            if not isinstance(item, dict) or set(item) != {"from", "to"}:
-                raise UsageError(f"{where}: each rename is {{from: REGEX, to: REPLACEMENT}}")
-            renames.append((str(item["from"]), str(item["to"])))
-        segments = data.get("strip_segments", WRAPPER_SEGMENTS) or ()
-        if isinstance(segments, str) or not all(isinstance(x, str) for x in segments):
-            raise UsageError(f"{where}: strip_segments is a list of names")
-        tied = data.get("tied") or {}
-        if not isinstance(tied, dict):
-            raise UsageError(f"{where}: tied maps alias names to owner names")
-        splits = data.get("split") or []
-        if not isinstance(splits, list):
-            raise UsageError(f"{where}: split is a list of {{from, to, groups, layers}}")
+        structured.check(data, NAME_MAP_SCHEMA, where, UsageError)  # each section's type, each item's keys and types
         return cls(
-            tuple(segments),
-            tuple(renames),
-            tuple((str(a), str(o)) for a, o in tied.items()),
-            tuple(RowSplit.parse(item, where) for item in splits),
+            tuple(data.get("strip_segments", WRAPPER_SEGMENTS) or ()),
+            tuple((item["from"], item["to"]) for item in data.get("rename") or []),
+            tuple((data.get("tied") or {}).items()),
+            tuple(RowSplit.parse(item, where) for item in data.get("split") or []),
             tuple(Permute.parse(item, where) for item in data.get("permute") or []),
             tuple(Stack.parse(item, where) for item in data.get("stack") or []),
             tuple(str(p) for p in data.get("transpose") or []),

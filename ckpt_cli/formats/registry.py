@@ -297,30 +297,11 @@ def list_tags(folder: Path) -> dict[str, Format]:
     return {t: found[t] for t in sorted(found, key=lambda t: (_step_of(t), t))}
 
 
-@dataclass(frozen=True)
-class Resolved:
-    path: Path
-    format: Format
-    tag: str | None
-    note: str | None  # which tag was chosen and why, to tell the user
-
-
-def resolve(path: Path, format_name: str | None = None, tag: str | None = None, detected: Format | None = None) -> Resolved:
-    """Find the checkpoint at `path`: its format, or the chosen tag of a run folder. `detected`: the format detection
-    already found at `path` (not detected again)."""
-    if not path.exists():
-        raise UsageError(f"{path}: no such file or folder")
-    fmt = get(format_name) if format_name else detected if detected is not None else detect(path)
-    if fmt is not None and (tag is None or format_name or fmt.own_tags):
-        return Resolved(path, fmt, tag, None)
+def tagged(path: Path, fmt: Format, tag: str | None, forced: bool) -> tuple[Path, Format, str | None]:
+    """The checkpoint of format `fmt` at `path` and the tag its reader takes; or, where --tag names no tag of the
+    format's own (a folder of a format without tags, not forced by --format), the checkpoint below `path` it names."""
+    if tag is None or forced or fmt.own_tags:
+        return path, fmt, tag
     tags = list_tags(path)
-    if tag is not None:
-        tag = pick_tag(tag, list(tags), str(path), "checkpoint tag")
-        return Resolved(path / tag, get(format_name) if format_name else tags[tag], tag, None)
-    if fmt is not None:
-        return Resolved(path, fmt, None, None)
-    if not tags:
-        raise UsageError(f"{path}: not a checkpoint in any known format ({', '.join(FORMATS)}); use --format to say which")
-    chosen = list(tags)[-1]
-    note = f"{path}: {len(tags)} checkpoints; using '{chosen}' (highest step); pass --tag to choose" if len(tags) > 1 else None
-    return Resolved(path / chosen, tags[chosen], chosen, note)
+    tag = pick_tag(tag, list(tags), str(path), "checkpoint tag")
+    return path / tag, tags[tag], tag

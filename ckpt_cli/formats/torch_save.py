@@ -13,7 +13,7 @@ import hashlib
 import math
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -75,11 +75,46 @@ def load_archive(
     return parsed.pickles[digest], records
 
 
-def check_archive(f: BinaryIO, where: str, options: ReadOptions, extra_globals: dict[tuple[str, str], Any] | None = None) -> bool:
+def open_archive(
+    path: Path,
+    options: ReadOptions,
+    extra_globals: dict[tuple[str, str], Any] | None = None,
+    not_zip: str | None = "not a zip torch.save file",
+    parsed: Shared | None = None,
+) -> tuple[Any, dict[str, zipio.Record]]:
+    """load_archive of the file at `path`: DataError naming it when it cannot be opened or (`not_zip`: the words) does
+    not start as a zip."""
+    with _opened(path) as f:
+        if not_zip is not None and f.read(4) != ZIP_MAGIC:
+            raise DataError(f"{path}: {not_zip}")
+        return load_archive(f, str(path), options, extra_globals=extra_globals, parsed=parsed)
+
+
+def crc_problems(paths: Iterable[str | Path]) -> list[str]:
+    """--deep: every record of each torch.save archive against its CRC; a file that cannot be read is a problem too."""
+    problems = []
+    for path in map(str, paths):
+        try:
+            with open_regular(path) as f:
+                problems += zipio.archive_problems(f, path)
+        except (OSError, DataError) as exc:
+            problems.append(str(exc) if isinstance(exc, DataError) else f"{path}: cannot read ({exc.strerror})")
+    return problems
+
+
+def check_archive(path: Path, options: ReadOptions, extra_globals: dict[tuple[str, str], Any] | None = None) -> bool:
     """What load_archive refuses before it builds the pickle's value (the archive's records, the pickle's bounds and
     globals), checked without unpickling: a rank file that a read need not parse is still refused when hostile.
     False where only unpickling would tell the globals (a protocol-4 pickle's STACK_GLOBAL): then load it."""
-    return check_unbuilt(_pickle_of(f, where, 0, None, None)[1], where, extra_globals, options.trust_pickle)
+    with _opened(path) as f:
+        return check_unbuilt(_pickle_of(f, str(path), 0, None, None)[1], str(path), extra_globals, options.trust_pickle)
+
+
+def _opened(path: Path) -> BinaryIO:
+    try:
+        return open_regular(path)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
 
 
 def _pickle_of(f: BinaryIO, where: str, start: int, length: int | None, parsed: Shared | None) -> tuple[dict[str, zipio.Record], bytes]:
@@ -148,17 +183,11 @@ class TorchReader:
 
     def read(self, path: Path, options: ReadOptions) -> Checkpoint:
         where = str(path)
-        try:
-            f = open_regular(path)
-        except OSError as exc:
-            raise DataError(f"{where}: cannot open ({exc.strerror})") from exc
-        with f:
-            if f.read(4) != ZIP_MAGIC:
-                raise DataError(
-                    f"{where}: legacy (pre-1.6, non-zip) torch.save format; it cannot be read lazily. "
-                    "Re-save it with a current torch (torch.save(torch.load(f), f))."
-                )
-            tree, records = load_archive(f, where, options)
+        legacy = (
+            "legacy (pre-1.6, non-zip) torch.save format; it cannot be read lazily. "
+            "Re-save it with a current torch (torch.save(torch.load(f), f))."
+        )
+        tree, records = open_archive(path, options, not_zip=legacy)
         tensors, objects, containers = entries_from_tree(tree, records, where)
         ckpt = Checkpoint(
             format=self.name,
@@ -173,10 +202,7 @@ class TorchReader:
         return ckpt
 
     def check(self, ckpt: Checkpoint, deep: bool) -> list[str]:
-        if not deep:
-            return []
-        with open_regular(ckpt.path) as f:
-            return zipio.archive_problems(f, ckpt.path)
+        return crc_problems([ckpt.path]) if deep else []
 
 
 class Storage:

@@ -48,18 +48,16 @@ def from_checkpoint(ckpt: Checkpoint, names: NameMap, need_optimizer: bool = Tru
     return renamed(state, names)
 
 
-def by_parameter(ckpt: Checkpoint, strict: bool = True) -> Checkpoint:
+def by_parameter(ckpt: Checkpoint) -> Checkpoint:
     """The checkpoint's weights and optimizer state under neutral names (FQN, optimizer.state.FQN.KEY), so that two
-    checkpoints of one run in different frameworks compare tensor by tensor. Not `strict`: an optimizer state keyed
-    by parameter index keeps its indices (optimizer.state.I.KEY) instead of being refused."""
+    checkpoints of one run in different frameworks compare tensor by tensor. An optimizer state keyed by parameter
+    index keeps its indices (optimizer.state.I.KEY), which a conversion refuses."""
     holder = ckpt
     if run_read.is_run(ckpt) and len(ckpt.source.parts) == 1:  # a Trainer/accelerate folder holding one DeepSpeed checkpoint
         holder = ckpt.source.parts[0][1]
     try:
         state = from_checkpoint(holder, NameMap(), need_optimizer=False)
     except UsageError:
-        if strict:
-            raise
         state = training_format(holder).read_state(holder, need_optimizer=False)
     tensors = {n: dataclasses.replace(e, name=n, path=(n,)) for n, e in state.weights.items()}
     for fqn, keys in state.moments.items():
@@ -69,13 +67,13 @@ def by_parameter(ckpt: Checkpoint, strict: bool = True) -> Checkpoint:
     return dataclasses.replace(ckpt, tensors=tensors)
 
 
-def comparable(a: Checkpoint, b: Checkpoint, flat_too: bool = False) -> tuple[Checkpoint, Checkpoint, str | None]:
+def comparable(a: Checkpoint, b: Checkpoint) -> tuple[Checkpoint, Checkpoint, str | None]:
     """The two checkpoints under names that match tensor by tensor, and how they were matched (None: by their own
-    names). When their key layouts differ (one run saved by two frameworks), by parameter name (by_parameter). A flat
-    state dict (no optimizer) is named by FQN already: with `flat_too`, the other side is renamed to meet it (diff),
-    and a side whose training state cannot be read by name keeps its own names; without, both keep theirs (verify)."""
+    names), as diff and verify --against pair them. When their key layouts differ (one run saved by two frameworks),
+    by parameter name (by_parameter). A flat state dict (no optimizer) is named by FQN already: the other side is
+    renamed to meet it, and a side whose training state cannot be read by name keeps its own names."""
     layouts = detect_layout(a), detect_layout(b)
-    if layouts[0] == layouts[1] or (not flat_too and "flat" in layouts):
+    if layouts[0] == layouts[1]:
         return a, b, None
     sides = []
     for ckpt, layout in zip((a, b), layouts):
@@ -83,12 +81,10 @@ def comparable(a: Checkpoint, b: Checkpoint, flat_too: bool = False) -> tuple[Ch
             sides.append(ckpt)
             continue
         try:
-            sides.append(by_parameter(ckpt, strict=not flat_too))
+            sides.append(by_parameter(ckpt))
         except CkptError:
-            if not flat_too:
-                raise
             sides.append(ckpt)
-    if flat_too and "flat" in layouts and _shared(a, b) > _shared(sides[0], sides[1]):
+    if "flat" in layouts and _shared(a, b) > _shared(sides[0], sides[1]):
         return a, b, None  # the flat side kept the other's own names (`merge` of a DCP save: model.x): by name
     return sides[0], sides[1], f"by parameter name ({' vs '.join(sorted(set(layouts)))} key layouts)"
 

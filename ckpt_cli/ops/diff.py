@@ -229,7 +229,7 @@ def pair(a: Checkpoint, b: Checkpoint, options: DiffOptions) -> tuple[DiffReport
     --against` judges (ops/verify.py). Also the two sides as matched (crossframework.comparable), for their roles."""
     report = DiffReport(Side.of(a), Side.of(b), options.atol, options.rtol, depth=options.depth)
     report.notes += [f"A: {n}" for n in a.notes] + [f"B: {n}" for n in b.notes]
-    mine, theirs, matched = crossframework.comparable(a, b, flat_too=True)
+    mine, theirs, matched = crossframework.comparable(a, b)
     if matched:
         report.matched_by = matched.removeprefix("by ")
         report.notes += _left_out(a, mine, "A") + _left_out(b, theirs, "B")

@@ -11,7 +11,6 @@ from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.runs import read as run_read
 from ckpt_cli.ops import quantized
 from ckpt_cli.ops import runs as run_roots
-from ckpt_cli.ops.quant_schemes import Scheme
 from ckpt_cli.ops.resolve import Found, Resolved, relative
 from ckpt_cli.ops.transform import matches
 
@@ -37,6 +36,7 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
     tied = {name for group in ckpt.tied_groups() for name in group[1:]}
     scheme = quantized.scheme_of(ckpt) if quantized.may_be_quantized(ckpt) else None
     weights = {t.name for t in chosen if t.role == "model" and t.name not in tied}
+    quantization = {"quantization": scheme.summary()} if scheme is not None else {}
     return {
         "path": ckpt.path,
         "format": ckpt.format,
@@ -50,7 +50,7 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
         "files": [{"path": f.path, "bytes": f.bytes} for f in ckpt.files],
         "training_state": roles.describe_training_state(ckpt),
         "tensors": tensor_rows(ckpt, filters),
-        "details": {**ckpt.details, "objects": len(ckpt.objects), "tied": ckpt.tied_groups(), **_quantization(scheme)},
+        "details": {**ckpt.details, "objects": len(ckpt.objects), "tied": ckpt.tied_groups(), **quantization},
         "unread": unread_values(ckpt),
         "notes": ckpt.notes,
     }
@@ -60,10 +60,6 @@ def shown_step(ckpt: Checkpoint) -> int | None:
     """The step `ckpt ls` shows for this checkpoint: its own, else the one its name states (run/step_200.safetensors)."""
     framework = ckpt.details.get("framework") if run_read.is_run(ckpt) else None
     return run_roots.shown_step(Found(Path(ckpt.path), framework, ckpt.format), ckpt)
-
-
-def _quantization(scheme: Scheme | None) -> dict[str, Any]:
-    return {"quantization": scheme.summary()} if scheme is not None else {}
 
 
 def unread_values(ckpt: Checkpoint) -> list[dict[str, Any]]:

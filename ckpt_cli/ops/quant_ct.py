@@ -19,7 +19,7 @@ from typing import Any
 
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.errors import DataError
-from ckpt_cli.ops.quant_schemes import Quantized
+from ckpt_cli.ops.quant_schemes import Quantized, file_of
 
 QUANTIZED_DTYPES = ("float8_e4m3fn", "float8_e5m2", "int8")  # a naive-quantized weight's values
 COMPANIONS = ("weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape", "weight_g_idx")
@@ -76,7 +76,7 @@ def missing_companions(tensors: dict[str, TensorEntry], groups: list[dict[str, A
         layout, need = _layout(base, tensors, groups)
         missing = [f"'{base}.{n}'" for n in need if f"{base}.{n}" not in tensors]
         if missing:
-            out.append(f"{_file(entry)}: {layout} weight '{base}' has no {' or '.join(missing)}; it cannot be dequantized")
+            out.append(f"{file_of(entry)}: {layout} weight '{base}' has no {' or '.join(missing)}; it cannot be dequantized")
     return out
 
 
@@ -109,10 +109,6 @@ def _layout(base: str, tensors: dict[str, TensorEntry], groups: list[dict[str, A
     if static_input:
         need.append("input_global_scale")
     return layout, need
-
-
-def _file(entry: TensorEntry) -> str:
-    return entry.pieces[0].data.path if entry.pieces else entry.name
 
 
 def _weight_args(qconfig: dict[str, Any], where: str) -> list[dict[str, Any]]:

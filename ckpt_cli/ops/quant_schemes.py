@@ -8,10 +8,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_cli.core import structured
-from ckpt_cli.core.model import Checkpoint
+from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import read_regular_text
 from ckpt_cli.errors import DataError
 from ckpt_cli.store import location
+
+
+def file_of(entry: TensorEntry) -> str:
+    """The file a problem with a quantization tensor names: the one holding its first piece."""
+    return entry.pieces[0].data.path if entry.pieces else entry.name
 
 
 @dataclass(frozen=True)

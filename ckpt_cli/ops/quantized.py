@@ -20,7 +20,7 @@ from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.reading import read_elements
 from ckpt_cli.errors import DataError
 from ckpt_cli.ops import quant_ct
-from ckpt_cli.ops.quant_schemes import Quantized, Scheme, load_config
+from ckpt_cli.ops.quant_schemes import Quantized, Scheme, file_of, load_config
 
 FP8_TYPES = ("float8_e4m3fn", "float8_e5m2")
 DEEPSEEK_BLOCK = (128, 128)  # the block of a scale grid that says none (the DeepSeek-V3 recipe)
@@ -115,7 +115,7 @@ def shape_problems(ckpt: Checkpoint, scheme: Scheme) -> list[str]:
             want = (*lead, -(-rows // q.block[0]), -(-cols // q.block[1]))
             if scale.shape != want:
                 problems.append(
-                    f"{_file(scale)}: scales '{q.scales}' have shape {list(scale.shape)}, but '{q.values}' "
+                    f"{file_of(scale)}: scales '{q.scales}' have shape {list(scale.shape)}, but '{q.values}' "
                     f"{list(values.shape)} in blocks of {list(q.block)} needs {list(want)}"
                 )
         if q.zero_point is not None:
@@ -124,7 +124,8 @@ def shape_problems(ckpt: Checkpoint, scheme: Scheme) -> list[str]:
             if q.method == "ct-pack" and len(want) == 2:
                 want = (-(-want[0] // (32 // q.bits)), want[1])
             if zero.shape != want:
-                problems.append(f"{_file(zero)}: zero points '{q.zero_point}' have shape {list(zero.shape)}; its scales need {list(want)}")
+                shapes = f"have shape {list(zero.shape)}; its scales need {list(want)}"
+                problems.append(f"{file_of(zero)}: zero points '{q.zero_point}' {shapes}")
     return problems
 
 
@@ -177,13 +178,13 @@ def _unpaired(ckpt: Checkpoint, scheme: Scheme | None) -> list[str]:
         if name in paired:
             continue
         if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in ckpt.tensors:
-            out.append(f"{_file(entry)}: '{name}' scales '{name[: -len('_scale_inv')]}', which is not stored as FP8")
+            out.append(f"{file_of(entry)}: '{name}' scales '{name[: -len('_scale_inv')]}', which is not stored as FP8")
         elif name.endswith("_scales") and (name[:-7] + "_blocks") in ckpt.tensors:
-            out.append(f"{_file(entry)}: '{name}' has no MXFP4 blocks of the matching shape")
+            out.append(f"{file_of(entry)}: '{name}' has no MXFP4 blocks of the matching shape")
         elif scheme is not None and scheme.method == "fp8" and entry.dtype.name in FP8_TYPES and name.endswith(".weight"):
-            out.append(f"{_file(entry)}: FP8 weight '{name}' has no '{name}_scale_inv'; a loader would use its values unscaled")
+            out.append(f"{file_of(entry)}: FP8 weight '{name}' has no '{name}_scale_inv'; a loader would use its values unscaled")
         elif scheme is not None and "mxfp4" in scheme.method and name.endswith("_blocks") and entry.dtype.name == "uint8":
-            out.append(f"{_file(entry)}: MXFP4 blocks '{name}' have no '{name[:-7]}_scales'")
+            out.append(f"{file_of(entry)}: MXFP4 blocks '{name}' have no '{name[:-7]}_scales'")
     return out
 
 
@@ -215,8 +216,4 @@ def _bad_scales(entry: TensorEntry, weight: str, sources: Any) -> list[str]:
         bad, what = int((~torch.isfinite(as_float) | (as_float <= 0)).sum()), "not finite or not positive"
     if not bad:
         return []
-    return [f"{_file(entry)}: scales '{entry.name}' hold {bad} values {what}; the weight '{weight}' dequantizes wrong"]
-
-
-def _file(entry: TensorEntry) -> str:
-    return entry.pieces[0].data.path if entry.pieces else entry.name
+    return [f"{file_of(entry)}: scales '{entry.name}' hold {bad} values {what}; the weight '{weight}' dequantizes wrong"]

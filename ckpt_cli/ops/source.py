@@ -43,12 +43,10 @@ def open_resolved(resolved: Resolved, trust_pickle: bool, layout_only: bool = Fa
         return run_read.read(resolved.run, ReadOptions(tag=resolved.tag, trust_pickle=trust_pickle, layout_only=layout_only))
     fmt = resolved.format
     assert fmt is not None  # levels checkpoint and tagged always have one
-    tagged = registry.resolve(resolved.location, fmt.name if resolved.forced else None, resolved.tag, detected=fmt)
-    ckpt = tagged.format.reader.read(tagged.path, ReadOptions(tagged.tag, trust_pickle, layout_only, pieces_when_read))
-    if tagged.tag and not ckpt.tag:
-        ckpt.tag = tagged.tag
-    if tagged.note:
-        ckpt.notes.insert(0, tagged.note)
+    path, fmt, tag = registry.tagged(resolved.location, fmt, resolved.tag, resolved.forced)
+    ckpt = fmt.reader.read(path, ReadOptions(tag, trust_pickle, layout_only, pieces_when_read))
+    if tag and not ckpt.tag:
+        ckpt.tag = tag
     if resolved.note:
         ckpt.notes.append(resolved.note)
     return ckpt

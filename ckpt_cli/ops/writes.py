@@ -152,11 +152,16 @@ class WriteReport:
 
     @property
     def notes(self) -> list[str]:
+        """What the plan chose or drops (tied weights written once, state a target cannot hold), for the user."""
         return list(self.job.notes)
 
     @property
     def file_count(self) -> int:
         return len(self.job.plan.files)
+
+    @property
+    def source_format(self) -> str:
+        return self.job.source_format
 
     @functools.cached_property
     def files(self) -> list[dict[str, Any]]:
@@ -176,28 +181,11 @@ class WriteReport:
 
 
 @dataclass
-class PreparedWrite:
-    """A planned write (the source opened and checked, the destination's files laid out), not yet run."""
+class PreparedWrite(WriteReport):
+    """A planned write (the source opened and checked, the destination's files laid out), not yet run: read as a
+    report, what it would write."""
 
-    request: Request
-    job: Job
-
-    @property
-    def notes(self) -> list[str]:
-        """What the plan chose or drops (tied weights written once, state a target cannot hold), for the user."""
-        return self.job.notes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.job.plan.total_bytes
-
-    @property
-    def format(self) -> str:
-        return self.job.plan.format
-
-    @property
-    def source_format(self) -> str:
-        return self.job.source_format
+    request: Request = field(kw_only=True)
 
     def dry_run(self, overwrite: bool = False) -> WriteReport:
         """The plan, with a note when the real run would refuse the destination."""
@@ -235,7 +223,7 @@ class PreparedWrite:
 
 def prepare(request: Request) -> PreparedWrite:
     """Open the source, refuse what verify would reject, and plan the write (nothing is written)."""
-    return PreparedWrite(request, convert_op.prepare(request))
+    return PreparedWrite(convert_op.prepare(request), request=request)
 
 
 def run(

@@ -12,7 +12,6 @@ Megatron. Facts: docs/formats.md §9.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,13 +20,13 @@ from ckpt_cli.core import roles, structured
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, Opaque, TensorEntry
 from ckpt_cli.core.paths import open_regular, present, read_regular_text
-from ckpt_cli.core.pickles import pickler, zipio
+from ckpt_cli.core.pickles import pickler
 from ckpt_cli.core.pickles.frozen import Frozen, Sealed, frozen
 from ckpt_cli.core.pickles.pickle_guard import PickleRefused, charge
 from ckpt_cli.core.pickles.pickler import Global, Instance, Reduce
 from ckpt_cli.errors import DataError, UnsafePickleError, UsageError
 from ckpt_cli.formats.dcp import reader as dcp
-from ckpt_cli.formats.torch_save import entries_from_tree, load_archive
+from ckpt_cli.formats.torch_save import crc_problems, entries_from_tree, load_archive, open_archive
 
 CONFIG = "metadata.json"
 COMMON = "common.pt"
@@ -133,17 +132,10 @@ def _common(folder: Path, options: ReadOptions) -> tuple[dict[str, TensorEntry],
     """common.pt through the allow list: its tensors (the optimizer's common step) and values."""
     path = folder / COMMON
     try:
-        f = open_regular(path)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
-    with f:
-        if f.read(4) != zipio.ZIP_MAGIC:
-            raise DataError(f"{path}: not a torch.save archive")
-        try:
-            tree, records = load_archive(f, str(path), options, extra_globals=COMMON_GLOBALS)
-        except UnsafePickleError as exc:  # kept unparsed: inspect shows it, verify reports it, writers refuse it
-            value = Opaque(f"needs {exc.global_name}; --trust-pickle to parse", exc.global_name)
-            return {}, {COMMON: ObjectEntry(COMMON, value, raw=(str(path), 0, os.fstat(f.fileno()).st_size))}, {}
+        tree, records = open_archive(path, options, COMMON_GLOBALS, not_zip="not a torch.save archive")
+    except UnsafePickleError as exc:  # kept unparsed: inspect shows it, verify reports it, writers refuse it
+        value = Opaque(f"needs {exc.global_name}; --trust-pickle to parse", exc.global_name)
+        return {}, {COMMON: ObjectEntry(COMMON, value, raw=(str(path), 0, path.stat().st_size))}, {}
     if tree == {}:
         return {}, {}, {}
     if not isinstance(tree, dict):
@@ -210,12 +202,7 @@ class MegatronReader(dcp.DCPReader):
         if not source.common:
             problems.append(f"{source.folder / COMMON}: missing; Megatron's load reads it first (iteration, args, optimizer param groups)")
         elif deep:
-            path = str(source.folder / COMMON)
-            try:
-                with open_regular(path) as f:
-                    problems += zipio.archive_problems(f, path)
-            except (OSError, DataError) as exc:
-                problems.append(str(exc) if isinstance(exc, DataError) else f"{path}: cannot read ({exc.strerror})")
+            problems += crc_problems([source.folder / COMMON])
         return problems
 
 

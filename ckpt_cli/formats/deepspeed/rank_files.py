@@ -7,11 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import LazyPieces, StoredArray
-from ckpt_cli.core.paths import open_regular
 from ckpt_cli.core.pickles import pickler, zipio
 from ckpt_cli.core.pickles.frozen import Sealed
 from ckpt_cli.core.pickles.pickle_guard import charge
@@ -19,7 +18,7 @@ from ckpt_cli.core.pickles.pickler import Global, Instance, Reduce
 from ckpt_cli.core.pickles.safe_pickle import TensorRef
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats.deepspeed.partitions import WholePiece
-from ckpt_cli.formats.torch_save import Shared, check_archive, load_archive, stored_array
+from ckpt_cli.formats.torch_save import Shared, check_archive, open_archive, stored_array
 
 
 class _Stub(metaclass=Sealed):
@@ -133,8 +132,7 @@ class LazyRanks(Mapping[int, RankFile]):
 
 
 def load(path: Path, options: ReadOptions, parsed: Shared | None = None) -> RankFile:
-    with _opened(path) as f:
-        tree, records = load_archive(f, str(path), options, extra_globals=DS_GLOBALS, parsed=parsed)
+    tree, records = open_archive(path, options, DS_GLOBALS, not_zip=None, parsed=parsed)
     if not isinstance(tree, dict):
         raise DataError(f"{path}: does not hold a DeepSpeed state dict")
     return RankFile(path, tree, records)
@@ -143,12 +141,4 @@ def load(path: Path, options: ReadOptions, parsed: Shared | None = None) -> Rank
 def check(path: Path, options: ReadOptions) -> bool:
     """A rank file checked as `load` would refuse it, without building its pickle's value (torch_save.check_archive):
     False where only parsing would tell."""
-    with _opened(path) as f:
-        return check_archive(f, str(path), options, extra_globals=DS_GLOBALS)
-
-
-def _opened(path: Path) -> BinaryIO:
-    try:
-        return open_regular(path)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
+    return check_archive(path, options, DS_GLOBALS)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,8 +22,7 @@ from ckpt_cli.core import roles
 from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Checkpoint, FileInfo, ObjectEntry, TensorEntry
-from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
-from ckpt_cli.core.pickles import zipio
+from ckpt_cli.core.paths import plain_component, present, read_regular_text, step_number
 from ckpt_cli.core.pickles.safe_pickle import TensorRef
 from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import flatten, path_name, share_equal
@@ -37,7 +36,7 @@ from ckpt_cli.formats.deepspeed.model_states import frozen_and_buffers, training
 from ckpt_cli.formats.deepspeed.partitions import Stage3Partitions, Stage12Partitions, ZeroFile
 from ckpt_cli.formats.deepspeed.rank_files import LazyRanks, RankFile
 from ckpt_cli.formats.deepspeed.variants import refuse_universal, refuse_variants, world_problems
-from ckpt_cli.formats.torch_save import Shared
+from ckpt_cli.formats.torch_save import Shared, crc_problems
 from ckpt_cli.store import location
 
 LATEST = "latest"
@@ -80,29 +79,41 @@ def is_deepspeed_dir(path: Path) -> bool:
     return any(MODEL_STATES.match(p.name) for p in path.iterdir())
 
 
-def list_tags(folder: Path) -> list[str]:
-    tags = [p.name for p in folder.iterdir() if p.is_dir() and any(MODEL_STATES.match(q.name) for q in p.iterdir())]
-    return sorted(tags, key=lambda t: (_tag_step(t), t))
+@dataclass(frozen=True)
+class Tags:
+    """How a save folder names its tags: the tag folders (`is_tag`), the file naming the newest (`latest`), and the
+    words for them (a native save's, or ds_to_universal's: formats/deepspeed/universal.py)."""
+
+    latest: str = LATEST
+    is_tag: Callable[[Path], bool] = lambda p: p.is_dir() and any(MODEL_STATES.match(q.name) for q in p.iterdir())
+    kind: str = "DeepSpeed tag"
+    not_tag: str = "holds no model states"
+    none_here: str = "no DeepSpeed checkpoint here (no 'latest', no tag folders)"
+
+    def names(self, folder: Path) -> list[str]:
+        return sorted((p.name for p in folder.iterdir() if self.is_tag(p)), key=lambda t: (_tag_step(t), t))
+
+    def resolve(self, path: Path, tag: str | None) -> tuple[Path, str, list[str]]:
+        """(tag folder, tag, notes). `path` is a save folder (with its `latest` file) or a tag folder itself."""
+        if self.is_tag(path) and tag in (None, path.name):
+            return path, path.name, []
+        tags = self.names(path)
+        if tag is not None:
+            tag = pick_tag(tag, tags, str(path), self.kind)
+            return path / tag, tag, []
+        latest = path / self.latest
+        if present(latest):  # a FIFO or device there is refused by name, not passed over
+            named = plain_component(read_regular_text(latest, max_bytes=4096).strip(), str(latest))
+            if named not in tags:
+                raise DataError(f"{latest}: names tag '{named}', which is missing or {self.not_tag}")
+            return path / named, named, [f"{path}: using tag '{named}' from '{self.latest}'"] if len(tags) > 1 else []
+        if not tags:
+            raise UsageError(f"{path}: {self.none_here}")
+        return path / tags[-1], tags[-1], [f"{path}: no '{self.latest}' file; using the highest tag '{tags[-1]}'"]
 
 
-def resolve_tag(path: Path, tag: str | None) -> tuple[Path, str, list[str]]:
-    """(tag folder, tag, notes). `path` is a save folder (with `latest`) or a tag folder itself."""
-    if any(MODEL_STATES.match(p.name) for p in path.iterdir()) and tag in (None, path.name):
-        return path, path.name, []
-    tags = list_tags(path)
-    if tag is not None:
-        tag = pick_tag(tag, tags, str(path), "DeepSpeed tag")
-        return path / tag, tag, []
-    latest = path / LATEST
-    if present(latest):  # a FIFO or device there is refused by name, not passed over
-        named = plain_component(read_regular_text(latest, max_bytes=4096).strip(), str(latest))
-        if named not in tags:
-            raise DataError(f"{latest}: names tag '{named}', which is missing or holds no model states")
-        notes = [f"{path}: using tag '{named}' from 'latest'"] if len(tags) > 1 else []
-        return path / named, named, notes
-    if not tags:
-        raise UsageError(f"{path}: no DeepSpeed checkpoint here (no 'latest', no tag folders)")
-    return path / tags[-1], tags[-1], [f"{path}: no 'latest' file; using the highest tag '{tags[-1]}'"]
+TAGS = Tags()
+list_tags, resolve_tag = TAGS.names, TAGS.resolve
 
 
 class ZeroSource(Protocol):
@@ -374,11 +385,7 @@ class DeepSpeedReader:
                 problems += ckpt.source.layout.flat_problems()
             if ckpt.source.layout.experts is not None:
                 problems += deepspeed_moe.partition_problems(ckpt.source.layout)
-        if deep:
-            for info in ckpt.files:
-                with open_regular(info.path) as f:
-                    problems += zipio.archive_problems(f, info.path)
-        return problems
+        return problems + (crc_problems(f.path for f in ckpt.files) if deep else [])
 
 
 def _tag_step(tag: str) -> int:

@@ -23,12 +23,10 @@ from typing import Any
 
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, FlatRange, ObjectEntry, Piece, TensorEntry
-from ckpt_cli.core.paths import open_regular, plain_component, present, read_regular_text, step_number
-from ckpt_cli.core.pickles import zipio
+from ckpt_cli.core.paths import present, step_number
 from ckpt_cli.core.pickles.safe_pickle import TensorRef
-from ckpt_cli.core.tags import pick as pick_tag
 from ckpt_cli.core.tree import path_name
-from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.errors import DataError
 from ckpt_cli.formats.deepspeed import rank_files
 from ckpt_cli.formats.deepspeed import reader as deepspeed
 from ckpt_cli.formats.deepspeed.model_states import frozen_and_buffers
@@ -36,7 +34,7 @@ from ckpt_cli.formats.deepspeed.rank_files import DS_GLOBALS, LazyRanks, RankFil
 from ckpt_cli.formats.deepspeed.reader import MODEL_STATES
 from ckpt_cli.formats.deepspeed.reader import READER as NATIVE
 from ckpt_cli.formats.deepspeed.variants import refuse_variants
-from ckpt_cli.formats.torch_save import Shared, load_archive, stored_array
+from ckpt_cli.formats.torch_save import Shared, crc_problems, open_archive, stored_array
 
 LATEST = "latest_universal"
 ZERO = "zero"
@@ -50,28 +48,14 @@ def is_universal_tag(path: Path) -> bool:
     return path.is_dir() and zero.is_dir() and any(MODEL_STATES.match(p.name) for p in path.iterdir())
 
 
-def list_tags(folder: Path) -> list[str]:
-    tags = [p.name for p in folder.iterdir() if is_universal_tag(p)]
-    return sorted(tags, key=lambda t: (deepspeed._tag_step(t), t))
-
-
-def resolve_tag(path: Path, tag: str | None) -> tuple[Path, str, list[str]]:
-    """(tag folder, tag, notes). `path` is a save folder (with `latest_universal`) or a universal tag folder."""
-    if is_universal_tag(path) and tag in (None, path.name):
-        return path, path.name, []
-    tags = list_tags(path)
-    if tag is not None:
-        tag = pick_tag(tag, tags, str(path), "universal checkpoint tag")
-        return path / tag, tag, []
-    latest = path / LATEST
-    if present(latest):
-        named = plain_component(read_regular_text(latest, max_bytes=4096).strip(), str(latest))
-        if named not in tags:
-            raise DataError(f"{latest}: names tag '{named}', which is missing or is not a universal checkpoint (zero/ + model states)")
-        return path / named, named, [f"{path}: using tag '{named}' from '{LATEST}'"] if len(tags) > 1 else []
-    if not tags:
-        raise UsageError(f"{path}: no DeepSpeed universal checkpoint here (no '{LATEST}', no tag folder with zero/)")
-    return path / tags[-1], tags[-1], [f"{path}: no '{LATEST}' file; using the highest tag '{tags[-1]}'"]
+TAGS = deepspeed.Tags(
+    LATEST,
+    is_universal_tag,
+    "universal checkpoint tag",
+    "is not a universal checkpoint (zero/ + model states)",
+    f"no DeepSpeed universal checkpoint here (no '{LATEST}', no tag folder with zero/)",
+)
+list_tags, resolve_tag = TAGS.names, TAGS.resolve
 
 
 @dataclass
@@ -202,11 +186,7 @@ class UniversalReader:
                     problems.append(f"{ckpt.path}: the param groups name '{name}', which has no folder under zero/")
                 elif trained and f"optimizer.state.{name}.exp_avg" not in ckpt.tensors:
                     problems.append(f"{ckpt.path}: '{name}' is trained (in a param group) but zero/{name}/ holds no exp_avg.pt")
-        if deep:
-            for info in ckpt.files:
-                with open_regular(info.path) as f:
-                    problems += zipio.archive_problems(f, info.path)
-        return problems
+        return problems + (crc_problems(f.path for f in ckpt.files) if deep else [])
 
 
 def _model_ranks(folder: Path, paths: list[Path], first: RankFile, options: ReadOptions, parsed: Shared) -> LazyRanks:
@@ -220,8 +200,7 @@ def _model_ranks(folder: Path, paths: list[Path], first: RankFile, options: Read
 
 def _state_tensor(file: Path, name: str, state: str, shape: tuple[int, ...] | None, options: ReadOptions, parsed: Shared) -> TensorEntry:
     """One state file as a tensor of the parameter's shape (stage 3 stores it flat); `step` is 0-d."""
-    with open_regular(file) as f:
-        tree, records = load_archive(f, str(file), options, extra_globals=DS_GLOBALS, parsed=parsed)
+    tree, records = open_archive(file, options, DS_GLOBALS, not_zip=None, parsed=parsed)
     ref = tree.get("param") if isinstance(tree, dict) else tree
     if not isinstance(ref, TensorRef):
         raise DataError(f"{file}: holds {type(ref).__name__}, not a tensor ('param')")

@@ -20,7 +20,7 @@ from ckpt_cli.core import structured
 from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import ReadOptions
 from ckpt_cli.core.model import Box, Checkpoint, FileInfo, ObjectEntry, PathKey, Piece, StoredArray, TensorEntry
-from ckpt_cli.core.paths import open_regular, read_regular_text, shown
+from ckpt_cli.core.paths import read_regular_text, shown
 from ckpt_cli.core.pickles import zipio
 from ckpt_cli.core.pickles.safe_dtensor import DTENSOR_GLOBALS, DTensorRef, is_tensor
 from ckpt_cli.core.pickles.safe_pickle import TensorRef
@@ -29,7 +29,7 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats.dtensor import layout as lay
 from ckpt_cli.formats.dtensor.flat import FlatLayout, Param, read_flat
 from ckpt_cli.formats.dtensor.mesh import check_order, layout_of
-from ckpt_cli.formats.torch_save import load_archive, stored_array
+from ckpt_cli.formats.torch_save import crc_problems, open_archive, stored_array
 
 RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 KINDS = {"model": (), "optim": ("optimizer",)}  # kind -> key path prefix of its entries
@@ -94,15 +94,7 @@ def _complete(folder: Path, kind: str, worlds: dict[int, dict[int, Path]], world
 
 
 def _load(path: Path, options: ReadOptions) -> RankFile:
-    try:
-        f = open_regular(path)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
-    with f:
-        if f.read(4) != zipio.ZIP_MAGIC:
-            raise DataError(f"{path}: not a zip torch.save file")
-        tree, records = load_archive(f, str(path), options, extra_globals=DTENSOR_GLOBALS)
-    return RankFile(path, tree, records)
+    return RankFile(path, *open_archive(path, options, DTENSOR_GLOBALS))
 
 
 def _sub_array(array: StoredArray, local: tuple[int, ...], sizes: tuple[int, ...]) -> StoredArray:
@@ -259,10 +251,6 @@ def _read_extra(files: list[RankFile]) -> _Kind:
     return out
 
 
-def pattern_of(folder: Path, kind: str, world: int) -> Path:
-    return folder / f"{kind}_world_size_{world}_rank_*.pt"
-
-
 def saved_by_fsdp1(config: dict[str, Any]) -> bool:
     """What fsdp_config.json says: verl's FSDP_version 1, or SkyRL's strategy "fsdp"."""
     return config.get("FSDP_version") == 1 or config.get("fsdp_strategy") == "fsdp"
@@ -323,7 +311,7 @@ class DTensorRanksReader:
             elif kind == "optim" and one_rank_fsdp1 and not part.not_read:
                 flat_part = _flat_kind(loaded, params, "optimizer.state")
                 part = part if flat_part.not_read else flat_part
-            pattern = pattern_of(path, kind, world)
+            pattern = path / f"{kind}_world_size_{world}_rank_*.pt"
             if part.flat is not None:
                 flat = part.flat
                 notes.append(
@@ -382,15 +370,7 @@ class DTensorRanksReader:
         for worlds in rank_file_sets(source.folder).values():
             for ranks in worlds.values():
                 problems += [f"{p}: not part of the checkpoint (another save's leftover?)" for p in ranks.values() if p.name not in listed]
-        if deep:
-            for paths in source.files.values():
-                for p in paths:
-                    try:
-                        with open_regular(p) as f:
-                            problems += zipio.archive_problems(f, str(p))
-                    except (OSError, DataError) as exc:
-                        problems.append(str(exc) if isinstance(exc, DataError) else f"{p}: cannot read ({exc.strerror})")
-        return problems
+        return problems + (crc_problems(p for paths in source.files.values() for p in paths) if deep else [])
 
 
 def _details(

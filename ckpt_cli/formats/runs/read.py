@@ -25,6 +25,7 @@ from ckpt_cli.errors import DataError, UsageError
 from ckpt_cli.formats import registry
 from ckpt_cli.formats.runs import detect as runs
 from ckpt_cli.formats.runs.detect import Companion, Part, RunCheckpoint
+from ckpt_cli.formats.torch_save import crc_problems
 
 JSON_LIMIT = 64 * 2**20  # trainer_state.json holds the log history: generous, but bounded
 PARSED_KINDS = ("scheduler", "rng", "framework_state", "custom")  # torch.save files read through the allow list
@@ -228,7 +229,7 @@ def check(ckpt: Checkpoint, deep: bool) -> list[str]:
         if comp.relpath.endswith(".py"):
             problems += _script_problem(where)
         elif deep and (comp.kind in PARSED_KINDS or comp.kind == "args") and _size(where) > 0:
-            problems += _crc_problems(where)
+            problems += crc_problems([where])
     return problems
 
 
@@ -264,11 +265,3 @@ def _is_main_guard(node: ast.stmt) -> bool:
     names = [n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)]
     consts = [n.value for n in ast.walk(node.test) if isinstance(n, ast.Constant)]
     return "__name__" in names and "__main__" in consts
-
-
-def _crc_problems(where: str) -> list[str]:
-    try:
-        with open_regular(where) as f:
-            return zipio.archive_problems(f, where)
-    except DataError as exc:
-        return [str(exc)]
