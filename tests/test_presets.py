@@ -320,24 +320,29 @@ def test_reshape_of_stored_tensors(ckpt, tmp_path):
     assert res.code == 2 and "each reshape is" in res.err, res.err
 
 
+class Boxes:
+    """A stand-in for formats/orbax/arrays.OrbaxArray over a tensor `w`: flat windows and N-d boxes."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+    def windows(self):
+        yield 0, self.w.numel()
+
+    def read(self, start, count, sources):
+        return self.w.reshape(-1)[start : start + count].clone()
+
+    def read_box(self, offsets, sizes):
+        return self.w[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].contiguous().reshape(-1)
+
+
 def test_reshaped_boxes_of_a_computed_tensor():
     """A computed tensor with boxes (an Orbax array) reshaped [A, H, D] -> [A, H * D] reads boxes of its columns
     through the source's boxes (what a transpose after the reshape asks), also across heads and from row ranges."""
     from ckpt_cli.core.names.reshape import reshaped
 
     w = torch.arange(5 * 3 * 4, dtype=torch.float32).reshape(5, 3, 4)
-
-    class Source:  # a stand-in for core/formats/orbax/arrays.OrbaxArray: flat windows and N-d boxes
-        def windows(self):
-            yield 0, w.numel()
-
-        def read(self, start, count, sources):
-            return w.reshape(-1)[start : start + count].clone()
-
-        def read_box(self, offsets, sizes):
-            return w[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].contiguous().reshape(-1)
-
-    entry = TensorEntry("w", by_name("float32"), (5, 3, 4), "model", [], derived=Source())
+    entry = TensorEntry("w", by_name("float32"), (5, 3, 4), "model", [], derived=Boxes(w))
     flat = reshaped(entry, (5, 12))
     for offsets, sizes in [((0, 0), (5, 12)), ((0, 3), (5, 6)), ((1, 5), (3, 2)), ((2, 11), (1, 1))]:
         want = w.reshape(5, 12)[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]].reshape(-1)
@@ -393,18 +398,7 @@ def test_unstacked_boxes_of_a_computed_tensor():
     from ckpt_cli.core.names.unstack import Unstack
 
     w = torch.arange(5 * 3 * 2 * 4, dtype=torch.float32).reshape(5, 3, 2, 4)
-
-    class Source:
-        def windows(self):
-            yield 0, w.numel()
-
-        def read(self, start, count, sources):
-            return w.reshape(-1)[start : start + count].clone()
-
-        def read_box(self, offsets, sizes):
-            return w[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].contiguous().reshape(-1)
-
-    entry = TensorEntry("stack", by_name("float32"), (5, 3, 2, 4), "model", [], derived=Source())
+    entry = TensorEntry("stack", by_name("float32"), (5, 3, 2, 4), "model", [], derived=Boxes(w))
     layers = Unstack("stack", 1, "layer_{layer}").apply(entry, "stack")
     assert [e.name for e in layers] == ["layer_0", "layer_1", "layer_2"]
     for i, layer in enumerate(layers):
