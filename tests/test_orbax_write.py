@@ -46,11 +46,21 @@ def test_orbax_to_dcp_loads_in_fsdp2(orbax_saves, ckpt, tmp_path, world):
     assert "ORBAX-LOAD-OK 36" in out
 
 
-def test_orbax_to_dcp_refuses_layout_transforms(orbax_saves, ckpt, tmp_path):
-    """A training-state conversion renames only: a name map's transpose would change weights but not their moments."""
-    (tmp_path / "map.yaml").write_text("transpose: ['head\\.kernel']\n")
+@pytest.mark.parametrize(
+    "rule",
+    [
+        "transpose: ['params\\.head\\.kernel']",
+        "scale:\n  - {from: 'params\\.head\\.kernel', by: 2}",
+        "unstack:\n  - {from: 'params\\.head\\.kernel', axis: 1, to: 'h{layer}'}",
+        "reshape:\n  - {from: 'params\\.head\\.kernel', shape: [-1]}",
+    ],
+)
+def test_orbax_to_dcp_refuses_layout_transforms(orbax_saves, ckpt, tmp_path, rule):
+    """A training-state conversion renames only: a name map's transpose, scale, unstack or reshape would change a
+    weight but not its moments."""
+    (tmp_path / "map.yaml").write_text(rule + "\n")
     res = ckpt("convert", orbax_saves / SRC, tmp_path / "dcp", "--to", "dcp", "--world-size", "2", "--name-map", tmp_path / "map.yaml")
-    assert res.code == 2 and "not to training-state conversions" in res.err
+    assert res.code == 2 and "not to training-state conversions" in res.err, res.err
     assert not (tmp_path / "dcp").exists()
 
 

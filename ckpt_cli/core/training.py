@@ -158,6 +158,10 @@ class NameMap:
             structured.regex(pattern, where)
         return self
 
+    def changes_tensors(self) -> bool:
+        """Whether the map does more than rename (a training-state conversion renames only: the moments would not follow)."""
+        return any((self.splits, self.permutes, self.stacks, self.unstacks, self.transposes, self.zeros, self.reshapes, self.scales))
+
     def strip(self, name: str) -> str:
         return ".".join(p for p in name.split(".") if p not in self.strip_segments)
 

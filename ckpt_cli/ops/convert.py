@@ -64,10 +64,10 @@ def plan_checkpoint(ckpt: Checkpoint, request: Request) -> Job:
         adapters.check_combination(cross.names_given, carries or _keeps_partitions(ckpt, target, t), adapter)
     if carries:
         names = cross.names
-        if names.splits or names.permutes or names.stacks or names.transposes or names.zeros or names.reshapes:
+        if names.changes_tensors():
             raise UsageError(
-                "a name map's split, permute, stack, transpose, reshape and zero apply to weight exports (hf, safetensors, torch), "
-                "not to training-state conversions, which rename parameters only"
+                "a name map's split, permute, stack, unstack, transpose, reshape, scale and zero apply to weight exports (hf, "
+                "safetensors, torch), not to training-state conversions, which rename parameters only"
             )
         view = training_view(ckpt, target, t, write, cross)
     else:
