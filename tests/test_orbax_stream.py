@@ -106,3 +106,16 @@ def test_streamed_chunks_from_s3(maxtext_saves, ckpt, s3, tmp_path):
         assert res.code == 0, res.err
     shard = "model-00001-of-00001.safetensors"
     assert (tmp_path / "s3" / shard).read_bytes() == (tmp_path / "here" / shard).read_bytes()
+
+
+def test_a_frame_longer_than_its_chunk_is_refused(maxtext_saves):
+    """A frame that decodes to more bytes than the chunk holds (tensorstore refuses it): the read that ends the chunk
+    says so, naming the data file."""
+    from ckpt_cli.errors import DataError
+    from ckpt_cli.formats.orbax.stream import ChunkStream
+
+    array = streamed(maxtext_saves / SAVE)["items.params.params.decoder.logits_dense.kernel"]
+    real = array.stream
+    short = ChunkStream(real.item, real.name, (real.rows - 1, *array.shape[1:]), real.chunk_rows - 1, real.row_bytes, real.separator)
+    with pytest.raises(DataError, match="decodes to more than its"):
+        short.read(0, short.chunk_bytes())

@@ -133,8 +133,16 @@ class ChunkStream:
         except BaseException:
             cursor.close()
             raise
-        if cursor.pos >= self.chunk_bytes():  # the frame is done
-            cursor.close()
+        if cursor.pos >= self.chunk_bytes():  # the frame is done, and holds no more (tensorstore refuses a longer one)
+            try:
+                extra = cursor.reader.read(1)
+            except _zstandard().ZstdError:
+                extra = b"?"
+            finally:
+                cursor.close()
+            if extra:
+                where = f"{self._where(chunk)}: array '{self.name}' chunk {chunk}"
+                raise DataError(f"{where} decodes to more than its {self.chunk_bytes()} bytes")
             return True
         with self.lock:
             self.cursors.append(cursor)
