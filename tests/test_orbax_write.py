@@ -144,6 +144,25 @@ def test_deepspeed_to_orbax(ds_saves, ckpt, tmp_path):
     assert int(got["opt_state.0.count"]) == 2 and int(got["step"]) == 2
 
 
+def test_orbax_to_deepspeed(maxtext_saves, ckpt, tmp_path):
+    """A MaxText-layout optax adamw train state (float32, scanned) -> DeepSpeed ZeRO-2 on 2 ranks: DeepSpeed's own
+    extraction (ds_to_universal) gives, for every parameter, Orbax's own restore of the source bit for bit: fp32 master
+    = params, exp_avg = mu, exp_avg_sq = nu."""
+    import torch
+    from conftest import ds_to_universal
+
+    out = tmp_path / "ds"
+    res = ckpt("convert", maxtext_saves / "scanned" / "10", out, "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2")
+    assert res.code == 0, res.err
+    got = ds_to_universal(out / "global_step10", tmp_path / "universal")
+    want = orbax_restore(maxtext_saves / "scanned" / "10" / "items", tmp_path / "orbax", "pytree", devices=8)
+    assert len(got) == 12
+    for name, state in got.items():
+        for key, leaf in (("fp32", "params"), ("exp_avg", "opt_state.0.mu"), ("exp_avg_sq", "opt_state.0.nu")):
+            raw = state[key].contiguous().reshape(-1).view(torch.uint8).numpy()
+            assert want[f"{leaf}.{name}"].reshape(-1).view(np.uint8).tobytes() == raw.tobytes(), (name, key)
+
+
 @pytest.mark.parametrize("storage", [None, "ocdbt-zarr3", "zarr3"])
 def test_safetensors_to_orbax(ckpt, tmp_path, storage):
     """Weights (a safetensors file saved by safetensors itself) -> an Orbax tree from their dotted names, restored by

@@ -44,6 +44,8 @@ def tensorize(rank_file: ZeroFile, tree: Any = None) -> Any:
             return [convert(v, under_module) for v in value]
         if isinstance(value, tuple) and any(isinstance(v, TensorRef) for v in value):
             return tuple(convert(v, under_module) for v in value)
+        if isinstance(value, TensorEntry):  # a tree built from another checkpoint's tensors: their entries as they are
+            return value
         return copy.deepcopy(value)
 
     return convert(rank_file.tree if tree is None else tree, False)

@@ -17,7 +17,7 @@ from typing import Any
 
 from ckpt_cli import store
 from ckpt_cli.core import dtypes, structured
-from ckpt_cli.core.model import Checkpoint, ObjectEntry, Opaque, StoredArray, TensorEntry, concat_flat
+from ckpt_cli.core.model import Cast, Checkpoint, ObjectEntry, Opaque, StoredArray, TensorEntry, concat_flat
 from ckpt_cli.core.pickles.safe_pickle import TensorRef, TorchSize
 from ckpt_cli.core.training import TrainingState, apply_per_rank_rule
 from ckpt_cli.core.tree import unflatten
@@ -161,11 +161,11 @@ def build(state: TrainingState, tgt: Target, tag: str, rule: str) -> Checkpoint:
     shapes = [OrderedDict((p, state.weights[p].shape) for p in g["params"] if p in state.moments) for g in state.groups]
     tensors: dict[str, TensorEntry] = {}
     for name, entry in state.weights.items():
-        tensors[name] = TensorEntry(name, entry.dtype, entry.shape, "model", entry.pieces)
+        tensors[name] = TensorEntry(name, entry.dtype, entry.shape, "model", entry.pieces, derived=entry.derived)
     for fqn, keys in state.moments.items():
         for key, entry in keys.items():
-            name = f"optimizer.state.{fqn}.{key}"
-            tensors[name] = TensorEntry(name, entry.dtype, entry.shape, "optimizer", entry.pieces, ("optimizer", "state", fqn, key))
+            name, path = f"optimizer.state.{fqn}.{key}", ("optimizer", "state", fqn, key)
+            tensors[name] = TensorEntry(name, entry.dtype, entry.shape, "optimizer", entry.pieces, path, derived=entry.derived)
     for p in trainable:
         if tensors[p].dtype != dtypes.FLOAT32 or any(e.dtype != dtypes.FLOAT32 for e in state.moments[p].values() if e.shape):
             raise UsageError(f"{p}: DeepSpeed keeps fp32 master weights and moments; the source holds {tensors[p].dtype.name}")
@@ -206,7 +206,8 @@ def _module_entry(entry: TensorEntry, name: str, dtype: Any, placeholder: bool) 
     if placeholder:
         return concat_flat(name, entry.dtype if not entry.dtype.is_float else dtype, 0, [])
     cast = dtype if entry.dtype.is_float else entry.dtype
-    return TensorEntry(name, cast, entry.shape, "model", entry.pieces)
+    derived = Cast(entry, cast) if entry.derived is not None else None  # a computed weight (an Orbax array) read cast
+    return TensorEntry(name, cast, entry.shape, "model", entry.pieces, derived=derived)
 
 
 def _model_states(

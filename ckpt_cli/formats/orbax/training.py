@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from ckpt_cli.core import dtypes
-from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
+from ckpt_cli.core.model import Cast, Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.training import StateOptions, TrainingState
 from ckpt_cli.errors import DataError, UsageError
 
@@ -41,23 +41,6 @@ HYPER_NOTE = (
     "defaults (betas (0.9, 0.999), eps 1e-08, weight_decay 0.0001) and lr 0.001 in place of the run's; set the run's "
     "values on the torch optimizer (or its LR scheduler) after loading"
 )
-
-
-class Cast:
-    """A 0-d tensor read as another dtype (optax's int32 `count` as torch's float32 `step`, and back)."""
-
-    __slots__ = ("entry", "dtype")
-
-    def __init__(self, entry: TensorEntry, dtype: dtypes.DType) -> None:
-        self.entry, self.dtype = entry, dtype
-
-    def windows(self) -> Any:
-        yield 0, 1
-
-    def read(self, start: int, count: int, sources: Any) -> Any:
-        from ckpt_cli.core.reading import read_elements
-
-        return read_elements(self.entry, start, count, sources).to(self.dtype.torch())
 
 
 class Constant:
