@@ -206,7 +206,7 @@ class PreparedWrite(WriteReport):
     def write(
         self,
         overwrite: bool = False,
-        progress: Callable[[int], None] | None = None,
+        progress: Progress | None = None,
         workers: int | None = None,
         manifest: str | Path | None = None,
     ) -> WriteReport:
