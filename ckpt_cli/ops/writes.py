@@ -164,12 +164,13 @@ class WriteReport:
         return self.job.source_format
 
     @functools.cached_property
-    def files(self) -> list[dict[str, Any]]:
-        return convert_op.file_list(self.job.plan)
+    def files(self) -> list[dict[str, Any]]:  # each output file's path, bytes and tensor count
+        plan = self.job.plan
+        return [{"path": f.relpath or plan.dest.name, "bytes": f.size, "tensors": len(f.tensor_names())} for f in plan.files]
 
     @functools.cached_property
     def placement(self) -> dict[str, str]:  # tensor name -> file
-        return convert_op.placement(self.job.plan)
+        return {name: f.relpath or self.job.plan.dest.name for f in self.job.plan.files for name in f.tensor_names()}
 
     @functools.cached_property
     def estimated_peak_rss(self) -> int:
