@@ -31,11 +31,12 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
     quantization = {"quantization": scheme.summary()} if scheme is not None else {}
     # Every value left unparsed: a pickle the allow list refused (its global named) or one ckpt cannot read.
     opaque = [o for o in ckpt.objects.values() if isinstance(o.value, Opaque)]
+    found = Found(Path(ckpt.path), ckpt.details.get("framework") if run_read.is_run(ckpt) else None, ckpt.format)
     return {
         "path": ckpt.path,
         "format": ckpt.format,
         "tag": ckpt.tag,
-        "step": shown_step(ckpt),
+        "step": run_roots.shown_step(found, ckpt),  # as `ckpt ls` shows it: its own, else the one its name states
         "world_size": ckpt.world_size,
         "num_tensors": len(chosen),
         "num_params": quantized.true_params(ckpt, weights, scheme),
@@ -50,12 +51,6 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
         "unread": [{"name": o.name, "reason": o.value.reason, "refused_global": o.value.unsafe_global} for o in opaque],
         "notes": ckpt.notes,
     }
-
-
-def shown_step(ckpt: Checkpoint) -> int | None:
-    """The step `ckpt ls` shows for this checkpoint: its own, else the one its name states (run/step_200.safetensors)."""
-    framework = ckpt.details.get("framework") if run_read.is_run(ckpt) else None
-    return run_roots.shown_step(Found(Path(ckpt.path), framework, ckpt.format), ckpt)
 
 
 def run_root(resolved: Resolved) -> list[dict[str, Any]] | None:
