@@ -63,13 +63,6 @@ def typer_option(flag: Flag, default: Any) -> Any:
     return Annotated[kind, typer.Option(*names, **how)]
 
 
-def former_option(flag: Flag) -> Any:
-    """A hidden option taking a declared option's former spelling (--select for --filter)."""
-    return Annotated[
-        _TYPES[flag.kind], typer.Option(flag.former, metavar=flag.metavar, hidden=True, help=f"The former name of {flag.flag}.")
-    ]
-
-
 def declared_command(command: Callable[..., None], arguments: Sequence[tuple[str, Any]], names: Sequence[str], *groups: type) -> None:
     """Give `command` (its arguments, then `**values`) the typer signature of its `arguments` (name, CLI type) and of
     its options `names`, in that order, each from its declaration: the first of `groups` declaring it; a former
@@ -82,7 +75,8 @@ def declared_command(command: Callable[..., None], arguments: Sequence[tuple[str
         flag, default = flag_of(fields[n]), fields[n].default
         params.append(Parameter(n, Parameter.KEYWORD_ONLY, default=default, annotation=typer_option(flag, default)))
         if flag.former:
-            params.append(Parameter(f"{n}_former", Parameter.KEYWORD_ONLY, default=None, annotation=former_option(flag)))
+            former = typer.Option(flag.former, metavar=flag.metavar, hidden=True, help=f"The former name of {flag.flag}.")
+            params.append(Parameter(f"{n}_former", Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[_TYPES[flag.kind], former]))
     command.__signature__ = Signature(params)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
     command.__annotations__ = {p.name: p.annotation for p in params}
 
