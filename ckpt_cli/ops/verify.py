@@ -165,12 +165,6 @@ def check_manifest_destination(path: Path, overwrite: bool) -> None:
         raise UsageError(f"{path} is not a ckpt manifest; --overwrite replaces only a manifest that verify wrote")
 
 
-def write_manifest_file(path: Path, manifest: dict[str, Any]) -> None:
-    """Write the manifest atomically: a temporary sibling, then one os.replace; in object storage one PUT (an object
-    appears whole or not at all)."""
-    store.put(path, (json.dumps(manifest, indent=2) + "\n").encode())
-
-
 def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], digests: Digests, report: Report, where: Path, tensors: bool = True) -> None:
     """Each file's checksum against the manifest's and, with `tensors`, each tensor's (read in the scan before)."""
     root, algo, hashes = _root(ckpt), manifest_hash(manifest), digests.tensors
@@ -343,7 +337,9 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         report.problems += policy_mod.check(ckpt, rules)
         report.checks.append(f"policy {policy_file}")
     if write_manifest and report.ok:
-        write_manifest_file(write_manifest, build_manifest(ckpt, hashes[MANIFEST_HASH].tensors, hashes[MANIFEST_HASH].files))
+        record = build_manifest(ckpt, hashes[MANIFEST_HASH].tensors, hashes[MANIFEST_HASH].files)
+        # atomically: a temporary sibling, then one os.replace; in object storage one PUT (an object appears whole or not at all)
+        store.put(write_manifest, (json.dumps(record, indent=2) + "\n").encode())
         report.checks.append(f"wrote manifest {write_manifest}")
     report.stats["dtype_names"] = sorted({t.dtype.name for t in ckpt.tensors.values()})
     return report
