@@ -57,8 +57,11 @@ def is_run(ckpt: Checkpoint) -> bool:
 def read(run: RunCheckpoint, options: ReadOptions) -> Checkpoint:
     if run.unsupported:
         raise UsageError(run.unsupported)
-    parts = [(part, _read_part(run, part, options)) for part in run.parts]
-    parts = [(_nesting(part, ckpt), ckpt) for part, ckpt in parts]
+    parts: list[tuple[Part, Checkpoint]] = []
+    for part in run.parts:
+        tag = options.tag if part.format == "deepspeed" else None  # --tag picks a DeepSpeed tag inside the save folder
+        ckpt = registry.get(part.format).reader.read(run.part_path(part), dataclasses.replace(options, tag=tag))
+        parts.append((_nesting(part, ckpt), ckpt))
     source = RunSource(run, parts)
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, ObjectEntry] = {}
@@ -110,11 +113,6 @@ def _nesting(part: Part, ckpt: Checkpoint) -> Part:
     if part.model_prefix and len(tops) == 1 and (top := tops.pop()) in runs.NESTING_KEYS:
         return dataclasses.replace(part, model_prefix=f"{top}.")
     return part
-
-
-def _read_part(run: RunCheckpoint, part: Part, options: ReadOptions) -> Checkpoint:
-    tag = options.tag if part.format == "deepspeed" else None  # --tag picks a DeepSpeed tag inside the save folder
-    return registry.get(part.format).reader.read(run.part_path(part), dataclasses.replace(options, tag=tag))
 
 
 def _size(path: str | os.PathLike[str]) -> int:
