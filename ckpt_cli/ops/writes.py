@@ -105,10 +105,8 @@ def request(command: str, src: str | Path, dest: str | Path, to: str | None, cho
     (merge: the weights unless --all; split: the weights)."""
     dest = location(dest)
     select = chosen.select
-    target = {"convert": to, "reshard": None, "merge": None, "split": "hf"}[command]
+    target = convert_op.merge_target(dest, select.all) if command == "merge" else {"convert": to, "split": "hf"}.get(command)
     weights_only = {"merge": not select.all, "split": True}.get(command, select.weights_only)
-    if command == "merge":
-        target = convert_op.merge_target(dest, select.all)
     return Request(
         location(src),
         dest,
