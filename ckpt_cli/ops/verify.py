@@ -240,18 +240,14 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
     report.checks.append(f"against {pb}")
 
 
-def _object_path(value: str | Path | None) -> Path | None:
-    """A path as given (a local Path, or an s3:// URL, which Path spells s3:/, as its Location)."""
-    return location(value) if value is not None else None
-
-
 def verify(path: str | Path, options: VerifyOptions) -> Report:
     if not (0 <= options.atol < float("inf") and 0 <= options.rtol < float("inf")):
         raise UsageError("--atol and --rtol take finite values >= 0")
     if (options.atol or options.rtol) and options.against is None:
         raise UsageError("--atol and --rtol are tolerances of --against; give --against CKPT, or leave them out")
     report = Report(str(path))
-    write_manifest, manifest_file, policy_file = map(_object_path, (options.write_manifest, options.manifest, options.policy))
+    given = (options.write_manifest, options.manifest, options.policy)  # as Locations: Path would spell s3:// as s3:/
+    write_manifest, manifest_file, policy_file = (location(value) if value is not None else None for value in given)
     if write_manifest:
         check_manifest_destination(write_manifest, options.overwrite)
     manifest = load_manifest(manifest_file) if manifest_file else None  # the user's files: exit 2 before any work
