@@ -48,12 +48,10 @@ from ckpt_cli.ops.source import open_checkpoint
 from ckpt_cli.ops.tree_view import Tree
 from ckpt_cli.ops.verify import Report, VerifyOptions
 from ckpt_cli.ops.verify import verify as verify_op
-from ckpt_cli.ops.writes import PreparedWrite, WriteReport, prepare, request_of, run  # noqa: F401 - PreparedWrite: in __all__
+from ckpt_cli.ops.writes import PreparedWrite, Progress, WriteReport, prepare, request_of, run  # noqa: F401 - PreparedWrite: in __all__
 from ckpt_cli.options import API_SKIPS, COMMANDS, fields
 
 __all__ = list(_API)  # the names ckpt_cli itself serves (on first use), listed once there
-
-Progress = Callable[[int], None]  # called with the number of bytes written since the last call
 
 
 @dataclass(frozen=True)

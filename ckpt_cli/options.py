@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +52,12 @@ def option(flag: str, help: Text, default: Any = None, **how: Any) -> Any:
 # The help texts that depend on tables elsewhere are made when shown: `ckpt --help` imports no format module.
 
 
-def _formats() -> list[str]:
-    from ckpt_cli.formats.registry import FORMATS
+def _names(module: str, table: str) -> Callable[[], list[str]]:
+    """The names of a table in `ckpt_cli.<module>`, imported when first asked for."""
+    return lambda: list(getattr(importlib.import_module(f"ckpt_cli.{module}"), table))
 
-    return list(FORMATS)
+
+_formats = _names("formats.registry", "FORMATS")
 
 
 def _world_size_formats() -> str:
@@ -66,18 +69,6 @@ def _world_size_formats() -> str:
     written = ", ".join(f.name for f in rows if f.writable)
     read_only = "; ".join(f"a {f.name} source becomes {f.reshards_into}" for f in rows if not f.writable and f.reshards_into)
     return f"{written} ({read_only})" if read_only else written
-
-
-def _layouts() -> list[str]:
-    from ckpt_cli.formats.dcp.training import LAYOUTS
-
-    return list(LAYOUTS)
-
-
-def _per_rank_rules() -> list[str]:
-    from ckpt_cli.core.training import PER_RANK_RULES
-
-    return list(PER_RANK_RULES)
 
 
 def _preset_names() -> list[str]:
@@ -192,7 +183,7 @@ class CrossOptions:
         "dcp target: key layout of the training state, get_state_dict (model/optim) or torchtitan "
         "(model keys at the top, optimizer flattened); default: get_state_dict from DeepSpeed, else as the source.",
         metavar="LAYOUT",
-        choices=_layouts,
+        choices=_names("formats.dcp.training", "LAYOUTS"),
     )
     zero_stage: int | None = option(
         "--zero-stage", "deepspeed target from another framework: ZeRO stage 1, 2 or 3.", kind="int", metavar="STAGE", minimum=1, maximum=3
@@ -223,7 +214,7 @@ class CrossOptions:
         "world size: wrap (new rank r takes old rank r mod W), first (all take rank 0's) or drop.",
         "wrap",
         metavar="RULE",
-        choices=_per_rank_rules,
+        choices=_names("core.training", "PER_RANK_RULES"),
     )
     preset: str | None = option(
         "--preset",

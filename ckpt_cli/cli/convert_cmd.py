@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from inspect import Parameter, Signature
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ckpt_cli import options
 from ckpt_cli.cli import output
-from ckpt_cli.cli.options import Dest, Source, former_option, typer_option
+from ckpt_cli.cli.options import Dest, Source, declared_command
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import Interrupted, Terminated
 from ckpt_cli.formats.registry import FORMATS
@@ -74,19 +73,8 @@ def writing_command(name: str) -> Callable[..., None]:
     """The typer command of writing command `name`: SRC, DST (--to for convert) and the options it takes, each from
     its declaration (ckpt_cli/options.py), in the order of their groups."""
     command = options.COMMANDS[name]
-    params = [
-        Parameter("src", Parameter.POSITIONAL_OR_KEYWORD, annotation=Source),
-        Parameter("dest", Parameter.POSITIONAL_OR_KEYWORD, annotation=Dest),
-    ]
-    if command.takes_to:
-        params.append(Parameter("to", Parameter.KEYWORD_ONLY, annotation=To))
-    formers = {}
-    for _group, f in options.fields(name):
-        flag = options.flag_of(f)
-        params.append(Parameter(f.name, Parameter.KEYWORD_ONLY, default=f.default, annotation=typer_option(flag, f.default)))
-        if flag.former:
-            formers[f"{f.name}_former"] = (f.name, flag)
-            params.append(Parameter(f"{f.name}_former", Parameter.KEYWORD_ONLY, default=None, annotation=former_option(flag)))
+    flags = {f.name: options.flag_of(f) for _, f in options.fields(name)}
+    formers = {f"{field_name}_former": (field_name, flag) for field_name, flag in flags.items() if flag.former}
 
     def run(src: str, dest: str, to: str | None = None, **values: Any) -> None:
         for key, (field_name, flag) in formers.items():
@@ -102,8 +90,7 @@ def writing_command(name: str) -> Callable[..., None]:
 
     run.__name__ = name
     run.__doc__ = command.summary
-    run.__signature__ = Signature(params)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
-    run.__annotations__ = {p.name: p.annotation for p in params}
+    declared_command(run, [("src", Source), ("dest", Dest), *([("to", To)] if command.takes_to else [])], list(flags), *options.GROUPS)
     return run
 
 

@@ -95,12 +95,6 @@ def _state_line(value: Any) -> str:
     return str(value)
 
 
-def _unread_line(value: dict[str, Any]) -> str:
-    if value["refused_global"]:
-        return f"refused: '{value['name']}' is a pickle that needs global '{value['refused_global']}' (not on the allow list; not loaded)"
-    return f"unread: '{value['name']}': {value['reason']}"
-
-
 def render(doc: dict[str, Any], with_tensors: bool) -> str:
     """The report on stdout; its notes go to stderr (notes())."""
     roles: dict[str, int] = {}
@@ -135,7 +129,9 @@ def render(doc: dict[str, Any], with_tensors: bool) -> str:
         lines += gguf_lines(doc["details"])
     lines.append("training state")
     lines += [f"  {k:<14} {_state_line(v)}" for k, v in doc["training_state"].items()]
-    lines += [_unread_line(u) for u in doc.get("unread", [])]
+    for u in doc.get("unread", []):
+        refused = f"is a pickle that needs global '{u['refused_global']}' (not on the allow list; not loaded)"
+        lines.append(f"refused: '{u['name']}' {refused}" if u["refused_global"] else f"unread: '{u['name']}': {u['reason']}")
     if with_tensors:
         width = max([len(t["name"]) for t in doc["tensors"]] + [4])
         lines.append("")

@@ -13,7 +13,6 @@ from ckpt_cli.cli.options import Json, Quiet, TrustPickle
 from ckpt_cli.core.sizes import human_bytes
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats import registry
-from ckpt_cli.formats.registry import FORMATS
 
 Root = Annotated[
     Path, typer.Argument(metavar="ROOT", help="A run root: the folder a training run saves its checkpoints under.", show_default=False)
@@ -21,7 +20,7 @@ Root = Annotated[
 
 
 ListFormat = Annotated[
-    Optional[str], typer.Option("--format", metavar="FORMAT", help=f"Only checkpoints of this format: {', '.join(FORMATS)}.")
+    Optional[str], typer.Option("--format", metavar="FORMAT", help=f"Only checkpoints of this format: {', '.join(registry.FORMATS)}.")
 ]
 ListTag = Annotated[
     Optional[str],

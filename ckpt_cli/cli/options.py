@@ -63,35 +63,28 @@ def typer_option(flag: Flag, default: Any) -> Any:
     return Annotated[kind, typer.Option(*names, **how)]
 
 
-def former_option(flag: Flag) -> Any:
-    """A hidden option taking a declared option's former spelling (--select for --filter)."""
-    return Annotated[
-        _TYPES[flag.kind], typer.Option(flag.former, metavar=flag.metavar, hidden=True, help=f"The former name of {flag.flag}.")
-    ]
-
-
 def declared_command(command: Callable[..., None], arguments: Sequence[tuple[str, Any]], names: Sequence[str], *groups: type) -> None:
     """Give `command` (its arguments, then `**values`) the typer signature of its `arguments` (name, CLI type) and of
-    its options `names`, in that order, each from its declaration: the first of `groups` declaring it."""
+    its options `names`, in that order, each from its declaration: the first of `groups` declaring it; a former
+    spelling (--select) as the hidden option NAME_former."""
     fields: dict[str, dataclasses.Field] = {}
     for group in reversed(groups):
         fields |= {f.name: f for f in dataclasses.fields(group)}
     params = [Parameter(name, Parameter.POSITIONAL_OR_KEYWORD, annotation=kind) for name, kind in arguments]
-    params += [
-        Parameter(n, Parameter.KEYWORD_ONLY, default=fields[n].default, annotation=typer_option(flag_of(fields[n]), fields[n].default))
-        for n in names
-    ]
+    for n in names:
+        flag, default = flag_of(fields[n]), fields[n].default
+        params.append(Parameter(n, Parameter.KEYWORD_ONLY, default=default, annotation=typer_option(flag, default)))
+        if flag.former:
+            former = typer.Option(flag.former, metavar=flag.metavar, hidden=True, help=f"The former name of {flag.flag}.")
+            params.append(Parameter(f"{n}_former", Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[_TYPES[flag.kind], former]))
     command.__signature__ = Signature(params)  # type: ignore[attr-defined]  # inspect's hook, not in typeshed
     command.__annotations__ = {p.name: p.annotation for p in params}
 
 
 def declared(name: str) -> Any:
     """The CLI type of the declared option `name` (a field of one of options.GROUPS), for commands that share it."""
-    for group in GROUPS:
-        for f in dataclasses.fields(group):
-            if f.name == name:
-                return typer_option(flag_of(f), f.default)
-    raise KeyError(name)
+    declared = next(f for group in GROUPS for f in dataclasses.fields(group) if f.name == name)
+    return typer_option(flag_of(declared), declared.default)
 
 
 Source = Annotated[

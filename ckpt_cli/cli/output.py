@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import Any
 
 # Seconds before any progress shows: quick commands print nothing extra (CKPT_PROGRESS_DELAY=0: at once).
@@ -46,11 +46,8 @@ def progress(total_of: Callable[[], int], label: str, quiet: bool) -> Iterator[C
     if total <= 0:
         yield None
         return
-    bar = _bar(total, label)
-    try:
+    with _bar(total, label) as bar:
         yield bar.update
-    finally:
-        bar.close()
 
 
 def _bar(total: int | None, label: str) -> Any:
@@ -69,12 +66,8 @@ def reading(label: str, quiet: bool, doing: str = "reading metadata") -> Iterato
         return
     from ckpt_cli.core import meter
 
-    bars = _Passes(label, doing)
-    try:
-        with meter.metered(bars):
-            yield
-    finally:
-        bars.close()
+    with closing(_Passes(label, doing)) as bars, meter.metered(bars):
+        yield
 
 
 class _Passes:

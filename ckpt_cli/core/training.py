@@ -6,13 +6,15 @@ FQNs they hold), the step, and the rest (LR scheduler, dataloader, RNG, client s
 top-level key. Each training format reads its checkpoints into one and lays one out as its own
 files (formats/deepspeed/training.py, formats/dcp/training.py); `NameMap` renames parameters on
 the way, and the per-rank rule re-keys values saved once per data-parallel rank for a new world
-size. Tensor data is never read here: entries keep pointing at the source's stored bytes.
+size. Tensor data is never read here (but for `scalar`, a step stored as a tensor): entries keep pointing at the
+source's stored bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -209,6 +211,14 @@ class TrainingState:
 
     def trainable(self) -> list[str]:
         return [p for g in self.groups for p in g["params"] if p in self.moments]
+
+
+def scalar(entry: TensorEntry) -> Any:
+    """The value of a one-element tensor (a step, an Adam count): a few bytes read from the source."""
+    from ckpt_cli.core.reading import SourceFiles, read_elements
+
+    with closing(SourceFiles()) as sources:
+        return read_elements(entry, 0, 1, sources)[0]
 
 
 def renamed(state: TrainingState, names: NameMap) -> TrainingState:

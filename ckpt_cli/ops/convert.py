@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 from ckpt_cli import store
 from ckpt_cli.core.interface import WriteOptions
@@ -235,16 +234,6 @@ def estimate_peak(plan: WritePlan) -> int:
             computed_in_numpy = getattr(s.tensor.derived, "without_torch", False)  # GGUF's quantized tensors
             needs_torch = needs_torch or (streamed and not computed_in_numpy) or not all(a.is_contiguous for a in arrays)
     return (TORCH_RSS if needs_torch else BASE_RSS) + buffers
-
-
-def file_list(plan: WritePlan) -> list[dict[str, Any]]:
-    """Each output file: its path, bytes and tensor count."""
-    return [{"path": f.relpath or plan.dest.name, "bytes": f.size, "tensors": len(f.tensor_names())} for f in plan.files]
-
-
-def placement(plan: WritePlan) -> dict[str, str]:
-    """Which file each tensor goes to."""
-    return {name: f.relpath or plan.dest.name for f in plan.files for name in f.tensor_names()}
 
 
 def guard(job: Job) -> store.Guard:

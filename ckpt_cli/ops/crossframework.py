@@ -24,11 +24,6 @@ def training_format(ckpt: Checkpoint) -> TrainingFormat:
     return known.training if known is not None and known.training is not None else dcp_training.TRAINING
 
 
-def detect_layout(ckpt: Checkpoint) -> str:
-    """'deepspeed', 'get_state_dict', 'torchtitan' or 'flat' (a state dict with no optimizer)."""
-    return training_format(ckpt).layout_of(ckpt)
-
-
 def from_checkpoint(ckpt: Checkpoint, names: NameMap, need_optimizer: bool = True) -> TrainingState:
     reader = training_format(ckpt)
     layout = reader.layout_of(ckpt)
@@ -72,7 +67,7 @@ def comparable(a: Checkpoint, b: Checkpoint) -> tuple[Checkpoint, Checkpoint, st
     names), as diff and verify --against pair them. When their key layouts differ (one run saved by two frameworks),
     by parameter name (by_parameter). A flat state dict (no optimizer) is named by FQN already: the other side is
     renamed to meet it, and a side whose training state cannot be read by name keeps its own names."""
-    layouts = detect_layout(a), detect_layout(b)
+    layouts = training_format(a).layout_of(a), training_format(b).layout_of(b)  # deepspeed, get_state_dict, torchtitan, flat
     if layouts[0] == layouts[1]:
         return a, b, None
     sides = []

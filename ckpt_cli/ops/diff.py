@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Container
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -240,12 +241,8 @@ def pair(a: Checkpoint, b: Checkpoint, options: DiffOptions) -> tuple[DiffReport
     # The two sides' read-ahead windows together hold half what one reader's may: diff holds two sources' metadata
     # already (an MoE ZeRO-2 diff peaked 6 MB over its bound with 8 MB a side), and compares a tensor at a time.
     quarter = WINDOW_BUDGET // 4
-    sources_a, sources_b = SourceFiles(window_budget=quarter), SourceFiles(window_budget=quarter)
-    try:
+    with closing(SourceFiles(window_budget=quarter)) as sources_a, closing(SourceFiles(window_budget=quarter)) as sources_b:
         _compare(report, mine, theirs, names_a, names_b, options, sources_a, sources_b)
-    finally:
-        sources_a.close()
-        sources_b.close()
     if options.filter:
         report.notes.append("training state not compared (--filter narrows the diff to tensors)")
     else:

@@ -15,14 +15,6 @@ from ckpt_cli.ops.resolve import Found, Resolved, relative
 from ckpt_cli.ops.transform import matches
 
 
-def tensor_rows(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    return [
-        {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape), "role": t.role, "pieces": len(t.pieces)}
-        for t in ckpt.tensors.values()
-        if matches(t.name, filters)
-    ]
-
-
 def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
     """The stable `inspect --json` document (SPEC §3); a run checkpoint's model weights under their exported names."""
     ckpt = run_roots.shown(ckpt)
@@ -37,11 +29,14 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
     scheme = quantized.scheme_of(ckpt) if quantized.may_be_quantized(ckpt) else None
     weights = {t.name for t in chosen if t.role == "model" and t.name not in tied}
     quantization = {"quantization": scheme.summary()} if scheme is not None else {}
+    # Every value left unparsed: a pickle the allow list refused (its global named) or one ckpt cannot read.
+    opaque = [o for o in ckpt.objects.values() if isinstance(o.value, Opaque)]
+    found = Found(Path(ckpt.path), ckpt.details.get("framework") if run_read.is_run(ckpt) else None, ckpt.format)
     return {
         "path": ckpt.path,
         "format": ckpt.format,
         "tag": ckpt.tag,
-        "step": shown_step(ckpt),
+        "step": run_roots.shown_step(found, ckpt),  # as `ckpt ls` shows it: its own, else the one its name states
         "world_size": ckpt.world_size,
         "num_tensors": len(chosen),
         "num_params": quantized.true_params(ckpt, weights, scheme),
@@ -49,23 +44,13 @@ def summary(ckpt: Checkpoint, filters: tuple[str, ...] = ()) -> dict[str, Any]:
         "dtypes": dtypes,
         "files": [{"path": f.path, "bytes": f.bytes} for f in ckpt.files],
         "training_state": roles.describe_training_state(ckpt),
-        "tensors": tensor_rows(ckpt, filters),
+        "tensors": [
+            {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape), "role": t.role, "pieces": len(t.pieces)} for t in chosen
+        ],
         "details": {**ckpt.details, "objects": len(ckpt.objects), "tied": ckpt.tied_groups(), **quantization},
-        "unread": unread_values(ckpt),
+        "unread": [{"name": o.name, "reason": o.value.reason, "refused_global": o.value.unsafe_global} for o in opaque],
         "notes": ckpt.notes,
     }
-
-
-def shown_step(ckpt: Checkpoint) -> int | None:
-    """The step `ckpt ls` shows for this checkpoint: its own, else the one its name states (run/step_200.safetensors)."""
-    framework = ckpt.details.get("framework") if run_read.is_run(ckpt) else None
-    return run_roots.shown_step(Found(Path(ckpt.path), framework, ckpt.format), ckpt)
-
-
-def unread_values(ckpt: Checkpoint) -> list[dict[str, Any]]:
-    """Every value ckpt left unparsed: a pickle the allow list refused (its global named) or one it cannot read."""
-    opaque = [obj for obj in ckpt.objects.values() if isinstance(obj.value, Opaque)]
-    return [{"name": o.name, "reason": o.value.reason, "refused_global": o.value.unsafe_global} for o in opaque]
 
 
 def run_root(resolved: Resolved) -> list[dict[str, Any]] | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from contextlib import closing
 from typing import Any
 
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, TensorEntry
@@ -117,12 +118,9 @@ def _require_zero(entry: TensorEntry) -> None:
     all its bytes zero (a -0.0 counts as a value). Read here, a window at a time; such tensors are small (a router bias)."""
     from ckpt_cli.core.reading import SourceFiles, tensor_bytes
 
-    sources = SourceFiles()
-    try:
+    with closing(SourceFiles()) as sources:
         if all(not any(memoryview(block).cast("B")) for block in tensor_bytes(entry, sources)):
             return
-    finally:
-        sources.close()
     raise UsageError(
         f"{entry.name} is not all zeros, and the target model has no place for it (the map leaves it out only while it is "
         "zero): the release would compute something else. Export it with a name map of your own that keeps or drops it"

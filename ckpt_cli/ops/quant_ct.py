@@ -15,6 +15,7 @@ Activation scales (`X.input_global_scale`, `X.input_scale`, ...) carry no weight
 from __future__ import annotations
 
 import json
+from contextlib import closing
 from typing import Any
 
 from ckpt_cli.core.model import Checkpoint, TensorEntry
@@ -233,11 +234,8 @@ def _packed_shape(base: str, tensors: dict[str, TensorEntry], where: str) -> tup
     entry = tensors.get(base + ".weight_shape")
     if entry is None or entry.numel != 2 or entry.dtype.is_float:
         raise DataError(f"{where}: pack-quantized weight '{base}' has no 2-element integer 'weight_shape'")
-    sources = SourceFiles()
-    try:
+    with closing(SourceFiles()) as sources:
         rows, cols = (int(v) for v in read_elements(entry, 0, 2, sources).tolist())
-    finally:
-        sources.close()
     if not (0 < rows <= 1 << 40 and 0 < cols <= 1 << 40):
         raise DataError(f"{where}: '{entry.name}' says {json.dumps([rows, cols])}, not a weight shape")
     return rows, cols

@@ -270,10 +270,9 @@ def missing_marker(path: Path) -> str | None:
     commit = next((f.commit for f in registry.FORMATS.values() if f.commit is not None and f.commit.missing(entries)), None)
     if commit is None:
         return None
-    what, has, marker = commit.what, commit.has, commit.shown
     pending = len(store.unfinished(path))
     uploads = f", {pending} upload(s) never completed" if pending else ""
     return (
-        f"{path}: incomplete {what}: {has} but no {marker}, the commit marker a write uploads last{uploads}; "
+        f"{path}: incomplete {commit.what}: {commit.has} but no {commit.shown}, the commit marker a write uploads last{uploads}; "
         "a write was interrupted or is still running (rerun it with --overwrite)"
     )

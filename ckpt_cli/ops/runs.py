@@ -47,9 +47,9 @@ def listing(root: Path, trust_pickle: bool = False, format_name: str | None = No
             continue
         inner = None
         if tag is not None and not _tag_names(found, tag):
-            inner = _inner_tag(found, tag)
-            if inner is None:
-                continue
+            if found.framework is not None or not registry.get(found.format).own_tags:
+                continue  # nor does it name a tag of the folder's own (a DeepSpeed folder's global_stepN)
+            inner = tag
         row: dict[str, Any] = {"path": relative(found, root), "framework": found.framework, "format": found.format}
         try:
             try:
@@ -81,12 +81,6 @@ def listing(root: Path, trust_pickle: bool = False, format_name: str | None = No
 def _tag_names(found: Found, tag: str) -> bool:
     """Whether `tag` names the checkpoint itself: its name, that name less its suffix, or the step in its name."""
     return bool(tags_named(tag, [found.path.name])) or (tag.isdigit() and found.name_step == int(tag))
-
-
-def _inner_tag(found: Found, tag: str) -> str | None:
-    """`tag`, which does not name the checkpoint itself, when the folder has tags of its own (a DeepSpeed folder's
-    global_stepN) for it to name."""
-    return tag if found.framework is None and registry.get(found.format).own_tags else None
 
 
 def _du(path: Path) -> int:

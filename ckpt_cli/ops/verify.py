@@ -165,12 +165,6 @@ def check_manifest_destination(path: Path, overwrite: bool) -> None:
         raise UsageError(f"{path} is not a ckpt manifest; --overwrite replaces only a manifest that verify wrote")
 
 
-def write_manifest_file(path: Path, manifest: dict[str, Any]) -> None:
-    """Write the manifest atomically: a temporary sibling, then one os.replace; in object storage one PUT (an object
-    appears whole or not at all)."""
-    store.put(path, (json.dumps(manifest, indent=2) + "\n").encode())
-
-
 def check_manifest(ckpt: Checkpoint, manifest: dict[str, Any], digests: Digests, report: Report, where: Path, tensors: bool = True) -> None:
     """Each file's checksum against the manifest's and, with `tensors`, each tensor's (read in the scan before)."""
     root, algo, hashes = _root(ckpt), manifest_hash(manifest), digests.tensors
@@ -246,18 +240,14 @@ def compare(a: Checkpoint, b: Checkpoint, atol: float, rtol: float, report: Repo
     report.checks.append(f"against {pb}")
 
 
-def _object_path(value: str | Path | None) -> Path | None:
-    """A path as given (a local Path, or an s3:// URL, which Path spells s3:/, as its Location)."""
-    return location(value) if value is not None else None
-
-
 def verify(path: str | Path, options: VerifyOptions) -> Report:
     if not (0 <= options.atol < float("inf") and 0 <= options.rtol < float("inf")):
         raise UsageError("--atol and --rtol take finite values >= 0")
     if (options.atol or options.rtol) and options.against is None:
         raise UsageError("--atol and --rtol are tolerances of --against; give --against CKPT, or leave them out")
     report = Report(str(path))
-    write_manifest, manifest_file, policy_file = map(_object_path, (options.write_manifest, options.manifest, options.policy))
+    given = (options.write_manifest, options.manifest, options.policy)  # as Locations: Path would spell s3:// as s3:/
+    write_manifest, manifest_file, policy_file = (location(value) if value is not None else None for value in given)
     if write_manifest:
         check_manifest_destination(write_manifest, options.overwrite)
     manifest = load_manifest(manifest_file) if manifest_file else None  # the user's files: exit 2 before any work
@@ -343,7 +333,9 @@ def verify(path: str | Path, options: VerifyOptions) -> Report:
         report.problems += policy_mod.check(ckpt, rules)
         report.checks.append(f"policy {policy_file}")
     if write_manifest and report.ok:
-        write_manifest_file(write_manifest, build_manifest(ckpt, hashes[MANIFEST_HASH].tensors, hashes[MANIFEST_HASH].files))
+        record = build_manifest(ckpt, hashes[MANIFEST_HASH].tensors, hashes[MANIFEST_HASH].files)
+        # atomically: a temporary sibling, then one os.replace; in object storage one PUT (an object appears whole or not at all)
+        store.put(write_manifest, (json.dumps(record, indent=2) + "\n").encode())
         report.checks.append(f"wrote manifest {write_manifest}")
     report.stats["dtype_names"] = sorted({t.dtype.name for t in ckpt.tensors.values()})
     return report

@@ -105,10 +105,8 @@ def request(command: str, src: str | Path, dest: str | Path, to: str | None, cho
     (merge: the weights unless --all; split: the weights)."""
     dest = location(dest)
     select = chosen.select
-    target = {"convert": to, "reshard": None, "merge": None, "split": "hf"}[command]
+    target = convert_op.merge_target(dest, select.all) if command == "merge" else {"convert": to, "split": "hf"}.get(command)
     weights_only = {"merge": not select.all, "split": True}.get(command, select.weights_only)
-    if command == "merge":
-        target = convert_op.merge_target(dest, select.all)
     return Request(
         location(src),
         dest,
@@ -164,12 +162,13 @@ class WriteReport:
         return self.job.source_format
 
     @functools.cached_property
-    def files(self) -> list[dict[str, Any]]:
-        return convert_op.file_list(self.job.plan)
+    def files(self) -> list[dict[str, Any]]:  # each output file's path, bytes and tensor count
+        plan = self.job.plan
+        return [{"path": f.relpath or plan.dest.name, "bytes": f.size, "tensors": len(f.tensor_names())} for f in plan.files]
 
     @functools.cached_property
     def placement(self) -> dict[str, str]:  # tensor name -> file
-        return convert_op.placement(self.job.plan)
+        return {name: f.relpath or self.job.plan.dest.name for f in self.job.plan.files for name in f.tensor_names()}
 
     @functools.cached_property
     def estimated_peak_rss(self) -> int:
@@ -206,7 +205,7 @@ class PreparedWrite(WriteReport):
     def write(
         self,
         overwrite: bool = False,
-        progress: Callable[[int], None] | None = None,
+        progress: Progress | None = None,
         workers: int | None = None,
         manifest: str | Path | None = None,
     ) -> WriteReport:

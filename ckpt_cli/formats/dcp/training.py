@@ -15,7 +15,7 @@ from typing import Any
 
 from ckpt_cli.core import roles
 from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
-from ckpt_cli.core.training import StateOptions, TrainingState, apply_per_rank_rule
+from ckpt_cli.core.training import StateOptions, TrainingState, apply_per_rank_rule, scalar
 from ckpt_cli.core.tree import path_name
 from ckpt_cli.errors import DataError, UsageError
 
@@ -84,22 +84,11 @@ def _from_nested(ckpt: Checkpoint, model_key: str | None, optim_key: str) -> Tra
             step = obj.value
     for entry in tensors:
         if entry.path in step_paths and not entry.shape and not entry.dtype.is_float:  # torchtitan: a 0-d int tensor
-            step = _read_scalar(entry)
+            step = int(scalar(entry))
     objects = [o for o in objects if o.path not in step_paths]
     tensors = [t for t in tensors if t.path not in step_paths or step is None]
     buffers = {n for n, e in weights.items() if ckpt.format == "dcp" and len(e.pieces) == 1 and (ckpt.world_size or 1) > 1}
     return TrainingState(weights, moments, groups, step, objects, tensors, buffers=buffers & _not_in_groups(weights, groups))
-
-
-def _read_scalar(entry: TensorEntry) -> int:
-    """The value of a 0-d integer tensor (a few bytes read from the source)."""
-    from ckpt_cli.core.reading import SourceFiles, read_elements
-
-    sources = SourceFiles()
-    try:
-        return int(read_elements(entry, 0, 1, sources)[0])
-    finally:
-        sources.close()
 
 
 def _not_in_groups(weights: dict[str, TensorEntry], groups: list[dict[str, Any]]) -> set[str]:

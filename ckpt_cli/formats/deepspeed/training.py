@@ -9,6 +9,7 @@ cuts for the requested world size.
 
 from __future__ import annotations
 
+from contextlib import closing
 from typing import Any
 
 from ckpt_cli.core.model import Checkpoint, TensorEntry
@@ -99,16 +100,13 @@ def find_ties(state: TrainingState) -> dict[str, str]:
         owners.setdefault((state.weights[p].shape, state.weights[p].dtype), []).append(p)
 
     ties: dict[str, str] = {}
-    sources = SourceFiles()
-    try:
+    with closing(SourceFiles()) as sources:
         for name, entry in state.weights.items():
             if name in held or name in state.tied or name in state.buffers or not entry.numel:
                 continue
             owner = next((o for o in owners.get((entry.shape, entry.dtype), []) if equal_values(entry, state.weights[o], sources)), None)
             if owner is not None:
                 ties[name] = owner
-    finally:
-        sources.close()
     return ties
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -269,11 +270,8 @@ def _set_tie(config: dict[str, Any], written: dict[str, TensorEntry], notes: lis
 def _same_values(a: TensorEntry, b: TensorEntry) -> bool:
     from ckpt_cli.core.reading import SourceFiles, equal_values
 
-    sources = SourceFiles()
-    try:
+    with closing(SourceFiles()) as sources:
         return equal_values(a, b, sources)
-    finally:
-        sources.close()
 
 
 READER = HFReader()

@@ -16,7 +16,7 @@ from typing import Any
 
 from ckpt_cli.core import dtypes
 from ckpt_cli.core.model import Cast, Checkpoint, ObjectEntry, PathKey, TensorEntry
-from ckpt_cli.core.training import StateOptions, TrainingState
+from ckpt_cli.core.training import StateOptions, TrainingState, scalar
 from ckpt_cli.errors import DataError, UsageError
 
 MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq"}  # optax ScaleByAdamState field -> torch Adam/AdamW state key
@@ -121,7 +121,7 @@ class OrbaxTraining:
         step = None
         step_entry = ckpt.tensors.get(by_keys.get(("step",), ""))
         if step_entry is not None and not step_entry.shape and not step_entry.dtype.is_float:
-            step = _read_int(step_entry)
+            step = int(scalar(step_entry))
             taken.add(step_entry.name)
         extras = [t for n, t in ckpt.tensors.items() if n not in taken]
         for fqn, held in moments.items():
@@ -138,16 +138,6 @@ class OrbaxTraining:
         return to_optax(state)
 
 
-def _read_int(entry: TensorEntry) -> int:
-    from ckpt_cli.core.reading import SourceFiles, read_elements
-
-    sources = SourceFiles()
-    try:
-        return int(read_elements(entry, 0, 1, sources)[0])
-    finally:
-        sources.close()
-
-
 def _steps(state: TrainingState) -> int | None:
     """The one count every parameter's Adam step holds (optax keeps one per optimizer); refused when they differ."""
     found: dict[int, str] = {}
@@ -161,13 +151,7 @@ def _steps(state: TrainingState) -> int | None:
 
 
 def _read_int_or_float(entry: TensorEntry) -> int:
-    from ckpt_cli.core.reading import SourceFiles, read_elements
-
-    sources = SourceFiles()
-    try:
-        value = float(read_elements(entry, 0, 1, sources)[0])
-    finally:
-        sources.close()
+    value = float(scalar(entry))
     if value != int(value) or value < 0:
         raise DataError(f"{entry.name}: an Adam step of {value}, not a whole number")
     return int(value)

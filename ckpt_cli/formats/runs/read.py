@@ -57,8 +57,11 @@ def is_run(ckpt: Checkpoint) -> bool:
 def read(run: RunCheckpoint, options: ReadOptions) -> Checkpoint:
     if run.unsupported:
         raise UsageError(run.unsupported)
-    parts = [(part, _read_part(run, part, options)) for part in run.parts]
-    parts = [(_nesting(part, ckpt), ckpt) for part, ckpt in parts]
+    parts: list[tuple[Part, Checkpoint]] = []
+    for part in run.parts:
+        tag = options.tag if part.format == "deepspeed" else None  # --tag picks a DeepSpeed tag inside the save folder
+        ckpt = registry.get(part.format).reader.read(run.part_path(part), dataclasses.replace(options, tag=tag))
+        parts.append((_nesting(part, ckpt), ckpt))
     source = RunSource(run, parts)
     tensors: dict[str, TensorEntry] = {}
     objects: dict[str, ObjectEntry] = {}
@@ -79,6 +82,10 @@ def read(run: RunCheckpoint, options: ReadOptions) -> Checkpoint:
         files.append(FileInfo(str(path), _size(path)))
         source.values[comp.relpath] = _parse_companion(comp, str(path), options, source.problems)
     primary = parts[0][1]
+    part_rows = [
+        {"path": p.relpath or ".", "format": c.format, "role": p.role or "model+optimizer", "tensors": len(c.tensors)} for p, c in parts
+    ]
+    companion_rows = [{"path": c.relpath, "kind": c.kind, **({"rank": c.rank} if c.rank is not None else {})} for c in run.companions]
     composite = Checkpoint(
         format=primary.format,
         path=str(run.path),
@@ -88,7 +95,7 @@ def read(run: RunCheckpoint, options: ReadOptions) -> Checkpoint:
         tag=primary.tag,
         world_size=primary.world_size,
         containers=containers,
-        details={**primary.details, "framework": run.framework, "parts": _part_rows(parts), "companions": _companion_rows(run)},
+        details={**primary.details, "framework": run.framework, "parts": part_rows, "companions": companion_rows},
         notes=list(primary.notes)
         + [f"{run.path}: {p} (not part of the {run.framework} checkpoint; not carried)" for p in run.unknown]
         + [f"damaged: {p}" for p in source.problems],
@@ -106,11 +113,6 @@ def _nesting(part: Part, ckpt: Checkpoint) -> Part:
     if part.model_prefix and len(tops) == 1 and (top := tops.pop()) in runs.NESTING_KEYS:
         return dataclasses.replace(part, model_prefix=f"{top}.")
     return part
-
-
-def _read_part(run: RunCheckpoint, part: Part, options: ReadOptions) -> Checkpoint:
-    tag = options.tag if part.format == "deepspeed" else None  # --tag picks a DeepSpeed tag inside the save folder
-    return registry.get(part.format).reader.read(run.part_path(part), dataclasses.replace(options, tag=tag))
 
 
 def _size(path: str | os.PathLike[str]) -> int:
@@ -163,16 +165,6 @@ def _is_pickle(where: str) -> bool:
 def _beyond_end(t: TensorEntry, where: str) -> list[str]:
     size, end = _size(where), max((p.data.extent()[1] for p in t.pieces), default=0)
     return [f"{where}: tensor '{t.name}' needs bytes up to {end} but the file has {size} (truncated)"] if end > size else []
-
-
-def _part_rows(parts: list[tuple[Part, Checkpoint]]) -> list[dict[str, Any]]:
-    return [
-        {"path": p.relpath or ".", "format": c.format, "role": p.role or "model+optimizer", "tensors": len(c.tensors)} for p, c in parts
-    ]
-
-
-def _companion_rows(run: RunCheckpoint) -> list[dict[str, Any]]:
-    return [{"path": c.relpath, "kind": c.kind, **({"rank": c.rank} if c.rank is not None else {})} for c in run.companions]
 
 
 def _values(ckpt: Any) -> dict[str, Any]:
