@@ -14,7 +14,6 @@ import typer
 
 from ckpt_cli import __version__, interrupt
 from ckpt_cli.cli import completion_cmd, convert_cmd, demo_cmd, diff_cmd, inspect_cmd, ls_cmd, parity_cmd, verify_cmd
-from ckpt_cli.cli.entry import stopped
 from ckpt_cli.cli.examples import epilog
 from ckpt_cli.cli.output import error
 from ckpt_cli.errors import TORCH_INSTALL, CkptError, Terminated, for_cli, interrupt_inside, reset_reader
@@ -84,6 +83,17 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _terminated(exc: BaseException) -> bool:
+    """Whether SIGTERM caused `exc` (click turns a KeyboardInterrupt into Abort, keeping it as the cause)."""
+    return isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated)
+
+
+def _stopped(exc: BaseException) -> int:
+    """Say which signal stopped the command; its exit code."""
+    error("terminated (SIGTERM)" if _terminated(exc) else "interrupted")
+    return 143 if _terminated(exc) else 130
+
+
 def usage_line(exc: click_errors.UsageError, argv: list[str]) -> str:
     """A usage error as one line, as every other error: click's message (missing option, bad value, unknown
     command...) and where the help is, not click's four lines of Usage, Try and Error."""
@@ -130,7 +140,7 @@ def _run(argv: list[str] | None) -> int:
         error(" ".join(exc.format_message().split()))
         code = exc.exit_code
     except (KeyboardInterrupt, typer.Abort) as exc:
-        code = stopped(exc)
+        code = _stopped(exc)
     except OSError as exc:
         if debug:
             raise
@@ -141,7 +151,7 @@ def _run(argv: list[str] | None) -> int:
             raise
         stop = interrupt_inside(exc)
         if stop is not None:  # a signal that landed where Python wraps it (an import at start-up)
-            return stopped(stop)
+            return _stopped(stop)
         if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch":
             error(f"this needs torch, which is not installed: {TORCH_INSTALL}")
             code = 2

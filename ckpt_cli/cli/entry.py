@@ -29,8 +29,7 @@ def _early_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated
 
 
-def stopped(exc: BaseException) -> int:
-    """Say which signal stopped the command (SIGTERM: Terminated, or click's Abort caused by it); its exit code."""
+def _stopped(exc: BaseException) -> int:
     terminated = isinstance(exc, Terminated) or isinstance(exc.__cause__, Terminated)
     sys.stderr.write("ckpt: error: terminated (SIGTERM)\n" if terminated else "ckpt: error: interrupted\n")
     return 143 if terminated else 130
@@ -49,12 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as exc:
         _leave(exc)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM before (or after) the CLI's own handling
-        _leave(SystemExit(stopped(exc)))
+        _leave(SystemExit(_stopped(exc)))
     except Exception as exc:  # one wrapped by Python while the CLI's modules import (interrupt_inside)
         stop = interrupt_inside(exc)
         if stop is None:
             raise
-        _leave(SystemExit(stopped(stop)))
+        _leave(SystemExit(_stopped(stop)))
     finally:
         hold_sigint()  # the command has returned: a Ctrl-C while the interpreter shuts down exits 130, without a traceback
 
