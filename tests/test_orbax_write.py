@@ -144,15 +144,16 @@ def test_deepspeed_to_orbax(ds_saves, ckpt, tmp_path):
     assert int(got["opt_state.0.count"]) == 2 and int(got["step"]) == 2
 
 
-def test_orbax_to_deepspeed(maxtext_saves, ckpt, tmp_path):
-    """A MaxText-layout optax adamw train state (float32, scanned) -> DeepSpeed ZeRO-2 on 2 ranks: DeepSpeed's own
+@pytest.mark.parametrize("stage", [2, 3])
+def test_orbax_to_deepspeed(maxtext_saves, ckpt, tmp_path, stage):
+    """A MaxText-layout optax adamw train state (float32, scanned) -> DeepSpeed ZeRO-2 and 3 on 2 ranks: DeepSpeed's own
     extraction (ds_to_universal) gives, for every parameter, Orbax's own restore of the source bit for bit: fp32 master
     = params, exp_avg = mu, exp_avg_sq = nu."""
     import torch
     from conftest import ds_to_universal
 
     out = tmp_path / "ds"
-    res = ckpt("convert", maxtext_saves / "scanned" / "10", out, "--to", "deepspeed", "--world-size", "2", "--zero-stage", "2")
+    res = ckpt("convert", maxtext_saves / "scanned" / "10", out, "--to", "deepspeed", "--world-size", "2", "--zero-stage", str(stage))
     assert res.code == 0, res.err
     got = ds_to_universal(out / "global_step10", tmp_path / "universal")
     want = orbax_restore(maxtext_saves / "scanned" / "10" / "items", tmp_path / "orbax", "pytree", devices=8)

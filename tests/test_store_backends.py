@@ -119,7 +119,7 @@ def test_store_init_dispatches_once_with_no_is_remote_branch():
     asking = [name for name, fn in functions.items() for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == "protocol_of"]
     assert asking == ["backend_of"]
     dispatched = {"mappable", "renames", "is_bucket", "size", "exists", "lexists", "present", "open_read", "check_writable"}
-    dispatched |= {"begin", "join", "put", "unfinished"}
+    dispatched |= {"begin", "join", "put", "unfinished", "files_under", "tensorstore_kvstore"}
     for name in sorted(dispatched):
         fn = functions[name]
         assert name in store.__all__

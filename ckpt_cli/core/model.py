@@ -431,10 +431,7 @@ def lazy_flat(name: str, dtype: DType, length: int, parts: list[FlatPart], role:
     its pieces made for the range a read asks for (a ZeRO-3 flat partition resharded from 1,024 ranks is a million
     one-element slivers: made a window at a time, never all at once). Parts must not overlap."""
     parts = sorted((p for p in parts if p[3] > 0), key=lambda p: p[0])
-    layout = FlatLayout(dtype, length, parts, [p[0] for p in parts])
-    if any(p[1].derived is not None for p in parts):  # an Orbax array, a dequantized weight: no stored bytes to place
-        return TensorEntry(name, dtype, (length,), role, LazyPieces(layout, keep=False), derived=ComputedFlat(layout))
-    return flat_entry(name, layout, role)
+    return flat_entry(name, FlatLayout(dtype, length, parts, [p[0] for p in parts]), role)
 
 
 def flat_entry(name: str, layout: FlatLayout, role: str = "other") -> TensorEntry:
@@ -482,61 +479,6 @@ class FlatLayout:
                 found = source.stored_arrays()
                 lists.setdefault(id(found), found)
         return [self.zero, *{id(a): a for found in lists.values() for a in found}.values()]
-
-
-class Cast:
-    """A tensor read through another, as another dtype (a computed tensor in a training dtype, optax's int32 `count`
-    as torch's float32 `step`): the source's windows, each read and cast."""
-
-    __slots__ = ("entry", "dtype")
-
-    def __init__(self, entry: TensorEntry, dtype: DType) -> None:
-        self.entry, self.dtype = entry, dtype
-
-    def windows(self) -> Iterator[tuple[int, int]]:
-        from ckpt_cli.core.reading import element_windows
-
-        return element_windows(self.entry)
-
-    def read(self, start: int, count: int, sources: Any) -> Any:
-        import torch
-
-        from ckpt_cli.core.reading import read_elements
-
-        return torch.as_tensor(read_elements(self.entry, start, count, sources)).to(self.dtype.torch())
-
-
-class ComputedFlat:
-    """A lazy_flat whose parts are computed tensors: a window is read part by part through their own `derived`
-    (or their stored bytes), zeros between, cast to the flat's dtype; BLOCK_BYTES at a time."""
-
-    __slots__ = ("layout",)
-
-    def __init__(self, layout: FlatLayout) -> None:
-        self.layout = layout
-
-    def windows(self) -> Iterator[tuple[int, int]]:
-        from ckpt_cli.core.reading import BLOCK_BYTES
-
-        step = max(1, BLOCK_BYTES // self.layout.dtype.itemsize)
-        for start in range(0, self.layout.length, step):
-            yield start, min(step, self.layout.length - start)
-
-    def read(self, start: int, count: int, sources: Any) -> Any:
-        import torch
-
-        from ckpt_cli.core.reading import read_elements
-
-        layout, end = self.layout, start + count
-        out = torch.zeros(count, dtype=layout.dtype.torch())
-        for i in range(max(0, bisect.bisect_right(layout.starts, start) - 1), len(layout.parts)):
-            at, source, src_start, n = layout.parts[i]
-            if at >= end:
-                break
-            lo, hi = max(at, start), min(at + n, end)
-            if lo < hi:
-                out[lo - start : hi - start] = torch.as_tensor(read_elements(source, src_start + lo - at, hi - lo, sources))
-        return out
 
 
 def concat_flat(name: str, dtype: DType, length: int, parts: list[tuple[int, TensorEntry]], role: str = "other") -> TensorEntry:

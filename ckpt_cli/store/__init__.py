@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
 from ckpt_cli.store.backend import Backend, File, ObjectBackend, PathLike, Write
 from ckpt_cli.store.clients import backend
@@ -32,7 +32,7 @@ from ckpt_cli.store.location import Location, RemoteFile, fresh, location, prefe
 
 __all__ = ["Backend", "File", "Guard", "Location", "Write", "backend_of", "begin", "check_destination", "check_writable", "exists"]
 __all__ += ["fresh", "is_bucket", "join", "lexists", "location", "mappable", "open_read", "prefetch_heads", "present"]
-__all__ += ["put", "read_into", "renames", "size", "unfinished"]
+__all__ += ["put", "read_into", "renames", "size", "unfinished", "files_under", "tensorstore_kvstore"]
 
 
 def backend_of(path: object) -> Backend:
@@ -117,3 +117,14 @@ def unfinished(dest: Path) -> list[str]:
     """One line for each write at `dest` that did not finish: a local temporary sibling whose process is gone (or a
     torchrun job's), an object upload never completed."""
     return backend_of(dest).unfinished(dest)
+
+
+def files_under(folder: PathLike) -> list[tuple[Path, int]]:
+    """Every file (object) below a folder (prefix) with its size, by path."""
+    return backend_of(folder).files_under(folder)
+
+
+def tensorstore_kvstore(folder: PathLike) -> dict[str, Any] | None:
+    """tensorstore's kvstore spec for a folder (a library that reads the files itself: Orbax's arrays); None where
+    ckpt does not point tensorstore at that store."""
+    return backend_of(folder).tensorstore_kvstore(folder)

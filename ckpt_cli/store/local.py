@@ -343,5 +343,14 @@ class Local:
             for p in leftovers(dest)
         ]
 
+    def files_under(self, folder: PathLike) -> list[tuple[Path, int]]:
+        """Every file below `folder` with its size, by path."""
+        found = [Path(root) / n for root, _, names in os.walk(folder) for n in names]
+        return sorted(((p, p.stat().st_size) for p in found), key=lambda f: str(f[0]))
+
+    def tensorstore_kvstore(self, folder: PathLike) -> dict[str, Any] | None:
+        """tensorstore's `file` kvstore at `folder` (a library that reads the files itself: Orbax's arrays)."""
+        return {"driver": "file", "path": str(Path(folder).resolve()) + "/"}
+
 
 LOCAL: Backend = Local()

@@ -73,6 +73,17 @@ class ObjectStore:
     def check_writable(self, path: Path) -> None:
         self.writer(remote(path))
 
+    def files_under(self, folder: PathLike) -> list[tuple[Path, int]]:
+        """Every object under the prefix with its size: one listing with sizes, not a request per object."""
+        where = remote(folder)
+        found = call(where, where.fs.find, where.key, detail=True)
+        files = [(location(f"{where.protocol}://{k}"), int(v.get("size") or 0)) for k, v in found.items() if v.get("type") != "directory"]
+        return sorted(files, key=lambda f: str(f[0]))
+
+    def tensorstore_kvstore(self, folder: PathLike) -> dict[str, Any] | None:
+        """A store tensorstore has no driver for (or that ckpt does not point it at): None."""
+        return None
+
     def writer(self, path: Location) -> MakeWriter:
         """The writer of objects at `path` (UsageError where ckpt only reads: gs://, memory://..., or where `path` names
         no key under the bucket or container: every write, put and join passes here before a Writer is made)."""

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ckpt_cli.errors import DataError, UsageError
+from ckpt_cli.store.backend import PathLike
 from ckpt_cli.store.clients import call, count_request, names_of, reason
-from ckpt_cli.store.location import Location
+from ckpt_cli.store.location import Location, remote
 from ckpt_cli.store.objects import ObjectStore
 from ckpt_cli.store.parts import PartWriter, part_size
 
@@ -118,6 +119,19 @@ class S3(ObjectStore):
         "ckpt's next --overwrite of this prefix aborts it, as a lifecycle rule would"
     )
     Writer = Writer
+
+    def tensorstore_kvstore(self, folder: PathLike) -> dict[str, Any] | None:
+        """tensorstore's `s3` kvstore at the prefix, pointed where ckpt's own reads go: the endpoint and region of the
+        AWS variables, and with keys in the environment the `environment` credentials alone (its default chain also
+        tries profile files, and its logger writes to stderr when they are absent)."""
+        bucket, _, key = remote(folder).key.partition("/")
+        spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key.rstrip("/") + "/" if key else ""}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        spec.update({"endpoint": endpoint} if endpoint else {}, **({"aws_region": region} if region else {}))
+        if os.environ.get("AWS_ACCESS_KEY_ID"):
+            spec["context"] = {"aws_credentials": {"type": "environment"}}
+        return spec
 
     def make(self, protocol: str) -> Any:
         try:

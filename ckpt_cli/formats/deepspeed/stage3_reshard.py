@@ -12,8 +12,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
+from ckpt_cli.core import computed
 from ckpt_cli.core.copies import Parts, PlannedFlat, SourceTable
-from ckpt_cli.core.model import Checkpoint, FlatPart, TensorEntry, flat_entry, lazy_flat
+from ckpt_cli.core.model import Checkpoint, FlatPart, TensorEntry, flat_entry
 from ckpt_cli.core.pickles.safe_pickle import TorchSize
 from ckpt_cli.core.write.plan import OutputFile, SharedBuild
 from ckpt_cli.formats.deepspeed import layout as zl
@@ -52,7 +53,7 @@ class Stage3Reshard:
     def partition(self, entry: TensorEntry, rank: int, name: str) -> TensorEntry:
         """Rank's ceil(n/W) elements of a parameter, zero-padded past its end."""
         start, end = zl.stage3_rank_range(entry.numel, self.world, rank)
-        return lazy_flat(name, entry.dtype, zl.stage3_partition_size(entry.numel, self.world), [(0, entry, start, end - start)])
+        return computed.flat(name, entry.dtype, zl.stage3_partition_size(entry.numel, self.world), [(0, entry, start, end - start)])
 
     def flat(self, s: int, key: str, rank: int, name: str) -> TensorEntry:
         """Rank's flat partition of sub-group s: its params' partitions end to end. Where each param lies is the same on
@@ -65,6 +66,8 @@ class Stage3Reshard:
         starts, entries = self._starts[s], self._entries[s, key]
         length = starts[-1] + zl.stage3_partition_size(entries[-1].numel, self.world)  # stage3_flat_numel, from the starts
         parts = Stage3RankParts(starts, entries, self.world, rank)
+        if any(e.derived is not None for e in entries):  # computed tensors (Orbax arrays): no stored bytes to plan copies of
+            return computed.flat(name, entries[-1].dtype, length, list(parts))
         table = functools.partial(self._table, s, key)
         plan = functools.partial(self._plan, s, rank)
         return flat_entry(name, PlannedFlat(entries[-1].dtype, length, parts, starts, table, plan))

@@ -17,7 +17,8 @@ from typing import Any
 
 from ckpt_cli import store
 from ckpt_cli.core import dtypes, structured
-from ckpt_cli.core.model import Cast, Checkpoint, ObjectEntry, Opaque, StoredArray, TensorEntry, concat_flat
+from ckpt_cli.core.computed import Cast
+from ckpt_cli.core.model import Checkpoint, ObjectEntry, Opaque, StoredArray, TensorEntry, concat_flat
 from ckpt_cli.core.pickles.safe_pickle import TensorRef, TorchSize
 from ckpt_cli.core.training import TrainingState, apply_per_rank_rule
 from ckpt_cli.core.tree import unflatten

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckpt_cli.core import computed
 from ckpt_cli.core.dtypes import dtype_digest
 from ckpt_cli.core.interface import WriteOptions
-from ckpt_cli.core.model import Checkpoint, TensorEntry, lazy_flat
+from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.paths import plain_component
 from ckpt_cli.core.pickles.safe_pickle import TorchSize
 from ckpt_cli.core.write.plan import Literal, OutputFile, WritePlan
@@ -292,7 +293,7 @@ class Stage12Reshard:
             if shared := zl.overlap(slot.offset, slot.numel, start, length):
                 lo, hi = shared
                 parts.append((lo - start, state_entry(self.ckpt, name_of(slot.name), key), lo - slot.offset, hi - lo))
-        return lazy_flat(name, like.dtype, length, parts)
+        return computed.flat(name, like.dtype, length, parts)
 
 
 class Stage0Reshard:

@@ -12,17 +12,21 @@ import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ckpt_cli import store
 from ckpt_cli.core import heap
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.reading import BLOCK_BYTES
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.store.location import protocol_of
 
-if TYPE_CHECKING:
-    from ckpt_cli.formats.orbax.stream import ChunkStream
+
+class Stream(Protocol):
+    """An array's chunks decoded as streams (formats/orbax/stream.ChunkStream): bytes [start, start + nbytes), or None
+    when a chunk they lie in is not one (read through tensorstore then)."""
+
+    def read(self, start: int, nbytes: int) -> Any: ...
+
 
 INSTALL_HINT = "the orbax extra: pip install 'ckpt-tools[orbax]'"
 CACHE_BYTES = 64 << 20  # tensorstore's cache of decoded chunks and OCDBT B-tree nodes, one per process
@@ -66,26 +70,12 @@ def kvstore_spec(item: Path, name: str | None, use_ocdbt: bool) -> dict[str, Any
 
 
 def folder_spec(item: Path, below: str) -> dict[str, Any]:
-    """tensorstore's kvstore for a folder: the `file` driver, or for an s3:// save its `s3` driver, pointed where
-    ckpt's own S3 reads go (AWS_ENDPOINT_URL, the region), with the credentials of the environment."""
-    if protocol_of(item) == "s3":
-        import os
-
-        location = store.location(item)
-        bucket, _, key = str(location)[len("s3://") :].partition("/")
-        spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": (key.rstrip("/") + "/" if key else "") + below}
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            spec["endpoint"] = endpoint
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        if region:
-            spec["aws_region"] = region
-        if os.environ.get("AWS_ACCESS_KEY_ID"):  # keys in the environment: the provider chain's other links not tried
-            spec["context"] = {"aws_credentials": {"type": "environment"}}
-        return spec
-    if not store.mappable(item):
+    """tensorstore's kvstore for a folder (the store's answer: `file` locally, `s3` pointed where ckpt's own S3 reads
+    go), `below` added to its path."""
+    spec = store.tensorstore_kvstore(item)
+    if spec is None:
         raise UsageError(f"{item}: ckpt reads Orbax saves from local folders and s3:// (tensorstore's own drivers)")
-    return {"driver": "file", "path": str(item.resolve()) + "/" + below}
+    return {**spec, "path": spec["path"] + below}
 
 
 def array_spec(item: Path, name: str, use_ocdbt: bool, zarr3: bool) -> dict[str, Any]:
@@ -172,7 +162,7 @@ class OrbaxArray:
         chunks: tuple[int, ...],
         where: str,
         name: str,
-        stream: ChunkStream | None = None,
+        stream: Stream | None = None,
     ) -> None:
         self.spec = json.dumps(spec, sort_keys=True)
         self.uncached = json.dumps({**spec, "cache_pool": "cache_pool#none"}, sort_keys=True)  # reads of whole chunks

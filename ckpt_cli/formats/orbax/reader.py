@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,6 @@ from ckpt_cli.core.model import Checkpoint, FileInfo, FlatRange, LazyPieces, Pie
 from ckpt_cli.errors import DataError
 from ckpt_cli.formats.orbax import arrays, layout, ocdbt, stream
 from ckpt_cli.formats.orbax import metadata as meta
-from ckpt_cli.store.clients import call
-from ckpt_cli.store.location import remote
 
 UNPREFIXED_ITEMS = ("default", "state")  # a step's only item of this name gives its leaves their own names
 OPTAX_ADAM = {"mu", "nu", "count"}  # optax ScaleByAdamState's fields
@@ -58,23 +55,7 @@ def _metadata_key(name: str, zarr3: bool) -> str:
 
 def _files(folder: Path) -> list[FileInfo]:
     """Every file under the item, by path."""
-    return [FileInfo(str(path), size) for path, size in _walk(folder)]
-
-
-def _walk(folder: Path) -> list[tuple[Path, int]]:
-    """Every file under `folder` with its size, by path (in object storage one listing with sizes, not a request per
-    file)."""
-    if not store.mappable(folder):
-        location = remote(folder)
-        found = call(location, location.fs.find, location.key, detail=True)
-        out = [
-            (store.location(f"{location.protocol}://{k}"), int(v.get("size") or 0))
-            for k, v in found.items()
-            if v.get("type") != "directory"
-        ]
-    else:
-        out = [(Path(root) / n, (Path(root) / n).stat().st_size) for root, _, names in os.walk(folder) for n in names]
-    return sorted(out, key=lambda found: str(found[0]))
+    return [FileInfo(str(path), size) for path, size in store.files_under(folder)]
 
 
 class OrbaxReader:
@@ -201,7 +182,7 @@ def _chunk_problems(item: Item, keys: list[str] | None) -> list[str]:
     for name, info in item.infos.items():
         if keys is None:
             folder = item.folder / name
-            chunk_files = [(p, size) for p, size in _walk(folder) if p.name not in ("zarr.json", ".zarray")]
+            chunk_files = [(p, size) for p, size in store.files_under(folder) if p.name not in ("zarr.json", ".zarray")]
             count = len(chunk_files)
             if item.tree.use_zarr3:
                 out += [p for p in (_shard_index_problem(f, size, info) for f, size in chunk_files) if p]

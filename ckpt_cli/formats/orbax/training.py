@@ -15,7 +15,8 @@ import dataclasses
 from typing import Any
 
 from ckpt_cli.core import dtypes
-from ckpt_cli.core.model import Cast, Checkpoint, ObjectEntry, PathKey, TensorEntry
+from ckpt_cli.core.computed import Cast
+from ckpt_cli.core.model import Checkpoint, ObjectEntry, PathKey, TensorEntry
 from ckpt_cli.core.training import StateOptions, TrainingState, scalar
 from ckpt_cli.errors import DataError, UsageError
 
