@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ckpt_cli import interrupt, store
 from ckpt_cli.core import heap
+from ckpt_cli.core.direct import DIRECT_BYTES
 from ckpt_cli.core.model import ZEROS, TensorEntry
 from ckpt_cli.core.paths import inside
 from ckpt_cli.core.pickles.zipio import Record
@@ -66,7 +67,7 @@ def write_file(
             assert sink.offset == out.size, f"{out.relpath}: wrote {sink.offset} bytes, planned {out.size}"
             return 0
 
-        _run_jobs([(0, out.size, in_order)], 1, cancel, check, file_runs(segments))
+        _run_jobs([(0, out.size, in_order)], 1, cancel, check, file_runs(segments) or direct_runs(segments))
         return
     jobs: list[tuple[int, int, Callable[[SourceFiles], int]]] = []  # (segment, byte count, job -> CRC)
     deferred: list[tuple[int, Deferred]] = []
@@ -120,6 +121,7 @@ def _tensor_jobs(
     if runs is None:  # one job: the whole segment in order, its small pieces gathered (a tensor of 64 ranks' slivers)
 
         def whole(sources: SourceFiles) -> int:
+            sources.expect(direct_runs([seg]))  # (local runs alone) read ahead past the page cache
             crc = stream_tensor(seg, sink := FileSink(fd, pos, advance, buffered=True), sources)
             sink.flush()
             return crc
@@ -127,7 +129,11 @@ def _tensor_jobs(
         return [(index, seg.size, whole)]
 
     def copy_chunk(chunk: list[ByteRun], at: int) -> Callable[[SourceFiles], int]:
-        return lambda sources: copy_runs(chunk, FileSink(fd, at, advance), sources, seg.crc_key is not None)
+        def copy(sources: SourceFiles) -> int:
+            sources.expect([run for run in chunk if store.mappable(run[0])])  # read ahead past the page cache
+            return copy_runs(chunk, FileSink(fd, at, advance), sources, seg.crc_key is not None)
+
+        return copy
 
     jobs: list[tuple[int, int, Callable[[SourceFiles], int]]] = []
     for chunk in split_runs(runs, CHUNK_BYTES):
@@ -308,8 +314,7 @@ def write_batches(
             tensors = [s.tensor for s in batch if isinstance(s, TensorData)]
             check.learn(records(tensors))
             names += [sys.intern(t.name) for t in tensors]
-            if local is None:
-                sources.expect(file_runs(batch))
+            sources.expect((file_runs(batch) if local is None else []) or direct_runs(batch))
             write_segments(batch, local or sink, sources)
             written += sum(seg.size for seg in batch)
             del batch
@@ -456,6 +461,13 @@ def file_runs(segments: list[Segment]) -> list[ByteRun]:
     if all(store.mappable(a.path) for s in data for a in s.tensor.stored_arrays()):
         return []
     return [run for s in data for run in byte_runs(s.tensor, s.dtype) or []]
+
+
+def direct_runs(segments: list[Segment]) -> list[ByteRun]:
+    """The large runs of local files a file's tensor data is copied from, in order, that the reader reads ahead past
+    the page cache (core/direct.py): tensors of DIRECT_BYTES or more whose runs are known without making pieces."""
+    data = [s for s in segments if isinstance(s, TensorData) and s.size >= DIRECT_BYTES and not s.tensor.made_by_range()]
+    return [run for s in data for run in byte_runs(s.tensor, s.dtype) or [] if store.mappable(run[0])]
 
 
 def write_in_order(segments: list[Segment], sink: store.File, check: RecordCheck) -> None:

@@ -10,7 +10,6 @@ window at a time.
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ from ckpt_cli.core.reading import (
     read_runs,
     window_bytes,
 )
-from ckpt_cli.core.write.crc import crc32_combine
+from ckpt_cli.core.write.crc import crc32, crc32_combine
 from ckpt_cli.core.write.plan import Literal, Segment, TensorData
 from ckpt_cli.errors import DataError
 
@@ -113,19 +112,22 @@ class FileSink:
 
 
 def copy_runs(runs: list[ByteRun], out: Sink, sources: SourceFiles, with_crc: bool) -> int:
-    """Copy byte runs to `out`: in the kernel when no CRC is wanted (by the output, or to check the source
-    record they come from) and both ends are local files, else through the reusable buffer. Returns the CRC32 of all runs (0 when not
-    wanted); each run's own CRC32 goes to the source check."""
+    """Copy byte runs to `out`: in the kernel when no CRC is wanted (by the output, or to check the source record
+    they come from), both ends are local files and the run is not one read past the page cache (core/direct.py: one copy
+    as well, and nothing for the memory cgroup to reclaim), else through the reusable buffer. Returns the CRC32 of all
+    runs (0 when not wanted); each run's own CRC32 goes to the source check."""
     crc, first = 0, True
     check = sources.check
     for path, offset, nbytes in runs:
         checked = check is not None and check.wants(path, offset, nbytes)
-        if not with_crc and not checked and path != ZEROS and isinstance(out, FileSink) and store.mappable(path):
+        local = path != ZEROS and isinstance(out, FileSink) and store.mappable(path)
+        if not with_crc and not checked and local and not sources.direct(path, nbytes):
             out.copy(sources.fd(path), offset, nbytes, path)
             continue
         run_crc = 0
         for view in read_runs([(path, offset, nbytes)], sources):
-            run_crc = zlib.crc32(view, run_crc)
+            if with_crc or checked:
+                run_crc = crc32(view, run_crc)
             out.write(view)
         if checked and check is not None:  # (checked implies it: the checker cannot tell)
             check.add(path, offset, nbytes, run_crc)
@@ -171,7 +173,7 @@ def _stream_by_range(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
         runs = copies.byte_runs() if copies is not None else byte_runs_in(entry, dst, start, count)
         if runs is None:  # a cast, read through torch: its pieces are not counted and the span keeps its size
             data = window_bytes(entry, dst, start, count, sources)
-            part = zlib.crc32(data) if seg.crc_key is not None else 0
+            part = crc32(data) if seg.crc_key is not None else 0
             out.write(data)
         else:
             part = copy_runs(runs, out, sources, seg.crc_key is not None)
@@ -191,7 +193,7 @@ def _copy_gathered(copies: Copies, out: Sink, sources: SourceFiles, with_crc: bo
                 sources.check.whole(array.path, array.record)
     data = gather(copies, sources.mapped)
     out.write(data)
-    return zlib.crc32(data) if with_crc else 0
+    return crc32(data) if with_crc else 0
 
 
 def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
@@ -200,7 +202,7 @@ def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
         data = window_bytes(entry, dst, start, count, sources)
         if seg.crc_key is not None:
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
         out.write(data)
         del data  # before the next window is read: a window may be a whole decoded chunk (an Orbax array's, ~46 MB)
     return crc
