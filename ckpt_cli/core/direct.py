@@ -152,7 +152,10 @@ class DirectReads:
                 os.close(fd)
         self._fds.clear()
         for buffer in self._buffers:
-            buffer.close()
+            try:
+                buffer.close()
+            except BufferError:  # a view still held (an exception's frame): unmapped when collected
+                pass
         self._buffers.clear()
 
 

@@ -159,13 +159,13 @@ class SourceFiles:
 
     def read_block(self, path: str, offset: int, nbytes: int) -> memoryview:
         """Bytes of `path` in a buffer reused from call to call (nbytes <= BLOCK_BYTES)."""
+        if path != ZEROS and self._direct is not None and store.mappable(path) and self._direct.wants(path, nbytes):
+            return self._direct.read(path, offset, nbytes)  # a view of its own buffers
         if self._buffer is None:
             self._buffer = bytearray(BLOCK_BYTES)
         view = memoryview(self._buffer)[:nbytes]
         if path == ZEROS:
             view[:] = bytes(nbytes)
-        elif self._direct is not None and store.mappable(path) and self._direct.wants(path, nbytes):
-            return self._direct.read(path, offset, nbytes)  # a view of its own buffers
         else:
             self._pread(path, offset, view)
         return view

@@ -82,7 +82,7 @@ def _libz_combine() -> Callable[[int, int, int], int] | None:
 crc32_combine: Callable[[int, int, int], int] = _libz_combine() or _crc32_combine_py
 
 
-def _libdeflate_crc32() -> Callable[[int, int, int], int] | None:
+def _libdeflate_crc32() -> Callable[[int, Any, int], int] | None:
     """libdeflate's crc32 (carry-less multiplication: 13.7 GB/s here, zlib 1.2's 2.6 GB/s), where the system has it."""
     try:
         call = ctypes.CDLL(ctypes.util.find_library("deflate") or "libdeflate.so.0").libdeflate_crc32

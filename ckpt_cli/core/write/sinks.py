@@ -31,6 +31,7 @@ from ckpt_cli.core.write.plan import Literal, Segment, TensorData
 from ckpt_cli.errors import DataError
 
 COPY_BYTES = 64 << 20  # one copy_file_range call
+SMALL_WRITE = 1 << 20  # a buffered FileSink gathers writes smaller than this
 SPAN_ELEMENTS = 1 << 20  # a tensor made by range is streamed at most this many elements at a time
 SPAN_PIECES = 1 << 14  # and about this many pieces (a piece and its runs: ~400 bytes)
 FIRST_SPAN = 1 << 16  # elements: the first span, before its pieces tell the size of the next
@@ -58,7 +59,9 @@ start_writeback = _sync_file_range()
 
 class FileSink:
     """Positional writes into one output file from `offset` on (threads may fill other ranges of it). `buffered`:
-    small writes are gathered into blocks of BLOCK_BYTES (a DCP rank file is thousands of small archives)."""
+    small writes are gathered into blocks of BLOCK_BYTES (a DCP rank file is thousands of small archives); a write of
+    SMALL_WRITE or more goes out as it is (gathered, each block of a large tensor was copied once more, and the buffer
+    grew to two blocks)."""
 
     def __init__(self, fd: int, offset: int, progress: Progress | None, buffered: bool = False) -> None:
         self.fd, self.offset, self.progress = fd, offset, progress
@@ -66,7 +69,7 @@ class FileSink:
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
-        if self.buffer is not None and len(view) < BLOCK_BYTES:
+        if self.buffer is not None and len(view) < SMALL_WRITE:
             self.buffer += view
             if len(self.buffer) >= BLOCK_BYTES:
                 self.flush()
