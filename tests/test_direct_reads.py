@@ -39,9 +39,10 @@ BLOCKS = [(0, BLOCK_BYTES), (4097, BLOCK_BYTES), (BLOCK_BYTES + 1, 3 << 20), (SI
 BLOCKS.append((SIZE - BLOCK_BYTES - 5, BLOCK_BYTES))
 
 
-def test_blocks_announced_or_not_are_the_files_bytes(data_file):
+@pytest.mark.parametrize("ahead", [1, 3])  # a block skipped is still to be read ahead (1), or being read ahead (3)
+def test_blocks_announced_or_not_are_the_files_bytes(data_file, ahead):
     path, data, fd = data_file
-    reads = DirectReads(BLOCK_BYTES, lambda p: fd)
+    reads = DirectReads(BLOCK_BYTES, lambda p: fd, ahead)
     assert reads.wants(path, 1 << 20) and not reads.wants(path, (1 << 20) - 1)
     try:
         reads.expect([(path, o, n) for o, n in BLOCKS])

@@ -1,14 +1,17 @@
-"""A write's large source reads past the page cache (O_DIRECT), the next block read ahead while this one is written.
+"""A write's large source reads past the page cache (O_DIRECT), the next blocks read ahead while this one is written.
 
 Why: a conversion reads each source byte once. Read through the page cache, those bytes are charged to the memory
 cgroup of the process, and under a limit smaller than the checkpoint every new page waits for the reclaim of an old
 one; the kernel's read-ahead also pulls in what the write does not want yet (a DCP write reads a quarter of each
 tensor per rank file: 35% more bytes came off the disk than the checkpoint holds, 4 GB under a 512 MB limit). An
 O_DIRECT read lands in this process's own aligned buffer: nothing to reclaim, nothing read that is not asked for, no
-copy out of the cache (benchmarks/beyond_ram.py: 400,000 failed charges a run became 2,000, the kernel's CPU time
-halved). A block the page cache holds whole is read from it (cachestat, Linux 6.5; preadv2's RWF_NOWAIT is no test:
-it starts the read-ahead it declines to wait for): a warm checkpoint stays a memory copy. Where O_DIRECT is refused
-(tmpfs, some network filesystems) the reads go through the cache as before.
+copy out of the cache (benchmarks/beyond_ram.py: 400,000 failed charges a run became 2,000-4,000, the kernel's CPU
+time halved). Reads are kept in flight: one 4 MB O_DIRECT read at a time came off this disk at 0.9 GB/s, where the
+kernel's read-ahead keeps several going for `cp`; with AHEAD blocks read ahead a one-thread reshard went from 1.5x to
+about 1x the copy (AHEAD 3 gained a little more, for 4 MB more a thread). A block the page cache holds whole is read
+from it (cachestat, Linux 6.5; preadv2's RWF_NOWAIT is no test: it starts the read-ahead it declines to wait for), so
+a warm checkpoint stays a memory copy. Where O_DIRECT is refused (tmpfs, some network filesystems) the reads go
+through the cache as before; CKPT_DIRECT_READS=0 sends them all there.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ckpt_cli.errors import DataError
 
 ALIGN = 4096  # file offsets, lengths and buffers of O_DIRECT reads (any device's logical block size up to a page)
 DIRECT_BYTES = 1 << 20  # smaller reads go through the page cache (its read-ahead serves a run of small chunks better)
+AHEAD = 2  # blocks read ahead of the one being written, each on a helper thread of its own (see below)
 AHEAD_BLOCKS = 4096  # blocks announced and not yet read, at most (a wide DCP write's batch is 1,000 chunks)
 _DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -36,12 +40,14 @@ class DirectReads:
     helper thread. `expect` announces the blocks in the order they will be asked for; a block asked for out of that
     order is read at once (nothing is assumed). Buffers are reused: consume a block before asking for the next."""
 
-    def __init__(self, block_bytes: int, cached_fd: Callable[[str], int]) -> None:
+    def __init__(self, block_bytes: int, cached_fd: Callable[[str], int], ahead: int = AHEAD) -> None:
         self.block_bytes, self._cached_fd = block_bytes, cached_fd  # cached_fd: the reader's descriptor of a path
+        self.depth = ahead
         self._fds: dict[str, int | None] = {}  # None: O_DIRECT refused for this file
         self._buffers: list[mmap.mmap] = []
         self._queue: deque[Key] = deque()
-        self._ahead: tuple[Key, int, Future[memoryview]] | None = None  # (block, buffer index, its read)
+        self._ahead: deque[tuple[Key, int, Future[memoryview]]] = deque()  # (block, buffer index, its read), in order
+        self._held = -1  # the buffer of the block handed out last
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -63,44 +69,45 @@ class DirectReads:
         self._queue = deque(blocks)
         while len(self._queue) > AHEAD_BLOCKS:
             self._queue.pop()
-        self._start_next(0)
+        self._start_next()
 
     def read(self, path: str, offset: int, nbytes: int) -> memoryview:
         """Bytes [offset, offset + nbytes) of `path` (nbytes <= block_bytes); DataError if the file ends first."""
         key = (path, offset, nbytes)
-        ahead = self._ahead
-        if ahead is not None and ahead[0] == key:
-            self._ahead = None
-            view = ahead[2].result()
-            self._start_next(1 - ahead[1])
+        if any(k == key for k, _, _ in self._ahead):  # the blocks before it were read another way (a kernel copy)
+            while self._ahead[0][0] != key:
+                self._drop_ahead(1)
+            _, self._held, future = self._ahead.popleft()
+            view = future.result()
+            self._start_next()
             return view
-        if ahead is not None and key in self._queue:  # the blocks before it were read another way (a kernel copy)
+        if self._ahead and key in self._queue:  # further on: start again from it
             while self._queue[0] != key:
                 self._queue.popleft()
             self._queue.popleft()
             self._drop_ahead()
-        free = 0 if ahead is None or self._ahead is None else 1 - ahead[1]
-        view = self._read_into(free, key)
-        if self._ahead is None:
-            self._start_next(1 - free)
+        busy = {index for _, index, _ in self._ahead}
+        self._held = next(i for i in range(self.depth + 1) if i not in busy)
+        view = self._read_into(self._held, key)
+        self._start_next()
         return view
 
-    def _start_next(self, index: int) -> None:
-        """Read the next announced block into buffer `index` on the helper thread."""
-        if not self._queue:
-            return
-        key = self._queue.popleft()
-        self._cached_fd(key[0])  # opened here, on the reader's thread: the helper only reads
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-direct")
-        self._ahead = (key, index, self._pool.submit(self._read_into, index, key))
+    def _start_next(self) -> None:
+        """Read the next announced blocks into the free buffers on the helper threads."""
+        while self._queue and len(self._ahead) < self.depth:
+            key = self._queue.popleft()
+            self._cached_fd(key[0])  # opened here, on the reader's thread: the helpers only read
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="ckpt-direct")
+            busy = {index for _, index, _ in self._ahead}
+            index = next(i for i in range(self.depth + 1) if i not in busy and i != self._held)
+            self._ahead.append((key, index, self._pool.submit(self._read_into, index, key)))
 
-    def _drop_ahead(self) -> None:
-        """Forget the block read ahead (waiting for its read: its buffer is reused next)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
+    def _drop_ahead(self, count: int | None = None) -> None:
+        """Forget the blocks read ahead, or the first `count` (waiting for their reads: their buffers are reused next)."""
+        for _ in range(len(self._ahead) if count is None else count):
             try:
-                ahead[2].result()
+                self._ahead.popleft()[2].result()
             except (OSError, DataError):  # a block no longer wanted: its error does not matter
                 pass
 

@@ -47,7 +47,7 @@ class SourceFiles:
         self._window_bytes = 0
         self._maps: dict[str, tuple[Any, Any]] = {}  # path -> (memory map, its bytes as numpy): planned gathers
         # A write's large reads go past the page cache (core/direct.py); other readers' through it
-        direct = check is not None and os.environ.get("CKPT_X_DIRECT") != "0"
+        direct = check is not None and os.environ.get("CKPT_DIRECT_READS", "1") != "0"  # 0: every read through the cache
         self._direct = DirectReads(BLOCK_BYTES, self.fd) if direct else None
 
     def fd(self, path: str) -> int:
