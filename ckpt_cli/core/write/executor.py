@@ -1,7 +1,8 @@
 """The write engine: carries out a WritePlan in one process, with a bounded amount of tensor data in memory.
 
 Files are written up to `workers` at once, each through a sink (core/write/sinks.py: kernel copies where the bytes are
-what the output needs, one reusable buffer where a CRC or a cast is). Data read from a zip record (torch file,
+what the output needs, one reusable buffer where a CRC or a cast is). Each file's large local reads are announced to its
+reader, which reads them ahead past the page cache (core/direct.py: `direct_runs`). Data read from a zip record (torch file,
 DeepSpeed rank file, DCP chunk) has its CRC32 checked on the way (core/write/crc.py), so a damaged source fails the write
 instead of being copied. A file the plan builds when it is written (a wide write's rank files) is made here, one at a
 time. Writeback to disk starts every WRITEBACK_BYTES, so the final fsync finds little left to flush.

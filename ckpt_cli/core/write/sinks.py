@@ -3,8 +3,8 @@
 A local file takes positional writes (FileSink: threads may fill different ranges of one file; small writes gathered
 into blocks); an object in object storage takes them in order (a store write's File). Same-dtype contiguous
 data moves with copy_file_range (in the kernel, no user-space copy) unless a CRC is wanted, for the output's zip
-record or to check the source record it comes from (core/write/crc.py); anything that needs a cast goes through torch, one
-window at a time.
+record or to check the source record it comes from (core/write/crc.py), or the run is read past the page cache
+(core/direct.py: 1 MiB and more of a local file); anything that needs a cast goes through torch, one window at a time.
 """
 
 from __future__ import annotations
