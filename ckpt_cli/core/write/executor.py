@@ -58,6 +58,8 @@ def write_file(
     known offsets (large CRC-bearing tensors in CHUNK_BYTES pieces, their CRCs combined in order); the
     CRC-dependent trailers (Deferred) come last. `check` verifies the source records the copies read."""
     advance = _advancer(fd, progress)
+    if threads > 1 and not any(_worth_a_thread(seg) for seg in segments):
+        threads = 1  # byte copies alone: a second thread only waits for the file's inode lock (8 GB merge: 17 s -> 12 s)
     if threads == 1:  # in order, through one buffered sink: each trailer right after the data it covers
 
         def in_order(sources: SourceFiles) -> int:
@@ -90,6 +92,16 @@ def write_file(
         data = seg.build(by_key)
         assert len(data) == seg.size, "deferred segment size differs from its plan"
         FileSink(fd, offset, None).write(data)
+
+
+def _worth_a_thread(seg: Segment) -> bool:
+    """Whether the segment's data is work a second thread shares: a large tensor with a CRC (cut in CHUNK_BYTES
+    pieces), or a cast or a computed tensor (torch or numpy)."""
+    if not isinstance(seg, TensorData):
+        return False
+    if seg.crc_key is not None and seg.size > 2 * CHUNK_BYTES:
+        return True
+    return seg.tensor.derived is not None or any(a.dtype != seg.dtype or not a.is_contiguous for a in seg.tensor.stored_arrays())
 
 
 def _advancer(fd: int, progress: Progress | None) -> Progress:
