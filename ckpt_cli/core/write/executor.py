@@ -96,12 +96,12 @@ def write_file(
 
 def _worth_a_thread(seg: Segment) -> bool:
     """Whether the segment's data is work a second thread shares: a large tensor with a CRC (cut in CHUNK_BYTES
-    pieces), or a cast or a computed tensor (torch or numpy)."""
+    pieces), a cast, a computed tensor (torch or numpy) or one made by range (gathered; its pieces are not made here)."""
     if not isinstance(seg, TensorData):
         return False
-    if seg.crc_key is not None and seg.size > 2 * CHUNK_BYTES:
+    if seg.crc_key is not None and seg.size > 2 * CHUNK_BYTES or seg.tensor.derived is not None or seg.tensor.made_by_range():
         return True
-    return seg.tensor.derived is not None or any(a.dtype != seg.dtype or not a.is_contiguous for a in seg.tensor.stored_arrays())
+    return any(a.dtype != seg.dtype or not a.is_contiguous for a in seg.tensor.stored_arrays())
 
 
 def _advancer(fd: int, progress: Progress | None) -> Progress:
