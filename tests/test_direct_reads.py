@@ -35,6 +35,15 @@ def data_file(tmp_path):
     os.close(fd)
 
 
+def direct_here(path) -> bool:
+    """Whether the filesystem under the test's files takes O_DIRECT (tmpfs before Linux 6.6 does not)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | direct._DIRECT))
+    except OSError:
+        return False
+    return bool(direct._DIRECT)
+
+
 BLOCKS = [(0, BLOCK_BYTES), (4097, BLOCK_BYTES), (BLOCK_BYTES + 1, 3 << 20), (SIZE - (2 << 20), 2 << 20)]
 BLOCKS.append((SIZE - BLOCK_BYTES - 5, BLOCK_BYTES))
 
@@ -43,7 +52,7 @@ BLOCKS.append((SIZE - BLOCK_BYTES - 5, BLOCK_BYTES))
 def test_blocks_announced_or_not_are_the_files_bytes(data_file, ahead):
     path, data, fd = data_file
     reads = DirectReads(BLOCK_BYTES, lambda p: fd, ahead)
-    assert reads.wants(path, 1 << 20) and not reads.wants(path, (1 << 20) - 1)
+    assert reads.wants(path, 1 << 20) == direct_here(path) and not reads.wants(path, (1 << 20) - 1)
     try:
         reads.expect([(path, o, n) for o, n in BLOCKS])
         for o, n in BLOCKS:  # in the announced order: each read ahead while the last is used
@@ -110,7 +119,7 @@ def test_a_flipped_byte_in_a_large_record_fails_the_write(tmp_path, monkeypatch)
     real_read = DirectReads.read
     monkeypatch.setattr(DirectReads, "read", lambda self, *key: blocks.append(key) or real_read(self, *key))
     ckpt_cli.convert(src, good, to="safetensors")
-    assert len(blocks) == 3
+    assert len(blocks) == (3 if direct_here(src) else 0)
     assert torch.equal(load_file(good)["w"], torch.load(src)["w"])
     raw = bytearray(src.read_bytes())
     at = raw.find(torch.load(src)["w"][1000:1004].numpy().tobytes())
