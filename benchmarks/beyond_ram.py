@@ -52,6 +52,7 @@ class Row:
     ratios: list[float]
     peak_rss_bytes: int
     bytes_moved: int
+    loads: list[float]  # the 1-minute load average after each round (a shared machine: what the ratios ran under)
 
 
 def build(folder: Path, size: float, shard_bytes: int) -> None:
@@ -237,22 +238,28 @@ def main() -> None:
     rows = []
     for key in only:
         label, src, argv, out = tasks[key]
-        walls, refs, rss = [], [], 0
+        walls, refs, loads, rss = [], [], [], 0
         for _ in range(args.repeat):  # the reference and the command alternate: the machine's drift hits both
             ref, _ = timed(["sh", "-c", cp_sync, str(src), str(copy)], src, copy, limit)
             wall, peak = timed(argv, src, out, limit)
             refs.append(ref)
             walls.append(wall)
             rss = max(rss, peak)
-            print(f"{key}: {wall:.1f} s vs cp -r + sync {ref:.1f} s ({wall / ref:.2f}x), {peak / 1e6:.0f} MB", file=sys.stderr, flush=True)
-        rows.append(Row(key, label, "cp -r + sync", walls, refs, [w / r for w, r in zip(walls, refs)], rss, du(src)))
-    print(f"\n{'command':52} {'wall s':>14} {'cp+sync s':>14} {'ratio':>14} {'RSS MB':>7}")
+            loads.append(os.getloadavg()[0])
+            print(
+                f"{key}: {wall:.1f} s vs cp -r + sync {ref:.1f} s ({wall / ref:.2f}x), {peak / 1e6:.0f} MB, load {loads[-1]:.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
+        rows.append(Row(key, label, "cp -r + sync", walls, refs, [w / r for w, r in zip(walls, refs)], rss, du(src), loads))
+    print(f"\n{'command':52} {'wall s':>14} {'cp+sync s':>14} {'ratio':>14} {'RSS MB':>7} {'load':>9}")
     for r in rows:
         ratios = sorted(r.ratios)
         spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if len(ratios) > 1 else f"{ratios[0]:.2f}"
         walls = "/".join(f"{w:.1f}" for w in r.walls_s)
         refs = "/".join(f"{w:.1f}" for w in r.reference_walls_s)
-        print(f"{r.command:52} {walls:>14} {refs:>14} {spread:>14} {r.peak_rss_bytes / 1e6:>7.0f}")
+        load = "/".join(f"{x:.1f}" for x in r.loads)
+        print(f"{r.command:52} {walls:>14} {refs:>14} {spread:>14} {r.peak_rss_bytes / 1e6:>7.0f} {load:>9}")
     misses = [f"{r.key}: {max(r.ratios):.2f}x > {RATIO_MAX}x" for r in rows if max(r.ratios) > RATIO_MAX]
     misses += [f"{r.key}: {r.peak_rss_bytes / 1e6:.0f} MB > {RSS_MAX / 1e6:.0f} MB" for r in rows if r.peak_rss_bytes > RSS_MAX]
     print(

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
 from ckpt_cli import store
 from ckpt_cli.core.copies import map_file
+from ckpt_cli.core.direct import DIRECT_BYTES, DirectReads
 from ckpt_cli.core.dtypes import DType
 from ckpt_cli.core.model import ZEROS, StoredArray, TensorEntry
 from ckpt_cli.core.paths import open_regular, open_regular_fd
-from ckpt_cli.core.write.crc import RecordCheck
+from ckpt_cli.core.write.crc import RecordCheck, crc32
 from ckpt_cli.errors import DataError
 from ckpt_cli.store import prefetch as remote_read
 
@@ -46,6 +46,9 @@ class SourceFiles:
         self._windows: dict[str, tuple[int, bytes]] = {}  # path -> (offset, bytes read ahead there), oldest first
         self._window_bytes = 0
         self._maps: dict[str, tuple[Any, Any]] = {}  # path -> (memory map, its bytes as numpy): planned gathers
+        # A write's large reads go past the page cache (core/direct.py); other readers' through it
+        direct = check is not None and os.environ.get("CKPT_DIRECT_READS", "1") != "0"  # 0: every read through the cache
+        self._direct = DirectReads(BLOCK_BYTES, self.fd) if direct else None
 
     def fd(self, path: str) -> int:
         if path not in self.fds:
@@ -54,6 +57,10 @@ class SourceFiles:
             except OSError as exc:
                 raise DataError(f"{path}: cannot open ({exc.strerror})") from exc
         return self.fds[path]
+
+    def direct(self, path: str, nbytes: int) -> bool:
+        """Whether a write reads this run of a local file past the page cache (core/direct.py)."""
+        return self._direct is not None and path != ZEROS and store.mappable(path) and self._direct.wants(path, nbytes)
 
     def mapped(self, path: str) -> Any:
         """The file's bytes as a numpy uint8 array over a read-only memory map, kept until close (a gather of
@@ -71,6 +78,8 @@ class SourceFiles:
                     mm.close()
                 except BufferError:  # a view still held (an exception's frame): closed when collected
                     pass
+        if self._direct is not None:  # first: its helper thread may be reading through self.fds
+            self._direct.close()
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
@@ -81,7 +90,16 @@ class SourceFiles:
             self._prefetch = None
 
     def expect(self, runs: list[ByteRun]) -> None:
-        """The byte runs this reader will read next, in order: those in object storage are fetched ahead."""
+        """The byte runs this reader will read next, in order: those in object storage are fetched ahead, a write's
+        large local ones read ahead past the page cache (core/direct.py)."""
+        if self._direct is not None:
+            self._direct.expect(
+                (path, offset + at, n)
+                for path, offset, nbytes in runs
+                if nbytes >= DIRECT_BYTES and store.mappable(path) and path != ZEROS
+                for at in range(0, nbytes, BLOCK_BYTES)
+                if self._direct.wants(path, n := min(BLOCK_BYTES, nbytes - at))
+            )
         remote = [r for r in runs if not store.mappable(r[0])]
         if self._prefetch is not None:
             self._prefetch.close()
@@ -141,6 +159,8 @@ class SourceFiles:
 
     def read_block(self, path: str, offset: int, nbytes: int) -> memoryview:
         """Bytes of `path` in a buffer reused from call to call (nbytes <= BLOCK_BYTES)."""
+        if path != ZEROS and self._direct is not None and store.mappable(path) and self._direct.wants(path, nbytes):
+            return self._direct.read(path, offset, nbytes)  # a view of its own buffers
         if self._buffer is None:
             self._buffer = bytearray(BLOCK_BYTES)
         view = memoryview(self._buffer)[:nbytes]
@@ -197,7 +217,7 @@ def read_stored(array: StoredArray, start: int, count: int, sources: SourceFiles
     offset = array.offset + (array.storage_offset + start) * itemsize
     sources.pread_into(array.path, offset, raw)
     if sources.check is not None and sources.check.wants(array.path, offset, len(raw)):
-        sources.check.add(array.path, offset, len(raw), zlib.crc32(raw))
+        sources.check.add(array.path, offset, len(raw), crc32(raw))
     return torch.frombuffer(raw, dtype=array.dtype.torch())
 
 

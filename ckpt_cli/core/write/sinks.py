@@ -3,14 +3,13 @@
 A local file takes positional writes (FileSink: threads may fill different ranges of one file; small writes gathered
 into blocks); an object in object storage takes them in order (a store write's File). Same-dtype contiguous
 data moves with copy_file_range (in the kernel, no user-space copy) unless a CRC is wanted, for the output's zip
-record or to check the source record it comes from (core/write/crc.py); anything that needs a cast goes through torch, one
-window at a time.
+record or to check the source record it comes from (core/write/crc.py), or the run is read past the page cache
+(core/direct.py: 1 MiB and more of a local file); anything that needs a cast goes through torch, one window at a time.
 """
 
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +26,12 @@ from ckpt_cli.core.reading import (
     read_runs,
     window_bytes,
 )
-from ckpt_cli.core.write.crc import crc32_combine
+from ckpt_cli.core.write.crc import crc32, crc32_combine
 from ckpt_cli.core.write.plan import Literal, Segment, TensorData
 from ckpt_cli.errors import DataError
 
 COPY_BYTES = 64 << 20  # one copy_file_range call
+SMALL_WRITE = 1 << 20  # a buffered FileSink gathers writes smaller than this
 SPAN_ELEMENTS = 1 << 20  # a tensor made by range is streamed at most this many elements at a time
 SPAN_PIECES = 1 << 14  # and about this many pieces (a piece and its runs: ~400 bytes)
 FIRST_SPAN = 1 << 16  # elements: the first span, before its pieces tell the size of the next
@@ -59,7 +59,9 @@ start_writeback = _sync_file_range()
 
 class FileSink:
     """Positional writes into one output file from `offset` on (threads may fill other ranges of it). `buffered`:
-    small writes are gathered into blocks of BLOCK_BYTES (a DCP rank file is thousands of small archives)."""
+    small writes are gathered into blocks of BLOCK_BYTES (a DCP rank file is thousands of small archives); a write of
+    SMALL_WRITE or more goes out as it is (gathered, each block of a large tensor was copied once more, and the buffer
+    grew to two blocks)."""
 
     def __init__(self, fd: int, offset: int, progress: Progress | None, buffered: bool = False) -> None:
         self.fd, self.offset, self.progress = fd, offset, progress
@@ -67,7 +69,7 @@ class FileSink:
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
-        if self.buffer is not None and len(view) < BLOCK_BYTES:
+        if self.buffer is not None and len(view) < SMALL_WRITE:
             self.buffer += view
             if len(self.buffer) >= BLOCK_BYTES:
                 self.flush()
@@ -113,19 +115,22 @@ class FileSink:
 
 
 def copy_runs(runs: list[ByteRun], out: Sink, sources: SourceFiles, with_crc: bool) -> int:
-    """Copy byte runs to `out`: in the kernel when no CRC is wanted (by the output, or to check the source
-    record they come from) and both ends are local files, else through the reusable buffer. Returns the CRC32 of all runs (0 when not
-    wanted); each run's own CRC32 goes to the source check."""
+    """Copy byte runs to `out`: in the kernel when no CRC is wanted (by the output, or to check the source record
+    they come from), both ends are local files and the run is not one read past the page cache (core/direct.py: one copy
+    as well, and nothing for the memory cgroup to reclaim), else through the reusable buffer. Returns the CRC32 of all
+    runs (0 when not wanted); each run's own CRC32 goes to the source check."""
     crc, first = 0, True
     check = sources.check
     for path, offset, nbytes in runs:
         checked = check is not None and check.wants(path, offset, nbytes)
-        if not with_crc and not checked and path != ZEROS and isinstance(out, FileSink) and store.mappable(path):
+        local = path != ZEROS and isinstance(out, FileSink) and store.mappable(path)
+        if not with_crc and not checked and local and not sources.direct(path, nbytes):
             out.copy(sources.fd(path), offset, nbytes, path)
             continue
         run_crc = 0
         for view in read_runs([(path, offset, nbytes)], sources):
-            run_crc = zlib.crc32(view, run_crc)
+            if with_crc or checked:
+                run_crc = crc32(view, run_crc)
             out.write(view)
         if checked and check is not None:  # (checked implies it: the checker cannot tell)
             check.add(path, offset, nbytes, run_crc)
@@ -171,7 +176,7 @@ def _stream_by_range(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
         runs = copies.byte_runs() if copies is not None else byte_runs_in(entry, dst, start, count)
         if runs is None:  # a cast, read through torch: its pieces are not counted and the span keeps its size
             data = window_bytes(entry, dst, start, count, sources)
-            part = zlib.crc32(data) if seg.crc_key is not None else 0
+            part = crc32(data) if seg.crc_key is not None else 0
             out.write(data)
         else:
             part = copy_runs(runs, out, sources, seg.crc_key is not None)
@@ -191,7 +196,7 @@ def _copy_gathered(copies: Copies, out: Sink, sources: SourceFiles, with_crc: bo
                 sources.check.whole(array.path, array.record)
     data = gather(copies, sources.mapped)
     out.write(data)
-    return zlib.crc32(data) if with_crc else 0
+    return crc32(data) if with_crc else 0
 
 
 def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
@@ -200,7 +205,7 @@ def _stream_converted(seg: TensorData, out: Sink, sources: SourceFiles) -> int:
     for start, count in element_windows(entry, max(dst.itemsize, entry.dtype.itemsize)):
         data = window_bytes(entry, dst, start, count, sources)
         if seg.crc_key is not None:
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
         out.write(data)
         del data  # before the next window is read: a window may be a whole decoded chunk (an Orbax array's, ~46 MB)
     return crc
