@@ -72,6 +72,14 @@ class ObjectWriter(File, Protocol):
 
     path: Location
 
+    def copies(self, url: str) -> bool:
+        """Whether bytes of the object `url` may come as `copy` (the store copies them on its side)."""
+        ...
+
+    def copy(self, url: str, offset: int, nbytes: int) -> None:
+        """Bytes [offset, offset + nbytes) of the object `url`, next in this object, unchanged."""
+        ...
+
 
 class MakeWriter(Protocol):
     """An object store's writer class: one object of `total` bytes at `path`."""

@@ -143,6 +143,13 @@ class Location(PurePosixPath):
 
     lstat = stat
 
+    @property
+    def etag(self) -> str:
+        """The object's entity tag as first seen by this command (the probe `stat` made): the version its plan read.
+        A store copy names it, so a source changed since is refused (store/parts.py)."""
+        info = self._probe("info")
+        return str(info.get("ETag") or info.get("etag") or "")
+
     def exists(self, *, follow_symlinks: bool = True) -> bool:
         return len(self.parts) > 1 and bool(self._probe("exists"))
 
