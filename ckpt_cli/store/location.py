@@ -42,6 +42,7 @@ CACHE_BYTES = 64 << 20
 MERGE_GAP = 4 << 10  # prefetched ranges closer than this are fetched as one
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 _probes: dict[tuple[str, str], Any] = {}  # (fs method, key) -> its answer, for one command (Location._probe)
+_etags: dict[str, str] = {}  # url -> the entity tag its first `info` probe of this command found (Location.etag)
 
 
 def protocol_of(path: object) -> str | None:
@@ -132,6 +133,8 @@ class Location(PurePosixPath):
         found = _probes.get((method, self.key), _probes)
         if found is _probes:
             found = _probes[(method, self.key)] = call(self, getattr(self.fs, method), self.key)
+            if method == "info" and isinstance(found, dict):
+                _etags.setdefault(str(self), str(found.get("ETag") or found.get("etag") or ""))
         return found
 
     def stat(self, *, follow_symlinks: bool = True) -> RemoteStat:
@@ -145,10 +148,12 @@ class Location(PurePosixPath):
 
     @property
     def etag(self) -> str:
-        """The object's entity tag as first seen by this command (the probe `stat` made): the version its plan read.
-        A store copy names it, so a source changed since is refused (store/parts.py)."""
-        info = self._probe("info")
-        return str(info.get("ETag") or info.get("etag") or "")
+        """The object's entity tag as this command first saw it (its first `stat`, made when the plan read it), kept
+        while the probes are dropped for the writes: a store copy names it, so a source changed since is refused
+        (store/parts.py)."""
+        if str(self) not in _etags:
+            self._probe("info")
+        return _etags[str(self)]
 
     def exists(self, *, follow_symlinks: bool = True) -> bool:
         return len(self.parts) > 1 and bool(self._probe("exists"))
@@ -211,6 +216,7 @@ def fresh() -> None:
     """Forget cached listings and blocks: a new command sees the store as it is now."""
     _cache.clear()
     _probes.clear()
+    _etags.clear()
     for fs in clients.made():
         fs.invalidate_cache()
 
@@ -219,6 +225,7 @@ def forget(path: Location) -> None:
     """Forget what is cached about `path` (it was just written or deleted)."""
     path.fs.invalidate_cache(path.key)
     _cache.drop(str(path))
+    _etags.pop(str(path), None)
     _probes.clear()  # the path's parents and the prefixes under it changed too
 
 

@@ -27,7 +27,7 @@ from ckpt_cli.store.location import Location, RemoteFile, forget, remote
 
 IN_FLIGHT = 2  # parts of one object sent at once while the next is filled
 COPIES_IN_FLIGHT = 8  # parts copied by the store at once (no bytes held here)
-COPY_MIN = 16 << 20  # a range shorter than this is fetched and sent: a copy part must be a full part (S3: 5 MiB)
+COPY_MIN = 8 << 20  # a range shorter than this (once a part before it is filled) is fetched and sent: one part's worth
 COPY_PART = 64 << 20  # the most one copied part covers: a long range is cut so the store copies its parts in parallel
 JOIN_BYTES = 1 << 20  # the most bytes written beside a copied range that are compared with the source to join it
 
@@ -125,6 +125,7 @@ class PartWriter:
             held[2] += nbytes
         else:
             self._release()
+            self.copied.setdefault(url, remote(url).etag)  # as the plan read it (store/location.py keeps it)
             self.held = [url, offset, offset + nbytes]
             self._joins_before()
         if self.progress:
@@ -173,7 +174,6 @@ class PartWriter:
         if self.buffer:
             self._send()
         source = remote(url)
-        self.copied[url] = source.etag
         count = -(-(end - start) // COPY_PART)
         cuts = [start + (end - start) * i // count for i in range(count + 1)]
         for a, b in zip(cuts, cuts[1:]):
@@ -228,8 +228,8 @@ class PartWriter:
         if start or end != source.stat().st_size or end > self.WHOLE_MOST:
             return False
         self.held = None
-        self._check_source(url, source.etag)
-        self._copy_whole(source, source.etag)
+        self._check_source(url, self.copied[url])
+        self._copy_whole(source, self.copied[url])
         count_copied(end)
         return True
 

@@ -106,7 +106,8 @@ class Writer(PartWriter):
         return {"PartNumber": number, "ETag": reply["CopyPartResult"]["ETag"]}
 
     def _copy_whole(self, source: Location, etag: str) -> None:
-        self._s3("copy_object", CopySource=_copy_source(source), **_if_match(etag))
+        # its own full-object CRC32: a source uploaded in parts has a checksum of its parts, which is not the copy's
+        self._s3("copy_object", CopySource=_copy_source(source), ChecksumAlgorithm="CRC32", **_if_match(etag))
 
     def _current_etag(self, source: Location) -> str:
         reply = call(source, source.fs.call_s3, "head_object", Bucket=source.parts[1], Key="/".join(source.parts[2:]))
