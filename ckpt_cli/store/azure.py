@@ -127,12 +127,8 @@ def _read_sas(source: Location) -> str:
 
     fs = source.fs
     expiry = datetime.now(timezone.utc) + timedelta(seconds=SAS_SECONDS)
-    name = "/".join(source.parts[2:])
-    return str(
-        generate_blob_sas(
-            fs.service_client.account_name, source.parts[1], name, account_key=_account_key(fs), permission=BlobSasPermissions(read=True), expiry=expiry
-        )
-    )
+    account, name, key = fs.service_client.account_name, "/".join(source.parts[2:]), _account_key(fs)
+    return str(generate_blob_sas(account, source.parts[1], name, account_key=key, permission=BlobSasPermissions(read=True), expiry=expiry))
 
 
 def _discard(path: Location) -> None:
