@@ -227,7 +227,7 @@ def report(rows: list[dict]) -> None:
         ratios = " ".join(f"{r['wall'] / base[c]:6.2f}" for c in ("copy", "server-copy"))
         print(
             f"{r['store']:5} {r['bytes'] / 1e9:5.2f}G {r['command']:11} {r['source']:6} {r['wall']:6.1f}s {ratios} {r['requests']:5d} "
-            f"{r['bytes_in'] / mb:7.1f} {r['bytes_out'] / mb:7.1f} {r['bytes_copied'] / mb:9.1f} {r['peak_rss'] / mb:5.0f}M"
+            f"{r['bytes_in'] / mb:7.1f} {r['bytes_out'] / mb:7.1f} {r.get('bytes_copied', 0) / mb:9.1f} {r['peak_rss'] / mb:5.0f}M"
         )
 
 

@@ -6,6 +6,7 @@ process. A source changed between the plan and the copy fails the write (exit 1)
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,24 @@ def test_a_failed_copy_leaves_nothing(ckpt, s3, saved, monkeypatch):
     res = ckpt("merge", url, s3.url("copies/failed/merged.safetensors"), "--quiet")
     assert res.code == 1 and "injected" in res.err, res.err
     assert s3.keys("copies/failed/") == [] and s3.uploads("copies/failed/") == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header-past-end"])
+def test_a_damaged_source_is_refused_before_any_copy(ckpt, store, saved, tmp_path, damage):
+    """What the copy path would copy unseen is still checked: a source object cut short, or whose header names data
+    past its end, fails with one line (exit 1) and leaves nothing."""
+    data = saved["safetensors"].read_bytes()
+    if damage == "truncated":
+        data = data[: len(data) - 4096]
+    else:  # the last tensor's end offset moved past the object's end (same digits: the header keeps its length)
+        n = int.from_bytes(data[:8], "little")
+        end = max(v["data_offsets"][1] for k, v in json.loads(data[8 : 8 + n]).items() if k != "__metadata__")
+        assert len(str(end)) == len(str(end + 4))
+        data = data[:8] + data[8 : 8 + n].replace(f"{end}]".encode(), f"{end + 4}]".encode()) + data[8 + n :]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(data)
+    url = store.upload(bad, f"copies/damaged-{damage}/bad.safetensors")
+    res = ckpt("convert", url, store.url(f"copies/out-damaged-{damage}/x.safetensors"), "--to", "safetensors", "--quiet")
+    assert res.code == 1, res.err
+    assert len(res.err.strip().splitlines()) == 1 and "bad.safetensors" in res.err, res.err
+    assert store.keys(f"copies/out-damaged-{damage}/") == [] and store.uploads(f"copies/out-damaged-{damage}/") == []
