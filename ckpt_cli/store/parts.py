@@ -23,7 +23,7 @@ from typing import Any
 
 from ckpt_cli.errors import DataError
 from ckpt_cli.store.clients import count_copied, count_sent
-from ckpt_cli.store.location import Location, RemoteFile, forget, remote
+from ckpt_cli.store.location import Location, RemoteFile, forget, is_remote, remote
 
 IN_FLIGHT = 2  # parts of one object sent at once while the next is filled
 COPIES_IN_FLIGHT = 8  # parts copied by the store at once (no bytes held here)
@@ -58,6 +58,7 @@ class PartWriter:
         self.pool: ThreadPoolExecutor | None = None
         self.held: list[Any] | None = None  # [url, start, end]: a copied range not yet sent (the next may join it)
         self.copied: dict[str, str] = {}  # source url -> its entity tag as planned, for the check before commit
+        self.same_store: dict[str, bool] = {}  # source url -> whether `copies` said yes
         self.done = False
 
     # what a backend gives
@@ -94,11 +95,11 @@ class PartWriter:
         credentials), where the store copies at least whole objects."""
         if not (self.RANGE_COPIES or self.WHOLE_MOST):
             return False
-        try:
-            source = remote(url)
-        except AssertionError:  # a local path
-            return False
-        return source.protocol == self.path.protocol and source.fs is self.path.fs
+        found = self.same_store.get(url)
+        if found is None:  # asked for every run of the file: each object once
+            found = is_remote(url) and remote(url).protocol == self.path.protocol and remote(url).fs is self.path.fs
+            self.same_store[url] = found
+        return found
 
     # the shared part
     def write(self, data: Any) -> None:
