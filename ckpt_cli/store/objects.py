@@ -144,6 +144,11 @@ class ObjectFile:
     def copy(self, url: str, offset: int, nbytes: int) -> None:
         self.inner.copy(url, offset, nbytes)
 
+    @property
+    def copies_ranges(self) -> bool:
+        """Whether the store copies a range of an object into this one (S3), not only a whole object (Azure)."""
+        return self.inner.RANGE_COPIES
+
     def commit(self) -> None:
         self.inner.commit()
         self._done(self.inner.path)
