@@ -56,6 +56,7 @@ class PartWriter:
         self.sent: list[Future[Any]] = []  # every part, in order
         self.bodies: list[Future[Any]] = []  # the parts whose bytes are held until sent
         self.pool: ThreadPoolExecutor | None = None
+        self.copy_pool: ThreadPoolExecutor | None = None  # copied parts (RANGE_COPIES), made at the first
         self.held: list[Any] | None = None  # [url, start, end]: a copied range not yet sent (the next may join it)
         self.copied: dict[str, str] = {}  # source url -> its entity tag as planned, for the check before commit
         self.same_store: dict[str, bool] = {}  # source url -> whether `copies` said yes
@@ -196,12 +197,14 @@ class PartWriter:
     def _submit(self, into: list[Future[Any]], fn: Callable[..., Any], *args: Any) -> None:
         if self.pool is None:
             self._start()
-            self.pool = ThreadPoolExecutor(IN_FLIGHT + COPIES_IN_FLIGHT, thread_name_prefix="ckpt-upload")
-        limit = IN_FLIGHT if into is self.bodies else COPIES_IN_FLIGHT
-        pending = [f for f in (self.bodies if into is self.bodies else self.sent) if not f.done()]
-        while len(pending) >= limit:  # bounded memory (and requests): wait for the oldest
+            self.pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="ckpt-upload")
+        uploads = into is self.bodies
+        if not uploads and self.copy_pool is None:  # its own threads: a streamed write keeps IN_FLIGHT of them
+            self.copy_pool = ThreadPoolExecutor(COPIES_IN_FLIGHT, thread_name_prefix="ckpt-copy")
+        pending = [f for f in (self.bodies if uploads else self.sent) if not f.done()]
+        while len(pending) >= (IN_FLIGHT if uploads else COPIES_IN_FLIGHT):  # bounded memory and requests
             pending.pop(0).result()
-        future = self.pool.submit(fn, *args)
+        future = (self.pool if uploads else self.copy_pool).submit(fn, *args)  # type: ignore[union-attr]
         self.sent.append(future)
         if into is self.bodies:
             self.bodies.append(future)
@@ -257,16 +260,21 @@ class PartWriter:
                 for url, etag in self.copied.items():
                     self._check_source(url, etag)
                 self._finish(tokens)
-                self.pool.shutdown()
+                self._shutdown()
         self.done = True
         forget(self.path)
+
+    def _shutdown(self, cancel: bool = False) -> None:
+        for pool in (self.pool, self.copy_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=cancel)
 
     def abort(self) -> None:
         self.buffer = bytearray()
         self.held = None
         if self.pool is None:
             return
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self._shutdown(cancel=True)
         if not self.done:
             try:
                 self._drop()
