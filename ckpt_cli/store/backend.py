@@ -73,6 +73,15 @@ class ObjectWriter(File, Protocol):
     """One object being written in order (store/parts.py's PartWriter; `fd` None): visible only after `commit`."""
 
     path: Location
+    RANGE_COPIES: bool  # the store copies a range of another object as a part (S3), not only whole objects
+
+    def copies(self, url: str) -> bool:
+        """Whether bytes of the object `url` may come as `copy` (the store copies them on its side)."""
+        ...
+
+    def copy(self, url: str, offset: int, nbytes: int) -> None:
+        """Bytes [offset, offset + nbytes) of the object `url`, next in this object, unchanged."""
+        ...
 
 
 class MakeWriter(Protocol):

@@ -115,6 +115,7 @@ class Stats:
     requests: int = 0
     bytes_in: int = 0  # response bodies (a GET's bytes; HEAD responses carry none)
     bytes_out: int = 0  # request bodies uploaded (parts, blocks, small objects)
+    bytes_copied: int = 0  # bytes the store copied on its side (never through this process: store/parts.py)
 
 
 _stats = Stats()
@@ -125,12 +126,12 @@ _filesystems: dict[tuple[Any, ...], Any] = {}
 
 def stats() -> Stats:
     with _stats_lock:
-        return Stats(_stats.requests, _stats.bytes_in, _stats.bytes_out)
+        return Stats(_stats.requests, _stats.bytes_in, _stats.bytes_out, _stats.bytes_copied)
 
 
 def reset_stats() -> None:
     with _stats_lock:
-        _stats.requests = _stats.bytes_in = _stats.bytes_out = 0
+        _stats.requests = _stats.bytes_in = _stats.bytes_out = _stats.bytes_copied = 0
 
 
 def count_request(bytes_in: int) -> None:
@@ -142,6 +143,11 @@ def count_request(bytes_in: int) -> None:
 def count_sent(nbytes: int) -> None:
     with _stats_lock:
         _stats.bytes_out += nbytes
+
+
+def count_copied(nbytes: int) -> None:
+    with _stats_lock:
+        _stats.bytes_copied += nbytes
 
 
 def filesystem(protocol: str) -> Any:

@@ -27,6 +27,7 @@ import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
@@ -40,8 +41,13 @@ BLOCK = 8 << 10  # a small read fetches this aligned block (zip directories, pic
 SPAN_LIMIT = 1 << 20  # exact reads up to this size are kept too (a header read, then parsed from a second handle)
 CACHE_BYTES = 64 << 20
 MERGE_GAP = 4 << 10  # prefetched ranges closer than this are fetched as one
+PREFETCH_ROUNDS = 8  # objects whose announced ranges are fetched at once (RemoteFile.prefetch)
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 _probes: dict[tuple[str, str], Any] = {}  # (fs method, key) -> its answer, for one command (Location._probe)
+_pending: dict[str, list[tuple[int, int, Future[None]]]] = {}  # url -> ranges being prefetched (RemoteFile.prefetch)
+_pending_lock = threading.Lock()
+_prefetcher: ThreadPoolExecutor | None = None
+_etags: dict[str, str] = {}  # url -> the entity tag its first `info` probe of this command found (Location.etag)
 
 
 def protocol_of(path: object) -> str | None:
@@ -132,6 +138,8 @@ class Location(PurePosixPath):
         found = _probes.get((method, self.key), _probes)
         if found is _probes:
             found = _probes[(method, self.key)] = call(self, getattr(self.fs, method), self.key)
+            if method == "info" and isinstance(found, dict):
+                _etags.setdefault(str(self), str(found.get("ETag") or found.get("etag") or ""))
         return found
 
     def stat(self, *, follow_symlinks: bool = True) -> RemoteStat:
@@ -142,6 +150,15 @@ class Location(PurePosixPath):
         return RemoteStat(int(info.get("size") or 0), ns, kind | 0o644)
 
     lstat = stat
+
+    @property
+    def etag(self) -> str:
+        """The object's entity tag as this command first saw it (its first `stat`, made when the plan read it), kept
+        while the probes are dropped for the writes: a store copy names it, so a source changed since is refused
+        (store/parts.py)."""
+        if str(self) not in _etags:
+            self._probe("info")
+        return _etags[str(self)]
 
     def exists(self, *, follow_symlinks: bool = True) -> bool:
         return len(self.parts) > 1 and bool(self._probe("exists"))
@@ -202,8 +219,13 @@ class Location(PurePosixPath):
 
 def fresh() -> None:
     """Forget cached listings and blocks: a new command sees the store as it is now."""
+    with _pending_lock:
+        running = [f for spans in _pending.values() for _, _, f in spans]
+    for future in running:  # let an earlier command's prefetches land before the cache is emptied
+        future.result()
     _cache.clear()
     _probes.clear()
+    _etags.clear()
     for fs in clients.made():
         fs.invalidate_cache()
 
@@ -212,6 +234,7 @@ def forget(path: Location) -> None:
     """Forget what is cached about `path` (it was just written or deleted)."""
     path.fs.invalidate_cache(path.key)
     _cache.drop(str(path))
+    _etags.pop(str(path), None)
     _probes.clear()  # the path's parents and the prefixes under it changed too
 
 
@@ -321,6 +344,9 @@ class RemoteFile:
         if n <= 0:
             return b""
         hit = _cache.get(self.name, pos, n)
+        if hit is None and _pending:
+            self._wait_prefetched(pos, n)
+            hit = _cache.get(self.name, pos, n)
         if hit is not None:
             return hit
         if n >= BLOCK:
@@ -335,7 +361,9 @@ class RemoteFile:
         return data[pos - start : pos - start + n]
 
     def prefetch(self, ranges: list[tuple[int, int]]) -> None:
-        """Fetch (offset, length) ranges not cached yet, in parallel; ranges closer than MERGE_GAP as one."""
+        """Start fetching (offset, length) ranges not cached yet, in parallel, and return: a reader that announces the
+        ranges of many objects one after another (a DCP checkpoint's chunk headers, file by file) has them fetched in
+        one round, and a read of a range still in flight waits for it. Ranges closer than MERGE_GAP are fetched as one."""
         wanted = sorted(
             (s, min(s + n, self.size)) for s, n in ranges if n > 0 and 0 <= s < self.size and _cache.get(self.name, s, n) is None
         )
@@ -347,11 +375,36 @@ class RemoteFile:
                 merged.append([start, end])
         if len(merged) < 2:
             return  # one range: fetched when read
-        starts, ends = [s for s, _ in merged], [e for _, e in merged]
-        got = call(self.path, self.path.fs.cat_ranges, [self.path.key] * len(merged), starts, ends, on_error="return")
-        for (start, end), data in zip(merged, got):
-            if isinstance(data, bytes) and len(data) == end - start:
-                _cache.put(self.name, start, data)
+        with _pending_lock:
+            global _prefetcher
+            if _prefetcher is None:
+                _prefetcher = ThreadPoolExecutor(PREFETCH_ROUNDS, thread_name_prefix="ckpt-heads")
+            future = _prefetcher.submit(self._fetch_ranges, merged)
+            _pending.setdefault(self.name, []).extend((s, e, future) for s, e in merged)
+
+    def _fetch_ranges(self, merged: list[list[int]]) -> None:
+        try:
+            starts, ends = [s for s, _ in merged], [e for _, e in merged]
+            got = call(self.path, self.path.fs.cat_ranges, [self.path.key] * len(merged), starts, ends, on_error="return")
+            for (start, end), data in zip(merged, got):
+                if isinstance(data, bytes) and len(data) == end - start:
+                    _cache.put(self.name, start, data)
+        except Exception:  # a read of these ranges fetches them itself, and reports what fails
+            pass
+        finally:
+            with _pending_lock:
+                left = [p for p in _pending.get(self.name, []) if (p[0], p[1]) not in {(s, e) for s, e in merged}]
+                if left:
+                    _pending[self.name] = left
+                else:
+                    _pending.pop(self.name, None)
+
+    def _wait_prefetched(self, pos: int, n: int) -> None:
+        """Wait for a prefetch in flight that covers [pos, pos + n) (its bytes are then in the cache)."""
+        with _pending_lock:
+            found = [f for s, e, f in _pending.get(self.name, []) if s <= pos and pos + n <= e]
+        for future in found:
+            future.result()
 
     def seek(self, pos: int, whence: int = 0) -> int:
         self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else self.size + pos

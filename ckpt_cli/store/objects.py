@@ -148,6 +148,18 @@ class ObjectFile:
     def write(self, data: Any) -> None:
         self.inner.write(data)
 
+    def copies(self, url: str) -> bool:
+        """Whether unchanged bytes of `url` may come as `copy` (the store copies them on its side: store/parts.py)."""
+        return self.inner.copies(url)
+
+    def copy(self, url: str, offset: int, nbytes: int) -> None:
+        self.inner.copy(url, offset, nbytes)
+
+    @property
+    def copies_ranges(self) -> bool:
+        """Whether the store copies a range of an object into this one (S3), not only a whole object (Azure)."""
+        return self.inner.RANGE_COPIES
+
     def commit(self) -> None:
         self.inner.commit()
         self._done(self.inner.path)

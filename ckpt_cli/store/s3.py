@@ -7,6 +7,10 @@ and the bytes each response carried are counted (a botocore event hook, store/cl
 Each output object streams into one multipart upload (store/parts.py), completed only once every byte is sent and
 aborted on any failure, so an object is either whole or absent; one that fits in a part is one PUT. Parts are
 PART_BYTES (S3 needs at least 5 MiB but for the last), larger only when an object would need more than MAX_PARTS.
+Bytes that pass unchanged from an object of the same endpoint are copied by S3 itself: a whole object by CopyObject (up
+to 5 GiB), a long range as an UploadPartCopy part, each naming the source's ETag as the plan read it
+(CopySourceIfMatch), and the ETag asked again before the object is completed (a store that ignores the condition,
+as moto does, is still held to it).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ _CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetr
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionError", "InvalidEndpointError"}
 THROTTLING = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException"}
 PART_BYTES = 8 << 20
+MIN_PART = 5 << 20  # every part but the last
 MAX_PARTS = 10_000
+WHOLE_COPY_MOST = 5 << 30  # CopyObject's limit; a larger object is copied as parts
 
 
 def _after_call(http_response: Any = None, model: Any = None, **_: Any) -> None:
@@ -47,13 +53,18 @@ def retry_policy() -> dict[str, Any]:
     return {"mode": os.environ.get("AWS_RETRY_MODE") or "standard", "max_attempts": int(attempts) if attempts.isdigit() else MAX_ATTEMPTS}
 
 
-def _throttled(exc: BaseException) -> bool:
-    """A throttling answer: s3fs raises OSError(EBUSY) with botocore's ClientError, which names the code, as cause."""
+def _codes(exc: BaseException) -> set[str]:
+    """The S3 error codes of a failure: s3fs raises OSError with botocore's ClientError, which names the code, as cause."""
+    found = set()
     for e in (exc, exc.__cause__, exc.__context__):
         response = getattr(e, "response", None)
-        if isinstance(response, dict) and response.get("Error", {}).get("Code") in THROTTLING:
-            return True
-    return False
+        if isinstance(response, dict):
+            found.add(str(response.get("Error", {}).get("Code")))
+    return found
+
+
+def _throttled(exc: BaseException) -> bool:
+    return bool(_codes(exc) & THROTTLING)
 
 
 # ---- writes -------------------------------------------------------------------------------------------------
@@ -61,6 +72,10 @@ def _throttled(exc: BaseException) -> bool:
 
 class Writer(PartWriter):
     """One object as a multipart upload (one PUT when it fits in a part), aborted on failure (store/parts.py)."""
+
+    MIN_PART = MIN_PART
+    RANGE_COPIES = True
+    WHOLE_MOST = WHOLE_COPY_MOST
 
     def __init__(self, path: Location, total: int, progress: Callable[[int], None] | None = None) -> None:
         super().__init__(path, part_size(total, PART_BYTES, MAX_PARTS), progress)
@@ -80,12 +95,39 @@ class Writer(PartWriter):
     def _put_whole(self, body: bytes) -> None:
         self._s3("put_object", Body=body)
 
+    def _copy_part(self, number: int, source: Location, start: int, end: int, etag: str) -> dict[str, Any]:
+        reply = self._s3(
+            "upload_part_copy",
+            UploadId=self.upload_id,
+            PartNumber=number,
+            CopySource=_copy_source(source),
+            CopySourceRange=f"bytes={start}-{end - 1}",
+            **_if_match(etag),
+        )
+        return {"PartNumber": number, "ETag": reply["CopyPartResult"]["ETag"]}
+
+    def _copy_whole(self, source: Location, etag: str) -> None:
+        # its own full-object CRC32: a source uploaded in parts has a checksum of its parts, which is not the copy's
+        self._s3("copy_object", CopySource=_copy_source(source), ChecksumAlgorithm="CRC32", **_if_match(etag))
+
+    def _current_etag(self, source: Location) -> str:
+        reply = call(source, source.fs.call_s3, "head_object", Bucket=source.parts[1], Key="/".join(source.parts[2:]))
+        return str(reply.get("ETag") or "")
+
     def _finish(self, tokens: list[Any]) -> None:
         self._s3("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": tokens})
 
     def _drop(self) -> None:
         if self.upload_id is not None:
             self._s3("abort_multipart_upload", UploadId=self.upload_id)
+
+
+def _copy_source(source: Location) -> dict[str, str]:
+    return {"Bucket": source.parts[1], "Key": "/".join(source.parts[2:])}
+
+
+def _if_match(etag: str) -> dict[str, str]:
+    return {"CopySourceIfMatch": etag} if etag else {}
 
 
 def _uploads(dest: Location) -> list[tuple[str, str]]:
@@ -153,6 +195,8 @@ class S3(ObjectStore):
             return UsageError(f"{where}: no usable credentials ({reason(exc)}); set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE")
         if names & _UNREACHABLE:
             return UsageError(f"{where}: cannot reach the object store ({reason(exc)}); check AWS_ENDPOINT_URL and the network")
+        if _codes(exc) & {"PreconditionFailed", "412"}:  # a copy's CopySourceIfMatch: the source is not what was read
+            return DataError(f"{where}: a source object changed since it was read; nothing was written, run again")
         if _throttled(exc):
             return DataError(
                 f"{where}: the object store kept throttling requests (503 SlowDown) through every retry; "

@@ -28,6 +28,7 @@ from ckpt_cli.core.model import ZEROS, TensorEntry
 from ckpt_cli.core.paths import inside
 from ckpt_cli.core.pickles.zipio import Record
 from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
+from ckpt_cli.core.write import object_copies
 from ckpt_cli.core.write.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.write.plan import Deferred, FileSizes, Literal, OutputFile, Segment, SharedBuild, TensorData, WritePlan, sizes_of
 from ckpt_cli.core.write.sinks import (
@@ -484,10 +485,12 @@ def direct_runs(segments: list[Segment]) -> list[ByteRun]:
 
 
 def write_in_order(segments: list[Segment], sink: store.File, check: RecordCheck) -> None:
-    """A file's bytes in order into an object (see write_segments); stored data is fetched ahead."""
+    """A file's bytes in order into an object (see write_segments); stored data is fetched ahead, and data that
+    passes unchanged from an object of the same store is copied there (core/write/object_copies.py)."""
+    copied = object_copies.planned(segments, sink, check)
     sources = SourceFiles(check)
-    sources.expect(file_runs(segments))
+    sources.expect(file_runs([s for s in segments if id(s) not in copied]))
     try:
-        write_segments(segments, sink, sources)
+        object_copies.write(segments, sink, sources, copied)
     finally:
         sources.close()
