@@ -10,7 +10,7 @@ import yaml
 from conftest import run_subprocess
 from safetensors.torch import load_file, save_file
 
-from ckpt_cli.core.write import executor
+from ckpt_cli.core.write import executor, sinks
 
 
 @pytest.fixture
@@ -69,7 +69,8 @@ def test_a_failed_write_leaves_no_destination(ckpt, small, tmp_path, monkeypatch
     def explode(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(executor, "stream_tensor", explode)
+    monkeypatch.setattr(executor, "stream_tensor", explode)  # a tensor written by the file's threads
+    monkeypatch.setattr(sinks, "stream_tensor", explode)  # a file of byte copies alone, written in order by one thread
     res = ckpt("split", small, tmp_path / "out")
     assert res.code == 130 and "interrupted" in res.err
     assert list(tmp_path.iterdir()) == [small]  # no destination, no partial temp folder

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 from types import FrameType
 from typing import NoReturn
 
@@ -38,6 +39,9 @@ def _stopped(exc: BaseException) -> int:
 def main(argv: list[str] | None = None) -> None:
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # an embedding program's own handler is kept
         signal.signal(signal.SIGTERM, _early_sigterm)
+    # A Ctrl-C between importlib's open() of a module's .py or .pyc and its `with` drops the file unclosed; under -X dev
+    # Python would print a ResourceWarning about its own file above ckpt's one line
+    warnings.filterwarnings("ignore", category=ResourceWarning, message=r"unclosed file <_io\.BufferedReader name='.*\.pyc?'>")
     try:
         release_sigint()  # held since ckpt_cli/__init__.py: from here Ctrl-C is a KeyboardInterrupt, reported below
         from ckpt_cli.cli import app
