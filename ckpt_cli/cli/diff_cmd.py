@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ckpt_cli.cli import output
-from ckpt_cli.cli.options import declared_command
+from ckpt_cli.cli.options import PATH, declared_command
 from ckpt_cli.options import DiffOptions, RunOptions
 
 if TYPE_CHECKING:
@@ -17,16 +17,21 @@ if TYPE_CHECKING:
 MAX_GROUPS = 20  # group rows shown (--json lists all)
 MAX_NAMES = 4  # names shown per list
 
-SideA = Annotated[Path, typer.Argument(metavar="A", help="The first checkpoint (any format, or a run folder).", show_default=False)]
-SideB = Annotated[Path, typer.Argument(metavar="B", help="The second checkpoint (any format, or a run folder).", show_default=False)]
+# A and B stay strings as every SRC does (an s3:// URL is no Path); shown as paths in --help
+SideA = Annotated[
+    str, typer.Argument(metavar="A", click_type=PATH, help="The first checkpoint (any format, or a run folder).", show_default=False)
+]
+SideB = Annotated[
+    str, typer.Argument(metavar="B", click_type=PATH, help="The second checkpoint (any format, or a run folder).", show_default=False)
+]
 
 
-def diff(a: Path, b: Path, **values: Any) -> None:
+def diff(a: str, b: str, **values: Any) -> None:
     """Compare two checkpoints: tensors added, removed, renamed or changed (max |a-b|, relative L2, cosine), training state."""
     from ckpt_cli.ops.diff import diff as diff_op
 
     json_, quiet = values.pop("json"), values.pop("quiet")
-    with output.reading(f"diff {a.name} {b.name}", quiet):
+    with output.reading(f"diff {PurePosixPath(a).name} {PurePosixPath(b).name}", quiet):
         report = diff_op(a, b, DiffOptions(**values))
     if json_:
         output.emit_json(report.to_json())

@@ -34,7 +34,7 @@ class _TextPath(click_types.ParamType):
         return str(value)
 
 
-_PATH = _TextPath()
+PATH = _TextPath()
 _TYPES: dict[str, Any] = {
     "str": Optional[str],
     "path": Optional[str],
@@ -53,7 +53,7 @@ def typer_option(flag: Flag, default: Any) -> Any:
     if flag.metavar:
         how["metavar"] = flag.metavar
     if flag.kind == "path":
-        how["click_type"] = _PATH
+        how["click_type"] = PATH
     if flag.minimum is not None:
         how["min"] = flag.minimum
     if flag.maximum is not None:
@@ -91,7 +91,7 @@ Source = Annotated[
     str,
     typer.Argument(
         metavar="SRC",
-        click_type=_PATH,
+        click_type=PATH,
         help=f"Checkpoint file or folder (or a run folder holding several); in object storage too: {_schemes()}bucket/prefix.",
         show_default=False,
     ),
@@ -100,7 +100,7 @@ Dest = Annotated[
     str,
     typer.Argument(
         metavar="DST",
-        click_type=_PATH,
+        click_type=PATH,
         help=f"Destination, a path or {_schemes()}bucket/prefix (refused if it exists, unless --overwrite).",
         show_default=False,
     ),
