@@ -311,3 +311,19 @@ def test_reshape_of_orbax_arrays(orbax_saves, ckpt, tmp_path):
     for name, shape in wanted.items():
         want = np.load(orbax_saves / "arrays" / f"{name}.npy").reshape(shape)
         assert np.array_equal(flat[name].numpy(), want) and np.array_equal(state[name].numpy(), want), name
+
+
+def test_a_damaged_torch_source_is_not_written_to_orbax(ckpt, tmp_path):
+    """A torch.save file whose record fails its CRC32: the write to Orbax reads it without torch, by byte range, and
+    still checks each record it reads (exit 1, no destination), as every other write does."""
+    import torch
+
+    torch.manual_seed(0)
+    torch.save({"w": torch.randn(256, 256), "b": torch.randn(256)}, tmp_path / "m.pt")
+    data = bytearray((tmp_path / "m.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (tmp_path / "bad.pt").write_bytes(bytes(data))
+    assert ckpt("convert", tmp_path / "m.pt", tmp_path / "good", "--to", "orbax").code == 0
+    res = ckpt("convert", tmp_path / "bad.pt", tmp_path / "out", "--to", "orbax")
+    assert res.code == 1 and "fails its CRC32 check" in res.err, res.err
+    assert not (tmp_path / "out").exists()

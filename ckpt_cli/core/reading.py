@@ -281,10 +281,18 @@ def tensor_bytes(entry: TensorEntry, sources: SourceFiles) -> Iterator[Any]:
 def window_bytes(entry: TensorEntry, dst: DType, start: int, count: int, sources: SourceFiles) -> Any:
     """Elements [start, start + count) as `dst`'s bytes (a numpy uint8 array): cast through torch, or, with no cast, as a
     computed tensor gives them without torch: its `derived.read_raw` (an Orbax array, a box of one: their bytes) or a
-    numpy window from its `read` (GGUF's quantized tensors: formats/gguf/writer.py). torch is ~225 MB resident alone."""
+    numpy window from its `read` (GGUF's quantized tensors: formats/gguf/writer.py), and a stored one as its byte
+    ranges. torch is ~225 MB resident alone."""
     raw = getattr(entry.derived, "read_raw", None)
     if raw is not None and dst == entry.dtype:
         return raw(start, count, sources)
+    runs = byte_runs_in(entry, dst, start, count) if entry.derived is None and dst == entry.dtype else None
+    if runs is not None:  # stored bytes as they are: read into one numpy buffer
+        import numpy as np
+
+        out: Any = np.empty(count * dst.itemsize, np.uint8)
+        read_runs_into(runs, memoryview(out), sources)
+        return out
     values = read_elements(entry, start, count, sources)
     if type(values).__module__ == "numpy":  # (numpy itself is imported only by what made it)
         import numpy as np
@@ -345,6 +353,17 @@ def byte_runs_in(entry: TensorEntry, dst: DType, start: int, count: int) -> list
     if pos != start + count:
         raise DataError(f"{entry.name}: {entry.tiling_problem() or 'pieces do not cover the tensor'}")
     return out
+
+
+def read_runs_into(runs: list[ByteRun], buf: memoryview, sources: SourceFiles) -> None:
+    """The runs' bytes one after the other into `buf`, each source zip record's CRC32 learnt as read_stored learns it."""
+    pos = 0
+    for path, offset, nbytes in runs:
+        part = buf[pos : pos + nbytes]
+        sources.pread_into(path, offset, part)
+        if sources.check is not None and sources.check.wants(path, offset, nbytes):
+            sources.check.add(path, offset, nbytes, crc32(part))
+        pos += nbytes
 
 
 def read_runs(runs: list[ByteRun], sources: SourceFiles) -> Iterator[memoryview]:

@@ -22,7 +22,7 @@ from ckpt_cli.core.dtypes import BY_NAME
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, TensorEntry
 from ckpt_cli.core.names.stack import Stack
-from ckpt_cli.core.reading import byte_runs_in, read_elements
+from ckpt_cli.core.reading import byte_runs_in, read_elements, read_runs_into
 from ckpt_cli.core.write.plan import Literal, OutputFile, Segment, TensorData, WritePlan
 from ckpt_cli.errors import UsageError
 from ckpt_cli.formats.companions import companion_config
@@ -130,10 +130,7 @@ class Encoded:
 
             return read_elements(self.source, start, count, sources).to(torch.float32).numpy(), lambda x: x
         raw: Any = quantize.scratch("stored", (count * dtype.itemsize,), np.uint8)  # used up before the next window
-        view, pos = memoryview(raw), 0
-        for path, offset, nbytes in runs:
-            sources.pread_into(path, offset, view[pos : pos + nbytes])
-            pos += nbytes
+        read_runs_into(runs, memoryview(raw), sources)
         return raw, _WIDEN[dtype.name]
 
 

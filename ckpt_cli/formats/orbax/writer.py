@@ -30,6 +30,7 @@ from ckpt_cli import store
 from ckpt_cli.core import heap
 from ckpt_cli.core.interface import WriteOptions
 from ckpt_cli.core.model import Checkpoint, PathKey, TensorEntry
+from ckpt_cli.core.reading import window_bytes
 from ckpt_cli.core.write import distributed
 from ckpt_cli.core.write.plan import Literal, OutputFile, TensorData, WritePlan
 from ckpt_cli.errors import DataError, UsageError
@@ -211,7 +212,7 @@ def fill(leaves: list[Leaf], use_ocdbt: bool, zarr3: bool) -> Callable[[Path, Ca
                     count = (stop - start) * inner
                     if count == 0:
                         continue
-                    raw = _window(tensor, start * inner, count, sources).view(dtype.numpy_dtype)
+                    raw = window_bytes(tensor, tensor.dtype, start * inner, count, sources).view(dtype.numpy_dtype)
                     shape = (stop - start, *tensor.shape[1:]) if tensor.shape else ()
                     (array[start:stop] if tensor.shape else array).write(raw.reshape(shape)).result()
                     pending += raw.nbytes
@@ -227,25 +228,6 @@ def fill(leaves: list[Leaf], use_ocdbt: bool, zarr3: bool) -> Callable[[Path, Ca
             raise DataError(f"{target.parent}: tensorstore could not write the Orbax arrays: {arrays.what_failed(exc)}") from exc
 
     return write
-
-
-def _window(tensor: TensorEntry, start: int, count: int, sources: Any) -> Any:
-    """Elements [start, start + count) as their bytes (numpy uint8), without torch where no cast is needed (torch is
-    ~225 MB resident alone): a stored tensor's byte ranges read into one buffer, a computed one's own raw bytes (an
-    Orbax array's), else through torch."""
-    import numpy as np
-
-    from ckpt_cli.core.reading import byte_runs_in, window_bytes
-
-    runs = byte_runs_in(tensor, tensor.dtype, start, count)
-    if runs is None:
-        return window_bytes(tensor, tensor.dtype, start, count, sources)
-    raw: Any = np.empty(count * tensor.dtype.itemsize, np.uint8)
-    view, pos = memoryview(raw), 0
-    for path, offset, nbytes in runs:
-        sources.pread_into(path, offset, view[pos : pos + nbytes])
-        pos += nbytes
-    return raw
 
 
 class OrbaxWriter:
