@@ -125,7 +125,7 @@ class DirectReads:
         start = offset - offset % ALIGN  # buffer[0] holds the byte at `start`
         want = buffer[offset - start : offset - start + nbytes]
         got = 0
-        fd = self._fd(path) if not _cached(cached_fd, offset, nbytes) else None
+        fd = self._fd(path) if not cached(cached_fd, offset, nbytes) else None
         end = offset + nbytes
         while offset + got < end:
             pos = offset + got - (offset + got) % ALIGN
@@ -196,4 +196,5 @@ def _cachestat() -> Callable[[int, int, int], bool] | None:
 
 
 PAGE = mmap.PAGESIZE
-_cached = _cachestat() or (lambda fd, offset, nbytes: False)
+cached: Callable[[int, int, int], bool] = _cachestat() or (lambda fd, offset, nbytes: False)
+"""Whether the page cache holds every page of bytes [offset, offset + nbytes) of a file (False where unknown)."""

@@ -17,20 +17,20 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckpt_cli import interrupt, store
 from ckpt_cli.core import heap
 from ckpt_cli.core.direct import DIRECT_BYTES
-from ckpt_cli.core.model import ZEROS, TensorEntry
+from ckpt_cli.core.model import ZEROS
 from ckpt_cli.core.paths import inside
-from ckpt_cli.core.pickles.zipio import Record
 from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
-from ckpt_cli.core.write import object_copies
+from ckpt_cli.core.write import object_copies, source_order
 from ckpt_cli.core.write.crc import RecordCheck, crc32_combine
-from ckpt_cli.core.write.plan import Deferred, FileSizes, Literal, OutputFile, Segment, SharedBuild, TensorData, WritePlan, sizes_of
+from ckpt_cli.core.write.plan import Deferred, FileSizes, Literal, OutputFile, Segment, TensorData, WritePlan
+from ckpt_cli.core.write.segments import made, records, source_records
 from ckpt_cli.core.write.sinks import (
     WRITEBACK_BYTES,
     FileSink,
@@ -41,6 +41,7 @@ from ckpt_cli.core.write.sinks import (
     stream_tensor,
     write_segments,
 )
+from ckpt_cli.core.write.source_order import Cancelled, ticker
 from ckpt_cli.store import Guard, Write
 
 CHUNK_BYTES = 64 << 20  # a large tensor is cut into pieces of this size when threads share its file
@@ -209,65 +210,6 @@ def worker_count(workers: int | None, threads: int | None = None) -> int:
     return max(1, workers or min(4, (os.cpu_count() or 1) // local, threads or 4))
 
 
-class _Cancelled(Exception):
-    pass
-
-
-def records(tensors: Iterable[TensorEntry]) -> Iterator[tuple[str, Record]]:
-    """The zip records (with their CRC32) the tensors' data is read from."""
-    # An empty tensor reads nothing (a ZeRO-3 model-states file's 2,000 placeholders: their records hold no bytes).
-    return ((a.path, a.record) for tensor in tensors if tensor.numel for a in tensor.stored_arrays() if a.record is not None)
-
-
-def source_records(files: list[tuple[Path, OutputFile]]) -> RecordCheck:
-    """The check of the zip records the files' tensor data is read from (a built file's are learnt as it is made)."""
-    return RecordCheck(records(tensor for _, out in files for tensor in out.tensors()))
-
-
-_NAME_LISTS: dict[tuple[str, ...], tuple[str, ...]] = {}  # the last few distinct lists of names
-_NAME_LOCK = threading.Lock()  # the writing threads make files at once
-
-
-def shared_names(names: list[str]) -> tuple[str, ...]:
-    """`names` as one tuple shared by the files that name the same tensors, of interned strings: 512 ZeRO-3 rank
-    files each name the same 20,000 placeholders (84 MB as lists of their own), 1,024 ranks the same 2,000 tensors."""
-    key = tuple(sys.intern(n) for n in names)
-    with _NAME_LOCK:
-        found = _NAME_LISTS.get(key)
-        if found is None:
-            if len(_NAME_LISTS) >= 16:
-                _NAME_LISTS.pop(next(iter(_NAME_LISTS)))
-            found = _NAME_LISTS[key] = key
-    return found
-
-
-def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
-    """The file's segments; a built file's made now (held only while it is written), its source records learnt."""
-    segments = out.parts()
-    if out.build is not None:
-        last = _made.get(id(segments))
-        if last is None or last[0] is not segments:  # not the very segments a recent file was made of
-            tensors = [s.tensor for s in segments if isinstance(s, TensorData)]
-            last = (segments, list(records(tensors)), shared_names([t.name for t in tensors]), sizes_of(segments))
-            if isinstance(out.build, SharedBuild):  # kept for the next file only where they are shared: not a DCP file's
-                with _NAME_LOCK:
-                    if len(_made) >= 4:
-                        _made.pop(next(iter(_made)))
-                    _made[id(segments)] = last
-        if check is not None:
-            check.learn(last[1])
-        if out.names is None:  # what the write report lists, without making the segments again
-            out.names = last[2]
-        if out.sizes is None:
-            out.sizes = last[3]
-    return segments
-
-
-# The last few shared builds' segments (plan.SharedBuild), with their source records, tensor names and sizes: a list that
-# several files are made of (ZeRO-3 model-states files of 2,000 placeholders, between the optimizer files) is walked once.
-_made: dict[int, tuple[list[Segment], list[tuple[str, Record]], tuple[str, ...], FileSizes]] = {}
-
-
 def write_files(
     write: Write, files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None, take: Take | None = None
 ) -> list[tuple[Path, OutputFile]]:
@@ -306,6 +248,15 @@ def write_files(
             sink.abort()
             raise
 
+    if take is None and source_order.applies(write, files):
+        check = source_records(files)
+        planned = source_order.plan_jobs(files, check)
+        if planned is not None:
+            cancel = threading.Event()
+            source_order.write_sorted(write, files, *planned, workers, ticker(cancel, progress), cancel, check, _advancer)
+            check.finish()  # records copied only in part: read the rest and compare
+            write.sync()
+            return files
     written = _write_all(files, workers, progress, write_one, take)
     write.sync()  # once all are written (the kernel wrote back while the next file was made), before the commit
     return written
@@ -363,18 +314,9 @@ def _write_all(
     failure cancels the rest. Returns the files taken."""
     check = source_records(files)
     cancel = threading.Event()
-    lock = threading.Lock()
     next_file = take or _in_turn()
     taken: list[tuple[Path, OutputFile]] = []
-
-    def tick(nbytes: int) -> None:  # called once per block: lets a failing sibling or a SIGTERM stop the others
-        if cancel.is_set():
-            raise _Cancelled
-        interrupt.check()
-        if progress:
-            with lock:
-                progress(nbytes)
-
+    tick = ticker(cancel, progress)  # called once per block: lets a failing sibling or a SIGTERM stop the others
     threads = max(1, workers // max(1, len(files)))
 
     def write_taken() -> None:
@@ -398,11 +340,11 @@ def _write_all(
             for future in futures:
                 try:
                     future.result()
-                except BaseException as exc:  # the others stop at their next block; the cause is raised, not a _Cancelled
+                except BaseException as exc:  # the others stop at their next block; the cause is raised, not a Cancelled
                     cancel.set()
                     failures.append(exc)
             if failures:
-                raise next((e for e in failures if not isinstance(e, _Cancelled)), failures[0])
+                raise next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
     check.finish()  # records copied only in part: read the rest and compare
     return taken
 

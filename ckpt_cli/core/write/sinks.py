@@ -125,7 +125,10 @@ def copy_runs(runs: list[ByteRun], out: Sink, sources: SourceFiles, with_crc: bo
         checked = check is not None and check.wants(path, offset, nbytes)
         local = path != ZEROS and isinstance(out, FileSink) and store.mappable(path)
         if not with_crc and not checked and local and not sources.direct(path, nbytes):
+            passing = sources.passing(path, offset, nbytes)
             out.copy(sources.fd(path), offset, nbytes, path)
+            if passing:
+                sources.let_go(path, offset, nbytes)
             continue
         run_crc = 0
         for view in read_runs([(path, offset, nbytes)], sources):
