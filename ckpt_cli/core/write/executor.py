@@ -30,7 +30,7 @@ from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
 from ckpt_cli.core.write import object_copies, source_order
 from ckpt_cli.core.write.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.write.plan import Deferred, FileSizes, Literal, OutputFile, Segment, TensorData, WritePlan
-from ckpt_cli.core.write.segments import made, records, source_records
+from ckpt_cli.core.write.segments import forget_kept, made, records, source_records
 from ckpt_cli.core.write.sinks import (
     WRITEBACK_BYTES,
     FileSink,
@@ -257,7 +257,10 @@ def write_files(
             check.finish()  # records copied only in part: read the rest and compare
             write.sync()
             return files
-    written = _write_all(files, workers, progress, write_one, take)
+    try:
+        written = _write_all(files, workers, progress, write_one, take)
+    finally:
+        forget_kept()  # (what source order made and did not use, once every file has taken its own)
     write.sync()  # once all are written (the kernel wrote back while the next file was made), before the commit
     return written
 

@@ -45,7 +45,7 @@ def shared_names(names: list[str]) -> tuple[str, ...]:
 
 def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
     """The file's segments; a built file's made now (held only while it is written), its source records learnt."""
-    segments = out.parts()
+    segments = _kept.pop(id(out), None) or out.parts()
     if out.build is not None:
         last = _made.get(id(segments))
         if last is None or last[0] is not segments:  # not the very segments a recent file was made of
@@ -68,3 +68,18 @@ def made(out: OutputFile, check: RecordCheck | None) -> list[Segment]:
 # The last few shared builds' segments (plan.SharedBuild), with their source records, tensor names and sizes: a list that
 # several files are made of (ZeRO-3 model-states files of 2,000 placeholders, between the optimizer files) is walked once.
 _made: dict[int, tuple[list[Segment], list[tuple[str, Record]], tuple[str, ...], FileSizes]] = {}
+
+
+# Built files' segments made for a way of writing that did not apply (core/write/source_order.py), kept for the way that
+# does: a built file is made once (a 1,024-rank reshard that made each rank file twice took twice as long).
+_kept: dict[int, list[Segment]] = {}
+
+
+def keep(out: OutputFile, segments: list[Segment]) -> None:
+    """Hand `segments` to the next `made(out)` instead of making them again."""
+    if out.build is not None:
+        _kept[id(out)] = segments
+
+
+def forget_kept() -> None:
+    _kept.clear()

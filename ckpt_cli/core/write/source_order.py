@@ -24,7 +24,7 @@ from ckpt_cli.core.model import ZEROS
 from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
 from ckpt_cli.core.write.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.write.plan import Deferred, Literal, OutputFile, Segment, TensorData
-from ckpt_cli.core.write.segments import made
+from ckpt_cli.core.write.segments import keep, made
 from ckpt_cli.core.write.sinks import FileSink, Progress, copy_runs
 from ckpt_cli.store import Write
 
@@ -78,6 +78,7 @@ def plan_jobs(files: list[tuple[Path, OutputFile]], check: RecordCheck) -> tuple
             if isinstance(seg, TensorData) and seg.tensor.numel:
                 runs = None if seg.tensor.made_by_range() else byte_runs(seg.tensor, seg.dtype)
                 if not runs or any(path == ZEROS or not store.mappable(path) for path, _, _ in runs):
+                    _not_planned(files, made_segments)
                     return None
                 at = pos
                 for part, run in enumerate(runs):
@@ -86,9 +87,16 @@ def plan_jobs(files: list[tuple[Path, OutputFile]], check: RecordCheck) -> tuple
             pos += seg.size
         assert pos == out.size, f"{out.relpath}: {pos} bytes of segments, planned {out.size}"
         if len(jobs) + sum(map(len, made_segments)) > MAX_SEGMENTS:
+            _not_planned(files, made_segments)
             return None
     jobs.sort(key=lambda job: (job.run[0], job.run[1], job.file, job.offset))
     return made_segments, jobs
+
+
+def _not_planned(files: list[tuple[Path, OutputFile]], made_segments: list[list[Segment]]) -> None:
+    """The files made so far keep their segments for the file-by-file write (made once: segments.keep)."""
+    for (_, out), segments in zip(files, made_segments):
+        keep(out, segments)
 
 
 def groups(jobs: list[_Job]) -> list[list[_Job]]:
