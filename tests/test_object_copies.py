@@ -120,6 +120,27 @@ def test_a_merge_copies_long_ranges_in_s3(ckpt, s3, saved, tmp_path):
     assert stats.bytes_in < 6 * MiB and stats.bytes_out < 6 * MiB, stats
 
 
+def test_a_merge_asks_its_sources_entity_tags_at_once(ckpt, s3, saved, monkeypatch):
+    """Before the merged object is completed, every shard it copied from is asked for its ETag again: all at once on the
+    copy threads (a merge of 22 shards asked them one after another), each once, and the merge still commits."""
+    asked: list[tuple[str, str]] = []
+    real = s3_backend.Writer._current_etag
+
+    def current(self, source):
+        import threading
+
+        asked.append((str(source), threading.current_thread().name))
+        return real(self, source)
+
+    monkeypatch.setattr(s3_backend.Writer, "_current_etag", current)
+    url = uploaded(s3, saved, "hf")
+    res = ckpt("merge", url, s3.url("copies/merged-etags.safetensors"), "--quiet")
+    assert res.code == 0, res.err
+    shards = sorted(k for k in s3.keys("copies/src/hf/") if k.endswith(".safetensors"))
+    assert sorted(src.rsplit("/", 1)[1] for src, _ in asked) == [k.rsplit("/", 1)[1] for k in shards]
+    assert len(shards) == 2 and all(thread.startswith("ckpt-copy") for _, thread in asked), asked
+
+
 def test_data_with_a_crc_to_check_is_read_not_copied(ckpt, store, saved, tmp_path):
     """A torch zip's records carry CRC32s: its data is read (and checked) on the way, never copied unseen."""
     url = uploaded(store, saved, "torch")

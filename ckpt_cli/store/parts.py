@@ -237,6 +237,17 @@ class PartWriter:
         count_copied(end)
         return True
 
+    def _check_sources(self) -> None:
+        """Every source copied from is the one the plan read: their entity tags asked at once, on the copy threads (a
+        merge of 22 shards asked them one after another before its commit)."""
+        checks = list(self.copied.items())
+        if self.copy_pool is None or len(checks) < 2:
+            for url, etag in checks:
+                self._check_source(url, etag)
+            return
+        for future in [self.copy_pool.submit(self._check_source, url, etag) for url, etag in checks]:
+            future.result()
+
     def _check_source(self, url: str, planned: str) -> None:
         now = self._current_etag(remote(url))
         if now != planned:
@@ -257,8 +268,7 @@ class PartWriter:
                 if self.buffer:
                     self._send()
                 tokens = [f.result() for f in self.sent]
-                for url, etag in self.copied.items():
-                    self._check_source(url, etag)
+                self._check_sources()
                 self._finish(tokens)
                 self._shutdown()
         self.done = True
