@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import assert_same_tensors
 from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ckpt_cli.core import direct
@@ -19,7 +20,7 @@ from ckpt_cli.core import direct
 def state_dict() -> dict[str, torch.Tensor]:
     torch.manual_seed(53)
     # 1.4-8 MB tensors among small ones, in shards larger than the read-ahead that reading their headers starts
-    sizes = [(96, 64), (2048, 1024), (33, 7), (1600, 1024), (128, 256), (1, 5), (700, 512), (2048, 1000)]
+    sizes = [(96, 64), (2048, 1024), (33, 7), (1600, 1024), (128, 256), (1, 5), (700, 512), (2048, 1000), (3, 3), (1024, 1024), (9, 9)]
     return {f"layers.{i}.weight": torch.randn(*shape) for i, shape in enumerate(sizes)}
 
 
@@ -44,7 +45,8 @@ def cold(folder) -> None:
         os.close(fd)
 
 
-def test_a_dcp_write_reads_each_source_file_front_to_back(hf_folder, ckpt, monkeypatch, tmp_path):
+@pytest.mark.parametrize("command", ["dcp", "merge"])  # four rank files; one file whose tensors are in name order
+def test_a_write_reads_each_source_file_front_to_back(hf_folder, ckpt, monkeypatch, tmp_path, command):
     folder, tensors = hf_folder
     reads: list[tuple[str, int]] = []
     real_preadv, real_pread = os.preadv, os.pread
@@ -59,16 +61,30 @@ def test_a_dcp_write_reads_each_source_file_front_to_back(hf_folder, ckpt, monke
             reads.append((path_of(fd), offset))
         return real_pread(fd, nbytes, offset)
 
+    def copy_file_range(src, dst, count, offset_src=None, offset_dst=None):
+        reads.append((path_of(src), offset_src))
+        return real_copy(src, dst, count, offset_src, offset_dst)
+
+    real_copy = os.copy_file_range
     monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(os, "pread", pread)
-    res = ckpt("convert", folder, tmp_path / "dcp", "--to", "dcp", "--world-size", "4", "--workers", "1")
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)  # (a merge's bytes move in the kernel)
+    if command == "dcp":
+        res = ckpt("convert", folder, tmp_path / "dcp", "--to", "dcp", "--world-size", "4", "--workers", "1")
+    else:  # layers.10 comes before layers.2 in the merged file, after it in the shards
+        res = ckpt("merge", folder, tmp_path / "merged.safetensors", "--workers", "1")
     assert res.code == 0, res.err
     for path in {p for p, _ in reads}:
         offsets = [o for p, o in reads if p == path]
         assert offsets == sorted(offsets), f"{path} read out of order: {offsets}"
-    assert len(reads) >= 8  # (written file by file, each rank file read a quarter of every tensor: back for the next)
-    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "back.pt")
-    assert_same_tensors(torch.load(tmp_path / "back.pt"), tensors)
+    visits = [p for i, (p, _) in enumerate(reads) if i == 0 or reads[i - 1][0] != p]
+    assert len(visits) == len(set(visits)), f"a source file left and read again: {visits}"  # one thread: file by file
+    assert len(reads) >= 4  # (written file by file, each rank file read a quarter of every tensor: back for the next)
+    if command == "dcp":
+        dcp_to_torch_save(tmp_path / "dcp", tmp_path / "back.pt")
+        assert_same_tensors(torch.load(tmp_path / "back.pt"), tensors)
+    else:
+        assert_same_tensors(load_file(tmp_path / "merged.safetensors"), tensors)
 
 
 def fadvised(monkeypatch) -> list[tuple[str, int, int]]:
