@@ -10,7 +10,7 @@ import yaml
 from conftest import run_subprocess
 from safetensors.torch import load_file, save_file
 
-from ckpt_cli.core.write import executor, sinks
+from ckpt_cli.core.write import executor, sinks, source_order
 
 
 @pytest.fixture
@@ -71,6 +71,7 @@ def test_a_failed_write_leaves_no_destination(ckpt, small, tmp_path, monkeypatch
 
     monkeypatch.setattr(executor, "stream_tensor", explode)  # a tensor written by the file's threads
     monkeypatch.setattr(sinks, "stream_tensor", explode)  # a file of byte copies alone, written in order by one thread
+    monkeypatch.setattr(source_order, "copy_runs", explode)  # local files written in the order their sources hold the bytes
     res = ckpt("split", small, tmp_path / "out")
     assert res.code == 130 and "interrupted" in res.err
     assert list(tmp_path.iterdir()) == [small]  # no destination, no partial temp folder

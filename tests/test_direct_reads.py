@@ -1,6 +1,6 @@
-"""A write's large source reads past the page cache (core/direct.py, on request: CKPT_DIRECT_READS=1): the file's bytes at any offset, announced or not,
-through the cache where O_DIRECT is refused, a truncated file a DataError, and a damaged record still caught by its
-CRC32; the CRC32 through libdeflate equals zlib's."""
+"""A write's large source reads past the page cache (core/direct.py, on request: CKPT_DIRECT_READS=1): the file's
+bytes at any offset, announced or not, through the cache where O_DIRECT is refused, a truncated file a DataError, and a
+damaged record still caught by its CRC32; the CRC32 through libdeflate equals zlib's."""
 
 from __future__ import annotations
 

@@ -396,16 +396,21 @@ def test_a_file_commits_with_one_replace_and_a_folder_by_one_swap(tmp_path, monk
 def test_sigterm_mid_write_stops_at_the_next_block_even_where_a_raise_would_be_lost(ckpt, project, tmp_path, monkeypatch):
     """While a write runs, the handler only records SIGTERM (an exception raised inside a lazy numpy or torch
     import can be swallowed or abort the process); the engine stops at its next block and removes its output."""
-    original = sinks.stream_tensor
+    from ckpt_cli.core.write import source_order
+
     sent = []
 
-    def signalled(*args, **kwargs):
-        if not sent:  # one SIGTERM: a second, after ckpt restores the default handler, would end the test process
-            sent.append(True)
-            os.kill(os.getpid(), signal.SIGTERM)  # handled at once, in this (the main) thread
-        return original(*args, **kwargs)
+    def signalled(original):
+        def call(*args, **kwargs):
+            if not sent:  # one SIGTERM: a second, after ckpt restores the default handler, would end the test process
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGTERM)  # handled at once, in this (the main) thread
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(sinks, "stream_tensor", signalled)  # what write_segments calls for each tensor
+        return call
+
+    monkeypatch.setattr(sinks, "stream_tensor", signalled(sinks.stream_tensor))  # what write_segments calls for each tensor
+    monkeypatch.setattr(source_order, "copy_runs", signalled(source_order.copy_runs))  # each run of a source-ordered write
     before = snapshot(tmp_path)
     res = ckpt("convert", project / "weights" / "model.safetensors", tmp_path / "out.pt", "--to", "torch", "--workers", "1")
     refused(res, 143, "terminated (SIGTERM)")
