@@ -171,15 +171,14 @@ def _copy(
     each CRC-bearing segment, by file and crc_key, combined from its runs' (an empty tensor's is added by the caller)."""
     parts: list[dict[str, list[tuple[int, int, int]]]] = [{} for _ in fds]  # crc_key -> (place, CRC32, bytes) of its runs
     lock = threading.Lock()
-    queue = iter(work)
+    threads = max(1, min(workers, len(work), len(fds)))  # (two threads in one file only queue for its inode lock)
+    shares = _shares(work, threads)
 
-    def run() -> None:
+    def run(share: list[list[_Job]]) -> None:
         sources = SourceFiles(check)
         try:
-            while not cancel.is_set():
-                with lock:
-                    group = next(queue, None)
-                if group is None:
+            for group in share:
+                if cancel.is_set():
                     return
                 sources.expect([job.run for job in group])
                 sink, end = None, (-1, -1)  # one buffered sink while the runs land one after the other in one file
@@ -201,12 +200,11 @@ def _copy(
         finally:
             sources.close()
 
-    threads = max(1, min(workers, len(work), len(fds)))  # (two threads in one file only queue for its inode lock)
     if threads == 1:
-        run()
+        run(work)
     else:
         with ThreadPoolExecutor(threads) as pool:
-            futures = [pool.submit(run) for _ in range(threads)]
+            futures = [pool.submit(run, share) for share in shares]
             failures = []
             for future in futures:
                 try:
@@ -217,6 +215,21 @@ def _copy(
         if failures:
             raise next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
     return [{key: _combined(runs) for key, runs in by_key.items()} for by_key in parts]
+
+
+def _shares(work: list[list[_Job]], threads: int) -> list[list[list[_Job]]]:
+    """The groups cut into `threads` consecutive shares of about equal bytes: the threads read parts of the sources far
+    apart, and so mostly write different files (a DCP reshard 4 -> 3 whose threads took neighbouring groups both wrote
+    the first rank file, queueing for its inode lock)."""
+    total = sum(job.run[2] for group in work for job in group)
+    shares: list[list[list[_Job]]] = [[]]
+    held = 0
+    for group in work:
+        if held >= total * len(shares) / threads and len(shares) < threads:
+            shares.append([])
+        shares[-1].append(group)
+        held += sum(job.run[2] for job in group)
+    return shares
 
 
 def _combined(runs: list[tuple[int, int, int]]) -> int:
