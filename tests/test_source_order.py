@@ -142,3 +142,26 @@ def test_a_failure_in_a_source_ordered_write_leaves_nothing(hf_folder, ckpt, mon
     res = ckpt("convert", folder, tmp_path / "dcp", "--to", "dcp", "--world-size", "4")
     assert res.code == 1 and "broken on purpose" in res.err and "Traceback" not in res.err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no destination, no temporary
+
+
+def test_a_write_from_many_source_files_keeps_few_open(tmp_path, ckpt, monkeypatch):
+    from ckpt_cli.core.write import source_order
+
+    tensors = {f"t{i:03d}": torch.full((64,), float(i)) for i in range(120)}
+    (tmp_path / "hf").mkdir()
+    save_torch_state_dict(tensors, tmp_path / "hf", max_shard_size=300)  # a shard per tensor
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 120
+    before, peak = len(os.listdir("/proc/self/fd")), [0]
+    real = source_order.copy_runs
+
+    def counted(*args):
+        peak[0] = max(peak[0], len(os.listdir("/proc/self/fd")) - before)
+        return real(*args)
+
+    monkeypatch.setattr(source_order, "copy_runs", counted)
+    assert ckpt("convert", tmp_path / "hf", tmp_path / "out", "--to", "hf", "--num-shards", "2").code == 0
+    assert 0 < peak[0] <= 2 * 17 + 2 + 8, peak[0]  # (held open, every shard's: 120)
+    assert_same_tensors(
+        load_file(tmp_path / "out" / "model-00001-of-00002.safetensors") | load_file(tmp_path / "out" / "model-00002-of-00002.safetensors"),
+        tensors,
+    )

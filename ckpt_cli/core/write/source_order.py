@@ -180,6 +180,9 @@ def _copy(
             for group in share:
                 if cancel.is_set():
                     return
+                if len(sources.fds) > 16:  # a thousand source shards read by one thread: their descriptors let go
+                    sources.close()
+                    sources = SourceFiles(check)
                 sources.expect([job.run for job in group])
                 sink, end = None, (-1, -1)  # one buffered sink while the runs land one after the other in one file
                 for job in group:
