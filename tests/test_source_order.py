@@ -165,3 +165,17 @@ def test_a_write_from_many_source_files_keeps_few_open(tmp_path, ckpt, monkeypat
         load_file(tmp_path / "out" / "model-00001-of-00002.safetensors") | load_file(tmp_path / "out" / "model-00002-of-00002.safetensors"),
         tensors,
     )
+
+
+def test_a_write_past_the_segment_bound_goes_file_by_file_without_making_its_files_first(hf_folder, ckpt, monkeypatch, tmp_path):
+    from ckpt_cli.core.write import source_order
+
+    folder, tensors = hf_folder
+    made = []
+    real = source_order.made
+    monkeypatch.setattr(source_order, "MAX_SEGMENTS", 5)  # a rank file holds 11 chunks
+    monkeypatch.setattr(source_order, "made", lambda out, check: made.append(out) or real(out, check))
+    assert ckpt("convert", folder, tmp_path / "dcp", "--to", "dcp", "--world-size", "4").code == 0
+    assert made == []  # its rank files' chunks counted from the plan: none made here to be held through the write
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "back.pt")
+    assert_same_tensors(torch.load(tmp_path / "back.pt"), tensors)

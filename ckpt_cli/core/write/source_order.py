@@ -72,14 +72,21 @@ def plan_jobs(files: list[tuple[Path, OutputFile]], check: RecordCheck) -> tuple
     stored bytes of local files (a cast, a computed tensor, an object) or the segments and runs pass MAX_SEGMENTS."""
     made_segments: list[list[Segment]] = []
     jobs: list[_Job] = []
+    held = 0  # segments made
     for index, (_, out) in enumerate(files):
+        if held + len(jobs) + _tensor_count(out) > MAX_SEGMENTS:  # before making them (held through the write)
+            _not_planned(files, made_segments)
+            return None
         segments = made(out, check)
         made_segments.append(segments)
+        held += len(segments)
         pos = 0
         for seg in segments:
             if isinstance(seg, TensorData) and seg.tensor.numel:
-                runs = None if seg.tensor.made_by_range() else byte_runs(seg.tensor, seg.dtype)
-                if not runs or any(path == ZEROS or not store.mappable(path) for path, _, _ in runs):
+                # (a tensor of a 1,024-rank DCP is 1,024 runs: counted as they come, before they are many)
+                runs = None if seg.tensor.made_by_range() or held + len(jobs) > MAX_SEGMENTS else byte_runs(seg.tensor, seg.dtype)
+                local = runs and all(path != ZEROS and store.mappable(path) for path, _, _ in runs)
+                if not runs or not local or held + len(jobs) + len(runs) > MAX_SEGMENTS:
                     _not_planned(files, made_segments)
                     return None
                 at = pos
@@ -88,14 +95,22 @@ def plan_jobs(files: list[tuple[Path, OutputFile]], check: RecordCheck) -> tuple
                     at += run[2]
             pos += seg.size
         assert pos == out.size, f"{out.relpath}: {pos} bytes of segments, planned {out.size}"
-        if len(jobs) + sum(map(len, made_segments)) > MAX_SEGMENTS:
-            _not_planned(files, made_segments)
-            return None
     if not jobs:  # (an index, a marker: nothing to order)
         _not_planned(files, made_segments)
         return None
     jobs.sort(key=lambda job: (job.run[0], job.run[1], job.file, job.offset))
     return made_segments, jobs
+
+
+def _tensor_count(out: OutputFile) -> int:
+    """The tensors a file holds, where known without making its segments (a DCP rank file of 70,000 chunks is written
+    in batches instead: made whole here, its segments would be held through the write, +100 MB); else 0."""
+    if out.build is None:
+        return len(out.segments)
+    if out.names is not None:
+        return len(out.names)
+    told = getattr(out.build, "tensor_names", None)
+    return len(told()) if told is not None else 0
 
 
 def _not_planned(files: list[tuple[Path, OutputFile]], made_segments: list[list[Segment]]) -> None:
