@@ -68,6 +68,8 @@ class SourceFiles:
         hf -> DCP under 1 GB: 1.05x `cp -r` + `sync` kept, 0.99x let go)."""
         if self.check is None or self._direct is not None or nbytes < DIRECT_BYTES or path == ZEROS or not store.mappable(path):
             return False
+        if not hasattr(os, "posix_fadvise"):  # (macOS)
+            return False
         if path not in self._passing:
             fd = self.fd(path)
             self._passing[path] = not cached(fd, 0, os.fstat(fd).st_size)
