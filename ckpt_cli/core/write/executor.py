@@ -41,7 +41,7 @@ from ckpt_cli.core.write.sinks import (
     stream_tensor,
     write_segments,
 )
-from ckpt_cli.core.write.source_order import Cancelled, ticker
+from ckpt_cli.core.write.source_order import run_together, ticker
 from ckpt_cli.store import Guard, Write
 
 CHUNK_BYTES = 64 << 20  # a large tensor is cut into pieces of this size when threads share its file
@@ -248,8 +248,8 @@ def write_files(
             sink.abort()
             raise
 
+    check = source_records(files)
     if take is None and source_order.applies(write, files):
-        check = source_records(files)
         planned = source_order.plan_jobs(files, check)
         if planned is not None:
             cancel = threading.Event()
@@ -258,7 +258,7 @@ def write_files(
             write.sync()
             return files
     try:
-        written = _write_all(files, workers, progress, write_one, take)
+        written = _write_all(files, workers, progress, write_one, take, check)
     finally:
         forget_kept()  # (what source order made and did not use, once every file has taken its own)
     write.sync()  # once all are written (the kernel wrote back while the next file was made), before the commit
@@ -311,11 +311,15 @@ WriteOne = Callable[[Path, OutputFile, Progress, int, threading.Event, RecordChe
 
 
 def _write_all(
-    files: list[tuple[Path, OutputFile]], workers: int, progress: Progress | None, write_one: WriteOne, take: Take | None
+    files: list[tuple[Path, OutputFile]],
+    workers: int,
+    progress: Progress | None,
+    write_one: WriteOne,
+    take: Take | None,
+    check: RecordCheck,
 ) -> list[tuple[Path, OutputFile]]:
     """Run `write_one` on the files `take` gives (by default each in turn), up to `workers` at once; the first
     failure cancels the rest. Returns the files taken."""
-    check = source_records(files)
     cancel = threading.Event()
     next_file = take or _in_turn()
     taken: list[tuple[Path, OutputFile]] = []
@@ -334,20 +338,7 @@ def _write_all(
                 cancel.set()
                 raise
 
-    if workers == 1 or len(files) <= 1:
-        write_taken()
-    else:
-        with ThreadPoolExecutor(min(workers, len(files))) as pool:
-            futures = [pool.submit(write_taken) for _ in range(min(workers, len(files)))]
-            failures: list[BaseException] = []
-            for future in futures:
-                try:
-                    future.result()
-                except BaseException as exc:  # the others stop at their next block; the cause is raised, not a Cancelled
-                    cancel.set()
-                    failures.append(exc)
-            if failures:
-                raise next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
+    run_together([write_taken] * max(1, min(workers, len(files))), cancel)
     check.finish()  # records copied only in part: read the rest and compare
     return taken
 

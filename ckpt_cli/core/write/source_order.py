@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ckpt_cli import interrupt, store
@@ -52,6 +53,24 @@ def ticker(cancel: threading.Event, progress: Progress | None) -> Progress:
                 progress(nbytes)
 
     return tick
+
+
+def run_together(calls: list[Callable[[], None]], cancel: threading.Event) -> None:
+    """Run the calls, each on a thread of its own (the one call on this thread); the first failure sets `cancel`, so
+    the others stop at their next block, and the cause is raised, not a Cancelled."""
+    if len(calls) == 1:
+        calls[0]()
+        return
+    failures: list[BaseException] = []
+    with ThreadPoolExecutor(len(calls)) as pool:
+        for future in [pool.submit(call) for call in calls]:
+            try:
+                future.result()
+            except BaseException as exc:
+                cancel.set()
+                failures.append(exc)
+    if failures:
+        raise next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
 
 
 @dataclass
@@ -218,20 +237,7 @@ def _copy(
         finally:
             sources.close()
 
-    if threads == 1:
-        run(work)
-    else:
-        with ThreadPoolExecutor(threads) as pool:
-            futures = [pool.submit(run, share) for share in shares]
-            failures = []
-            for future in futures:
-                try:
-                    future.result()
-                except BaseException as exc:  # the others stop at their next block
-                    cancel.set()
-                    failures.append(exc)
-        if failures:
-            raise next((e for e in failures if not isinstance(e, Cancelled)), failures[0])
+    run_together([partial(run, share) for share in shares], cancel)
     return [{key: _combined(runs) for key, runs in by_key.items()} for by_key in parts]
 
 
