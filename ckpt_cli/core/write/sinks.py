@@ -10,6 +10,7 @@ record or to check the source record it comes from (core/write/crc.py), or the r
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,26 @@ def _sync_file_range() -> Callable[[int], None]:
 
 
 start_writeback = _sync_file_range()
+
+
+def advancer(fd: int, progress: Progress | None) -> Progress:
+    """What each block written calls: starts writeback every WRITEBACK_BYTES, then reports progress."""
+    lock = threading.Lock()
+    pending = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal pending
+        with lock:
+            pending += nbytes
+            flush = pending >= WRITEBACK_BYTES
+            if flush:
+                pending = 0
+        if flush:  # let the disk work while we produce the next bytes
+            start_writeback(fd)
+        if progress:
+            progress(nbytes)
+
+    return advance
 
 
 class FileSink:

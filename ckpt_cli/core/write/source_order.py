@@ -28,7 +28,7 @@ from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
 from ckpt_cli.core.write.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.write.plan import Deferred, Literal, OutputFile, Segment, TensorData
 from ckpt_cli.core.write.segments import keep, made
-from ckpt_cli.core.write.sinks import FileSink, Progress, copy_runs
+from ckpt_cli.core.write.sinks import FileSink, Progress, advancer, copy_runs
 from ckpt_cli.store import Write
 
 MAX_FILES = 256  # output files open at once
@@ -160,7 +160,6 @@ def write_sorted(
     tick: Progress,
     cancel: threading.Event,
     check: RecordCheck,
-    advancer: Callable[[int, Progress], Progress],
 ) -> None:
     """Create the files, write their literal bytes, copy the jobs' tensors group by group on `workers` threads, then
     write each file's CRC-bearing trailers and complete it. On an error every file is aborted (nothing completes)."""
