@@ -150,9 +150,12 @@ class ChunkStream:
                 self.cursors.pop(0).close()
         return True
 
+    def _ref(self, chunk: int) -> ocdbt.Ref | None:
+        """The OCDBT reference (file, offset, length) of a chunk's stored frame; None where the database has none."""
+        return _values(self.item).get(f"{self.name}/{chunk}" + (self.separator + self.tail if self.tail else ""))
+
     def _open(self, chunk: int) -> _Cursor | None:
-        key = f"{self.name}/{chunk}" + (self.separator + self.tail if self.tail else "")
-        ref = _values(self.item).get(key)
+        ref = self._ref(chunk)
         if ref is None:
             return None
         path = self.item / ref.file
@@ -167,6 +170,5 @@ class ChunkStream:
         return _Cursor(chunk, file, reader)
 
     def _where(self, chunk: int) -> Path:
-        key = f"{self.name}/{chunk}" + (self.separator + self.tail if self.tail else "")
-        ref = _values(self.item).get(key)
+        ref = self._ref(chunk)
         return self.item / ref.file if ref is not None else self.item
