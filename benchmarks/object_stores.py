@@ -73,7 +73,7 @@ def copy(key):
     if server:
         fs.copy(key, dst + key[len(src):])
         return
-    with fs.open(key, "rb", block_size=part) as r, fs.open(dst + key[len(src):], "wb", block_size=part) as w:
+    with fs.open(key, "rb", block_size=part, cache_type="none") as r, fs.open(dst + key[len(src):], "wb", block_size=part) as w:
         while chunk := r.read(part):
             w.write(chunk)
             sent.append(len(chunk))

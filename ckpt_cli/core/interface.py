@@ -18,6 +18,9 @@ class ReadOptions:
     # A tensor's pieces located when its data is first read, and forgettable (LazyPieces.release): `diff` of two wide
     # checkpoints holds one tensor's pieces at a time, not both checkpoints' (formats without it read as usual)
     pieces_when_read: bool = False
+    # In object storage, DCP chunks laid out from a parsed twin of the same dtype, shape and length, each checked when
+    # its data is fetched (formats/dcp/twins.py): for a write, which fetches every byte it uses; never for verify
+    predicted_chunks: bool = False
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,13 @@ BASE_RSS = 40 * 10**6
 TORCH_RSS = 260 * 10**6
 
 
-def prepare(request: Request) -> Job:
-    """Open the source once and plan the write (metadata only; nothing is written)."""
+def prepare(request: Request, predicted_chunks: bool = True) -> Job:
+    """Open the source once and plan the write (metadata only; nothing is written). `predicted_chunks`: DCP chunks in
+    object storage may be laid out from a parsed twin and checked when fetched (one process only: a rank that met a
+    chunk laid out otherwise could not run the write again alone; formats/dcp/twins.py)."""
     src = request.source
-    ckpt = open_checkpoint(request.src, src.format, src.tag, src.trust_pickle)
+    predicted_chunks = predicted_chunks and distributed.rank_and_world() is None
+    ckpt = open_checkpoint(request.src, src.format, src.tag, src.trust_pickle, predicted_chunks=predicted_chunks)
     unsafe = ckpt.unsafe_values()
     if unsafe:  # a value whose pickle names a global outside the allow list is never copied (its loader would run it)
         raise DataError(f"refusing to copy a pickled value the allow list rejects: {unsafe_value_problem(unsafe[0])}")

@@ -22,18 +22,21 @@ def open_checkpoint(
     trust_pickle: bool = False,
     layout_only: bool = False,
     pieces_when_read: bool = False,
+    predicted_chunks: bool = False,
 ) -> Checkpoint:
     """Read a checkpoint's metadata (no tensor data) from any supported format or framework run folder; `layout_only`:
-    what inspect reports, no more, and `pieces_when_read` (ReadOptions), for a checkpoint named directly. `path`: a
+    what inspect reports, no more, `pieces_when_read` and `predicted_chunks` (ReadOptions), for a checkpoint named directly. `path`: a
     path string, or the value resolve() made of one (then `format` and `tag` are those it was resolved with)."""
     with heap.collector_paused():  # the read's objects are not garbage: see heap.collector_paused
         resolved = path if isinstance(path, Resolved) else resolve(path, format, tag)
-        ckpt = open_resolved(resolved, trust_pickle, layout_only, pieces_when_read)
+        ckpt = open_resolved(resolved, trust_pickle, layout_only, pieces_when_read, predicted_chunks)
     heap.read_done()
     return ckpt
 
 
-def open_resolved(resolved: Resolved, trust_pickle: bool, layout_only: bool = False, pieces_when_read: bool = False) -> Checkpoint:
+def open_resolved(
+    resolved: Resolved, trust_pickle: bool, layout_only: bool = False, pieces_when_read: bool = False, predicted_chunks: bool = False
+) -> Checkpoint:
     """Read what `resolved` names, detecting nothing again: a run root's chosen checkpoint (read whole: the newest
     *complete* one is chosen), a run checkpoint, or a checkpoint of a core format (which detection found or --format
     named: `forced`) with the notes of its tag and of the run checkpoint it is one part of."""
@@ -44,7 +47,7 @@ def open_resolved(resolved: Resolved, trust_pickle: bool, layout_only: bool = Fa
     fmt = resolved.format
     assert fmt is not None  # levels checkpoint and tagged always have one
     path, fmt, tag = registry.tagged(resolved.location, fmt, resolved.tag, resolved.forced)
-    ckpt = fmt.reader.read(path, ReadOptions(tag, trust_pickle, layout_only, pieces_when_read))
+    ckpt = fmt.reader.read(path, ReadOptions(tag, trust_pickle, layout_only, pieces_when_read, predicted_chunks))
     if tag and not ckpt.tag:
         ckpt.tag = tag
     if resolved.note:

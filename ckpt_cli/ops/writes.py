@@ -27,6 +27,7 @@ from ckpt_cli.ops.request import CrossSettings, Job, Request
 from ckpt_cli.ops.verify import VerifyOptions, check_manifest_destination, verify
 from ckpt_cli.options import ORBAX_STORAGES, CrossOptions, LayoutOptions, Options
 from ckpt_cli.store import location
+from ckpt_cli.store.predicted import Mispredicted
 
 Progress = Callable[[int], None]  # called with the number of bytes written since the last call
 EpSize = Union[int, str, Sequence[str], Mapping[str, int], None]  # 4, "moe=4", ["2", "layers.3.moe=4"], {"": 2, "moe": 4}
@@ -212,7 +213,11 @@ class PreparedWrite(WriteReport):
         """Run the write (staged, then committed at once; on error or interrupt nothing is left at the destination),
         then record the output's digests in `manifest` (--write-manifest) when given."""
         self.check_destination(overwrite, manifest)
-        convert_op.run(self.job, overwrite, progress, workers)
+        try:
+            convert_op.run(self.job, overwrite, progress, workers)
+        except Mispredicted:  # a DCP chunk laid out unlike its twins (nothing was written): read again, every chunk parsed
+            self.job = convert_op.prepare(self.request, predicted_chunks=False)
+            convert_op.run(self.job, overwrite, progress, workers)
         if manifest is not None and is_main_process():
             checked = verify(self.request.dest, VerifyOptions(write_manifest=location(manifest), overwrite=overwrite))
             if not checked.ok:  # the output fails its own structural check: a bug, said as one

@@ -33,7 +33,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from ckpt_cli.errors import DataError, UsageError
-from ckpt_cli.store import clients
+from ckpt_cli.store import clients, predicted
 from ckpt_cli.store.clients import BACKENDS, call, filesystem
 
 PROTOCOLS = (*BACKENDS, "gs", "gcs", "memory")  # recognised in Path's `s3:/b/k` form: every backend's, and fsspec's few
@@ -284,11 +284,28 @@ _cache = _Cache()
 
 
 def fetch(path: Location, start: int, end: int) -> bytes:
-    """Bytes [start, end) of an object: one ranged GET (DataError if the object ends first)."""
-    data = call(path, path.fs.cat_file, path.key, start=start, end=end)
-    if len(data) != end - start:
-        raise DataError(f"{path}: truncated: expected {end - start} bytes at offset {start}, the object ends first")
+    """Bytes [start, end) of an object: one ranged GET (DataError if the object ends first). A GET that reaches into
+    the data of an item laid out by prediction takes the whole item and checks it before returning (store/predicted.py)."""
+    url = str(path)
+    mine, theirs = predicted.claim(url, start, end)
+    data = _checked_get(path, start, end, mine)
+    for item in predicted.wait(theirs):  # given back by a fetch that failed
+        _checked_get(path, item.start, item.end, [item])
     return data
+
+
+def _checked_get(path: Location, start: int, end: int, mine: list[Any]) -> bytes:
+    """One ranged GET of [start, end), widened to the claimed items, which are checked on its bytes."""
+    low, high = min([start, *(item.start for item in mine)]), max([end, *(item.end for item in mine)])
+    try:
+        data = call(path, path.fs.cat_file, path.key, start=low, end=high)
+        if len(data) != high - low:
+            raise DataError(f"{path}: truncated: expected {high - low} bytes at offset {low}, the object ends first")
+    except BaseException:
+        predicted.settle(mine, None, low)  # unchecked again: another fetch of them checks them
+        raise
+    predicted.settle(mine, data, low)
+    return data if (low, high) == (start, end) else data[start - low : end - low]
 
 
 def read_into(url: str, offset: int, view: memoryview) -> None:
@@ -343,6 +360,8 @@ class RemoteFile:
     def read_at(self, pos: int, n: int) -> bytes:
         if n <= 0:
             return b""
+        if predicted.unchecked(self.name, pos, pos + n):  # checked on the way (fetch), never served from the cache
+            return fetch(self.path, pos, pos + n)
         hit = _cache.get(self.name, pos, n)
         if hit is None and _pending:
             self._wait_prefetched(pos, n)

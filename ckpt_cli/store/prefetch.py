@@ -62,20 +62,31 @@ class _Piece:
 
 
 def pieces(runs: list[ByteRun]) -> list[tuple[str, int, int]]:
-    """(url, start, end) pieces covering the runs in order: close runs of one object merged, spans cut in pieces of about
-    PIECE_BYTES (eight 4 MiB DCP chunks with their zip headers between are four GETs, not four and a sliver)."""
-    spans: list[list] = []
+    """(url, start, end) pieces covering the runs in order: close runs of one object fetched together, about
+    PIECE_BYTES a piece (eight 4 MiB DCP chunks with their zip headers between are four GETs, not four and a sliver).
+    A piece ends where a run ends: a run of at most 2 PIECE_BYTES is never cut, so a DCP chunk laid out by prediction
+    is fetched whole once, with its headers (store/predicted.py); a longer run is cut in pieces of about PIECE_BYTES."""
+    found: list[tuple[str, int, int]] = []
+    current: list = []  # [url, start, end] of the piece being gathered
     for url, offset, nbytes in runs:
-        last = spans[-1] if spans else None
-        if last is not None and last[0] == url and last[2] <= offset <= last[2] + GAP_BYTES:
-            last[2] = offset + nbytes
+        end = offset + nbytes
+        joins = current and current[0] == url and current[2] <= offset <= current[2] + GAP_BYTES
+        if joins and end - current[1] <= 2 * PIECE_BYTES:
+            current[2] = end
         else:
-            spans.append([url, offset, offset + nbytes])
-    found = []
-    for url, start, end in spans:
-        count = max(1, (end - start + PIECE_BYTES // 2) // PIECE_BYTES)  # about PIECE_BYTES each, no sliver at the end
-        cuts = [start + (end - start) * i // count for i in range(count + 1)]
-        found += [(url, a, b) for a, b in zip(cuts, cuts[1:])]
+            if current:
+                found.append((current[0], current[1], current[2]))
+            if nbytes > 2 * PIECE_BYTES:
+                count = (nbytes + PIECE_BYTES // 2) // PIECE_BYTES  # about PIECE_BYTES each, no sliver at the end
+                cuts = [offset + nbytes * i // count for i in range(count + 1)]
+                found += [(url, a, b) for a, b in zip(cuts[:-1], cuts[1:-1])]
+                offset = cuts[-2]
+            current = [url, offset, end]
+        if current[2] - current[1] >= PIECE_BYTES:
+            found.append((current[0], current[1], current[2]))
+            current = []
+    if current:
+        found.append((current[0], current[1], current[2]))
     return found
 
 

@@ -20,6 +20,7 @@ from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
 from ckpt_cli.core.write.crc import RecordCheck
 from ckpt_cli.core.write.plan import Deferred, Segment, TensorData
 from ckpt_cli.core.write.sinks import write_segments
+from ckpt_cli.store import predicted
 
 
 def planned(segments: list[Segment], sink: Any, check: RecordCheck | None) -> dict[int, list[ByteRun]]:
@@ -33,11 +34,16 @@ def planned(segments: list[Segment], sink: Any, check: RecordCheck | None) -> di
         if not isinstance(seg, TensorData) or seg.crc_key is not None or not seg.tensor.numel:
             continue
         runs = byte_runs(seg.tensor, seg.dtype)
-        if runs and all(p != ZEROS and copies(p) and not (check is not None and check.wants(p, o, n)) for p, o, n in runs):
+        if runs and all(p != ZEROS and copies(p) and not _checked_when_read(check, p, o, n) for p, o, n in runs):
             found[id(seg)] = runs
     if not getattr(sink, "copies_ranges", False) and not whole_object(segments, found):
         return {}  # a store that copies whole objects only: the rest streams, fetched ahead across the file's runs
     return found
+
+
+def _checked_when_read(check: RecordCheck | None, path: str, offset: int, nbytes: int) -> bool:
+    """Whether bytes of a source are checked as they pass: a record's CRC32, or an item laid out by prediction."""
+    return (check is not None and check.wants(path, offset, nbytes)) or predicted.unchecked(path, offset, offset + nbytes)
 
 
 def whole_object(segments: list[Segment], found: dict[int, list[ByteRun]]) -> bool:

@@ -55,6 +55,7 @@ from ckpt_cli.formats.dcp.metadata import (
     shared_tensors,
     storage_index,
 )
+from ckpt_cli.formats.dcp.twins import Twins, forget_predicted, prefetch_edges
 from ckpt_cli.formats.torch_save import load_archive, stored_array
 
 METADATA = ".metadata"
@@ -115,26 +116,6 @@ class _Files:
         self.close()
 
 
-EDGE_BYTES = 1536  # of a stored item: its head (local headers, data.pkl: ~730 B for a torch 2.13 tensor) and tail (~880 B)
-
-
-def _prefetch_edges(files: _Files, infos: Iterable[StorageInfoRec]) -> None:
-    """In object storage, fetch the head and tail of every stored item in one parallel round (store/location.py
-    RemoteFile.prefetch): parsing an item's archive reads only there, a few round trips each otherwise."""
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for info in infos:
-        n = min(info.length, EDGE_BYTES)
-        ranges.setdefault(info.relative_path, []).extend([(info.offset, n), (info.offset + info.length - n, n)])
-    for relative, wanted in ranges.items():
-        try:
-            f = files.open(relative)
-        except (DataError, OSError):
-            continue  # reported by name when the item is read
-        prefetch = getattr(f, "prefetch", None)
-        if prefetch is not None:
-            prefetch(wanted)
-
-
 def _range(files: _Files, info: StorageInfoRec, fqn: str) -> tuple[BinaryIO, str]:
     if getattr(info, "transform_descriptors", None):
         raise UsageError(
@@ -160,13 +141,23 @@ def _archive(files: _Files, info: StorageInfoRec, fqn: str) -> tuple[BinaryIO, s
     return f, where
 
 
-def _tensor_pieces(files: _Files, fqn: str, meta: TensorStorageRec, storage: StorageIndex, options: ReadOptions) -> list[Piece]:
+def _tensor_pieces(
+    files: _Files, fqn: str, meta: TensorStorageRec, storage: StorageIndex, options: ReadOptions, twins: Twins | None = None
+) -> list[Piece]:
     pieces = []
     dtype = meta.properties.dtype
     for offsets, sizes, info in _chunks(files.folder, fqn, meta, storage):
+        kind = (dtype, sizes, info.length)
+        laid_out = twins.predict(files.where(info.relative_path), kind, info, fqn) if twins is not None else None
+        if laid_out is not None:  # from its parsed twin, checked when fetched (formats/dcp/twins.py)
+            _range(files, info, fqn)
+            pieces.append(Piece(files.box(offsets, sizes), laid_out))
+            continue
         f, where = _range(files, info, fqn)
         if f.read(4) != zipio.ZIP_MAGIC:  # SerializationFormat.SAFETENSORS: an entry of the file's safetensors document
             pieces.append(Piece(files.box(offsets, sizes), files.blobs.chunk(f, where, info.offset, fqn, offsets, sizes, dtype)))
+            if twins is not None:
+                twins.learn(kind, info, None, {}, None)
             continue
         obj, records = load_archive(f, f"{where} ('{fqn}' at {info.offset})", options, info.offset, info.length)
         if not isinstance(obj, TensorRef):
@@ -174,6 +165,10 @@ def _tensor_pieces(files: _Files, fqn: str, meta: TensorStorageRec, storage: Sto
         if obj.dtype != dtype or obj.shape != sizes:
             raise DataError(f"{where}: '{fqn}' chunk holds {obj.dtype}{list(obj.shape)}; metadata says {dtype}{list(sizes)}")
         pieces.append(Piece(files.box(offsets, sizes), stored_array(obj, records, where, fqn)))
+        if twins is not None and "data.pkl" in records:
+            pkl = records["data.pkl"]
+            f.seek(pkl.data_offset)
+            twins.learn(kind, info, obj, records, f.read(pkl.size))
     return pieces
 
 
@@ -319,8 +314,12 @@ class DCPReader:
         objects: dict[str, ObjectEntry] = {}
         containers: dict[tuple[Any, ...], str] = {}
         try:
+            twins = None
             if not store.mappable(path) and not options.layout_only:
-                _prefetch_edges(files, storage.values())
+                forget_predicted(files.where(relative) for relative in {span[0] for span in storage.spans()})
+                if options.predicted_chunks and not options.pieces_when_read:
+                    twins = Twins(shared_tensors(meta), storage)
+                prefetch_edges(files.open, [i for i in storage.values() if twins is None or not twins.is_twin(i)])
             layout_of = lambda fqn, item: _layout_pieces(path, fqn, item, storage)  # noqa: E731
             read_of = lambda fqn, item: _tensor_pieces(files, fqn, item, storage, options)  # noqa: E731
             for fqn, item in shared_tensors(meta).items():
@@ -339,7 +338,7 @@ class DCPReader:
                         _check_stored(path, fqn, item, storage)
                         pieces = LazyPieces(_PiecesOf(read_of, fqn, item), len(item.chunks))
                     else:
-                        pieces = _tensor_pieces(files, fqn, item, storage, options)
+                        pieces = _tensor_pieces(files, fqn, item, storage, options, twins)
                         pieces = dcp_chunks.pack(pieces, item.properties.dtype, size, paths)
                         object.__setattr__(item, "chunks", ())  # the pieces hold the same boxes (200,000 records at 64 ranks)
                     tensors[fqn] = TensorEntry(fqn, item.properties.dtype, size, roles.tensor_role(key_path), pieces, key_path)
