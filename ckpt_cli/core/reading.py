@@ -23,12 +23,18 @@ from ckpt_cli.core.paths import open_regular, open_regular_fd
 from ckpt_cli.core.write.crc import RecordCheck, crc32
 from ckpt_cli.errors import DataError
 from ckpt_cli.store import prefetch as remote_read
+from ckpt_cli.store.shared_reads import SharedReader
 
 # 4 MiB stays in cache between the read, the CRC and the write; 32 MiB made the kernel's copy into
 # the page cache 3-10x slower on a 2-core VM (benchmarks/run.py, perf: copy_folio_from_iter_atomic).
 BLOCK_BYTES = 4 << 20
 SMALL_READ_BYTES = 64 << 10  # reads up to this size go through a read-ahead window of their file
 WINDOW_BYTES, WINDOW_BUDGET = 1 << 20, 16 << 20  # one file's window at most, all windows of one reader together
+
+
+def remote_runs(runs: list[ByteRun]) -> list[ByteRun]:
+    """The runs of `runs` in object storage (fetched ahead), in order."""
+    return [r for r in runs if not store.mappable(r[0])]
 
 
 class SourceFiles:
@@ -42,7 +48,7 @@ class SourceFiles:
         self.fds: dict[str, int] = {}
         self._buffer: bytearray | None = None
         self._materialised: tuple[StoredArray, Any] | None = None
-        self._prefetch: remote_read.Prefetch | None = None
+        self._prefetch: remote_read.Prefetch | SharedReader | None = None
         self._windows: dict[str, tuple[int, bytes]] = {}  # path -> (offset, bytes read ahead there), oldest first
         self._window_bytes = 0
         self._maps: dict[str, tuple[Any, Any]] = {}  # path -> (memory map, its bytes as numpy): planned gathers
@@ -121,10 +127,17 @@ class SourceFiles:
                 for at in range(0, nbytes, BLOCK_BYTES)
                 if self._direct.wants(path, n := min(BLOCK_BYTES, nbytes - at))
             )
-        remote = [r for r in runs if not store.mappable(r[0])]
+        remote = remote_runs(runs)
         if self._prefetch is not None:
             self._prefetch.close()
         self._prefetch = remote_read.Prefetch(remote) if remote else None
+
+    def share(self, reader: remote_read.Prefetch | SharedReader) -> None:
+        """Serve the runs in object storage through `reader` (store/shared_reads.py: spans fetched once for the files
+        of one write), as `expect` would through a Prefetch of its own."""
+        if self._prefetch is not None:
+            self._prefetch.close()
+        self._prefetch = reader
 
     def remote(self, path: str, offset: int, nbytes: int) -> Iterator[memoryview]:
         """Bytes of an object: from the prefetched runs when this is the next one expected, else streamed."""

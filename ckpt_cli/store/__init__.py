@@ -15,7 +15,7 @@ clients.py (one client per protocol, the BACKENDS table, error words, request co
 class per object store: client, writer, unfinished writes), fsspec_any.py (other fsspec protocols, read-only),
 objects.py (what the object stores share: object writes with data first and markers last, cleanup), local.py (local
 storage: the temporary sibling and rename), guard.py (what --overwrite must keep), prefetch.py (tensor data fetched
-ahead).
+ahead), predicted.py (items a reader laid out by prediction, checked whole when their data is fetched).
 """
 
 from __future__ import annotations

@@ -156,8 +156,26 @@ def filesystem(protocol: str) -> Any:
     key = (protocol, *(os.environ.get(k) for k in store.ENVIRONMENT))
     with _fs_lock:
         if key not in _filesystems:
+            _return_large_buffers()
             _filesystems[key] = store.make(protocol)
         return _filesystems[key]
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_BYTES = 1 << 20
+
+
+def _return_large_buffers() -> None:
+    """Have glibc map each buffer of MMAP_BYTES or more on its own and unmap it when freed. Reads and writes in object
+    storage pass through thousands of short-lived 4-16 MiB buffers on 32 threads; under glibc's default the threshold
+    rises to the largest buffer freed, they are then carved from the threads' heaps, and the process keeps the peak
+    of them all (S3 dcp -> hf of 1 GB: 592 MB peak RSS; 407 MB with a fixed threshold). Elsewhere (no glibc) nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)
+    except (OSError, AttributeError):
+        pass
 
 
 def made() -> list[Any]:

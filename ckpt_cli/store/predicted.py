@@ -87,6 +87,14 @@ def unchecked(url: str, start: int, end: int) -> bool:
         return any(item.state != PASSED for item in _objects[url].overlapping(start, end))
 
 
+def laid_out(url: str, start: int, end: int) -> bool:
+    """Whether bytes [start, end) of `url` reach into the data of an item laid out by prediction, checked or not."""
+    if url not in _objects:
+        return False
+    with _changed:
+        return bool(_objects[url].overlapping(start, end))
+
+
 def claim(url: str, start: int, end: int) -> tuple[list[_Item], list[_Item]]:
     """For a fetch of [start, end): the unchecked items it should fetch whole and check (now claimed by it), and the
     items another fetch is checking, to wait for. An item that failed raises its error again."""

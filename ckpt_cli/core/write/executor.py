@@ -26,7 +26,7 @@ from ckpt_cli.core import heap
 from ckpt_cli.core.direct import DIRECT_BYTES
 from ckpt_cli.core.model import ZEROS
 from ckpt_cli.core.paths import inside
-from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs
+from ckpt_cli.core.reading import ByteRun, SourceFiles, byte_runs, remote_runs
 from ckpt_cli.core.write import object_copies, source_order
 from ckpt_cli.core.write.crc import RecordCheck, crc32_combine
 from ckpt_cli.core.write.plan import Deferred, FileSizes, Literal, OutputFile, Segment, TensorData, WritePlan
@@ -42,6 +42,9 @@ from ckpt_cli.core.write.sinks import (
 )
 from ckpt_cli.core.write.source_order import run_together, ticker
 from ckpt_cli.store import Guard, Write
+from ckpt_cli.store.shared_reads import SharedReads
+
+SharedFile = tuple[SharedReads, int]  # a write's shared reads, and a file's index in them
 
 CHUNK_BYTES = 64 << 20  # a large tensor is cut into pieces of this size when threads share its file
 
@@ -220,7 +223,7 @@ def write_files(
             if sink.fd is not None:
                 write_file(sink.fd, out, segments, tick, threads, cancel, check)
             else:
-                write_in_order(segments, sink, check)
+                write_in_order(segments, sink, check, (shared, order[id(out)]) if shared is not None else None)
             interrupt.check()  # a SIGTERM during the last blocks: complete nothing
             sink.commit()
         except BaseException:
@@ -228,6 +231,8 @@ def write_files(
             raise
 
     check = source_records(files)
+    shared = shared_reads(write, files, workers) if take is None else None
+    order = {id(out): k for k, (_, out) in enumerate(files)}
     if take is None and source_order.applies(write, files):
         planned = source_order.plan_jobs(files, check)
         if planned is not None:
@@ -383,6 +388,15 @@ def execute(
     write.commit()
 
 
+def shared_reads(write: Write, files: list[tuple[Path, OutputFile]], workers: int) -> SharedReads | None:
+    """The reads the files of an object-store write share (store/shared_reads.py), when their data is in object
+    storage and their segments are at hand (not built, streamed or filled); else None."""
+    if store.mappable(write.root) or any(out.build is not None or out.stream is not None or out.fill is not None for _, out in files):
+        return None
+    runs = [remote_runs(file_runs(out.segments)) for _, out in files]
+    return SharedReads(runs, workers) if any(runs) else None
+
+
 def file_runs(segments: list[Segment]) -> list[ByteRun]:
     """The stored bytes a file's tensor data is copied from, in order, when some are in object storage (read
     ahead: store/prefetch.py); [] otherwise, and for data that needs torch (casts, strided pieces)."""
@@ -399,12 +413,18 @@ def direct_runs(segments: list[Segment]) -> list[ByteRun]:
     return [run for s in data for run in byte_runs(s.tensor, s.dtype) or [] if store.mappable(run[0])]
 
 
-def write_in_order(segments: list[Segment], sink: store.File, check: RecordCheck) -> None:
-    """A file's bytes in order into an object (see write_segments); stored data is fetched ahead, and data that
-    passes unchanged from an object of the same store is copied there (core/write/object_copies.py)."""
+def write_in_order(segments: list[Segment], sink: store.File, check: RecordCheck, shared: SharedFile | None = None) -> None:
+    """A file's bytes in order into an object (see write_segments); stored data is fetched ahead (`shared`: this
+    file's place in the write's shared reads), and data that passes unchanged from an object of the same store is
+    copied there (core/write/object_copies.py)."""
     copied = object_copies.planned(segments, sink, check)
     sources = SourceFiles(check)
-    sources.expect(file_runs([s for s in segments if id(s) not in copied]))
+    runs = file_runs([s for s in segments if id(s) not in copied])
+    reader = shared[0].reader(shared[1], remote_runs(runs)) if shared is not None else None
+    if reader is not None:
+        sources.share(reader)
+    else:
+        sources.expect(runs)
     try:
         object_copies.write(segments, sink, sources, copied)
     finally:

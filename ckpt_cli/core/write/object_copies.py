@@ -42,8 +42,9 @@ def planned(segments: list[Segment], sink: Any, check: RecordCheck | None) -> di
 
 
 def _checked_when_read(check: RecordCheck | None, path: str, offset: int, nbytes: int) -> bool:
-    """Whether bytes of a source are checked as they pass: a record's CRC32, or an item laid out by prediction."""
-    return (check is not None and check.wants(path, offset, nbytes)) or predicted.unchecked(path, offset, offset + nbytes)
+    """Whether bytes of a source are checked as they pass: a record's CRC32, or an item laid out by prediction (whether
+    or not another file's read checked it already: what a write reads is planned before it starts)."""
+    return (check is not None and check.wants(path, offset, nbytes)) or predicted.laid_out(path, offset, offset + nbytes)
 
 
 def whole_object(segments: list[Segment], found: dict[int, list[ByteRun]]) -> bool:

@@ -1,0 +1,181 @@
+"""Ranged GETs shared by the output files of one write: bytes of a source object that several files read at about the
+same time are fetched once, as one span, and held until each file took its runs.
+
+Each output file reads its runs in its own order (store/prefetch.py's Prefetch fetches them ahead, merging only runs
+that follow each other). But neighbours in a source object are often read by different files, or far apart in one:
+`dcp.save` with a thread per file puts tensor i in file i mod 29, so the hf shards, in name order, read every 4 MiB
+tensor from another object than the one before (one GET per tensor), and an FSDP rank file holds its shard of every
+tensor in turn, read by each output file between the other ranks' (one GET per tensor and rank). Here the runs of
+every file are known before the write: the runs of each object, in offset order, are joined into spans of about
+PIECE_BYTES (gaps under GAP_BYTES; a span grows while under PIECE_BYTES, to at most twice that) when the files read
+them at about the same time: by the time model of a write
+whose `workers` threads take files in order, file k's run at byte `pos` of its data is read at about
+(k // workers) * F + pos, F the mean bytes a file reads, and a span's runs must lie within F of one another. A span
+is fetched by the first file to need it (AHEAD spans ahead of each file's position) and dropped once its last run was
+taken; a span kept for a file still to come counts against HOLD_BYTES, past which it is dropped and that file fetches
+its run alone (memory stays bounded whatever the files' real pace).
+
+A file whose runs at write time are not those announced (a segment the store copies instead) gives its runs back at
+once, and a file read out of its announced order gives back the rest (`close`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+from ckpt_cli.errors import DataError
+from ckpt_cli.store.location import location
+from ckpt_cli.store.prefetch import AHEAD, GAP_BYTES, PIECE_BYTES, ByteRun, _fetch
+
+HOLD_BYTES = 128 << 20  # fetched bytes kept for files still to take their runs
+
+
+class _Span:
+    __slots__ = ("url", "start", "end", "left", "data", "fetched_by", "dropped")
+
+    def __init__(self, url: str, start: int, end: int) -> None:
+        self.url, self.start, self.end = url, start, end
+        self.left = 0  # runs not taken yet
+        self.data: Future[bytes] | None = None
+        self.fetched_by = -1  # the file whose reader started the fetch (-2: held for the files to come)
+        self.dropped = False  # let go for want of room: the files to come fetch their own runs
+
+
+class SharedReads:
+    """The spans of one write's reads in object storage, and a reader for each output file (`reader`)."""
+
+    def __init__(self, files: list[list[ByteRun]], workers: int) -> None:
+        self.runs = files
+        self.spans_of: list[list[_Span]] = [[] for _ in files]  # per file, the span of each of its runs
+        self.held = 0  # bytes of spans fetched, still wanted, whose fetching file is past them
+        self.lock = threading.Lock()
+        totals = [sum(n for _, _, n in runs) for runs in files]
+        mean = max(1, sum(totals) // max(1, len(files)))
+        by_object: dict[str, list[tuple[int, int, int, int, int]]] = {}  # url -> (offset, bytes, time, file, run)
+        for k, runs in enumerate(files):
+            pos = 0
+            for i, (url, offset, nbytes) in enumerate(runs):
+                by_object.setdefault(url, []).append((offset, nbytes, (k // max(1, workers)) * mean + pos, k, i))
+                pos += nbytes
+        where: dict[tuple[int, int], _Span] = {}  # (file, run) -> its span
+        sizes = self._sizes(by_object)
+        for url, located in by_object.items():
+            located.sort()
+            if located and located[-1][0] + located[-1][1] > sizes[url]:
+                raise DataError(f"{url}: truncated: the object ends before the data it should hold")
+            span, first = None, 0
+            for offset, nbytes, time, k, i in located:
+                joins = (
+                    span is not None
+                    and span.end <= offset <= span.end + GAP_BYTES
+                    and span.end - span.start < PIECE_BYTES
+                    and offset + nbytes - span.start <= 2 * PIECE_BYTES
+                    and abs(time - first) <= mean
+                )
+                if not joins:
+                    span, first = _Span(url, offset, offset + nbytes), time
+                assert span is not None
+                span.end = max(span.end, offset + nbytes)
+                span.left += 1
+                where[k, i] = span
+        for k, runs in enumerate(files):
+            self.spans_of[k] = [where[k, i] for i in range(len(runs))]
+
+    @staticmethod
+    def _sizes(by_object: dict[str, list[tuple[int, int, int, int, int]]]) -> dict[str, int]:
+        return {url: location(url).stat().st_size for url in by_object}
+
+    def reader(self, k: int, runs: list[ByteRun]) -> SharedReader | None:
+        """File k's reader of `runs`: the runs announced for it, but for those the store copies instead (given back
+        now). None when they are not (its runs are all given back)."""
+        announced, kept = self.runs[k], list[int]()
+        for i, run in enumerate(announced):
+            if len(kept) < len(runs) and run == runs[len(kept)]:
+                kept.append(i)
+        reader = SharedReader(self, k, kept)
+        for i in sorted(set(range(len(announced))) - set(kept)):
+            self._taken(k, self.spans_of[k][i], False)
+        if len(kept) < len(runs):
+            reader.close()
+            return None
+        return reader
+
+    def _want(self, k: int, span: _Span) -> Future[bytes] | None:
+        """The span's bytes, its fetch started now if no file started it; None when it was let go for want of room
+        (the caller then fetches only its own run)."""
+        with self.lock:
+            if span.data is None and not span.dropped:
+                span.data, span.fetched_by = _fetch(span.url, span.start, span.end), k
+            return span.data
+
+    def _taken(self, k: int, span: _Span, last_in_file: bool) -> None:
+        """File k took one of the span's runs; `last_in_file`: it takes no more of them. The span's bytes are let go
+        when no file wants them, or kept for the files to come while HOLD_BYTES allows."""
+        with self.lock:
+            span.left -= 1
+            if span.data is None:
+                return
+            size = span.end - span.start
+            if span.left == 0:
+                if span.fetched_by == -2:  # counted as held
+                    self.held -= size
+                span.data = None
+            elif last_in_file and span.fetched_by == k:  # its fetcher is done with it: held for the others
+                if self.held + size > HOLD_BYTES:
+                    span.data, span.dropped = None, True
+                else:
+                    self.held += size
+                    span.fetched_by = -2
+
+
+class SharedReader:
+    """One output file's reads (Prefetch's interface): `take` serves the next announced run, or None for another."""
+
+    def __init__(self, shared: SharedReads, k: int, kept: list[int]) -> None:
+        self.shared, self.k = shared, k
+        runs, spans = shared.runs[k], shared.spans_of[k]
+        self.runs, self.spans = [runs[i] for i in kept], [spans[i] for i in kept]
+        self.next = 0  # the index of the next run to take
+        self.last_use = {id(span): i for i, span in enumerate(self.spans)}  # the file's last run in each span
+
+    def take(self, url: str, offset: int, nbytes: int) -> Iterator[memoryview] | None:
+        if not nbytes:
+            return iter(())
+        if self.next >= len(self.runs) or self.runs[self.next] != (url, offset, nbytes):
+            return None
+        i = self.next
+        self.next += 1
+        return self._serve(i)
+
+    def _serve(self, i: int) -> Iterator[memoryview]:
+        url, offset, nbytes = self.runs[i]
+        span = self.spans[i]
+        for ahead in self._upcoming(i):
+            self.shared._want(self.k, ahead)
+        future = self.shared._want(self.k, span)
+        base = span.start
+        if future is None:  # let go before this file came to it: its own run alone
+            future, base = _fetch(url, offset, offset + nbytes), offset
+        data = future.result()
+        try:
+            yield memoryview(data)[offset - base : offset - base + nbytes]
+        finally:
+            self.shared._taken(self.k, span, self.last_use[id(span)] == i)
+
+    def _upcoming(self, i: int) -> list[_Span]:
+        """The next AHEAD spans this file reads after run i (distinct from its own)."""
+        found: list[_Span] = []
+        for span in self.spans[i + 1 : i + 1 + 64 * AHEAD]:
+            if span is not self.spans[i] and all(span is not s for s in found):
+                found.append(span)
+                if len(found) == AHEAD:
+                    break
+        return found
+
+    def close(self) -> None:
+        """Give back the runs not taken (read out of order, or not read at all)."""
+        for i in range(self.next, len(self.runs)):
+            self.shared._taken(self.k, self.spans[i], self.last_use[id(self.spans[i])] == i)
+        self.next = len(self.runs)
