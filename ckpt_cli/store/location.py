@@ -286,6 +286,11 @@ _cache = _Cache()
 def fetch(path: Location, start: int, end: int) -> bytes:
     """Bytes [start, end) of an object: one ranged GET (DataError if the object ends first). A GET that reaches into
     the data of an item laid out by prediction takes the whole item and checks it before returning (store/predicted.py)."""
+    return bytes(fetch_view(path, start, end))
+
+
+def fetch_view(path: Location, start: int, end: int) -> bytes | memoryview:
+    """fetch, as bytes or a view of the longer bytes fetched (no copy: what tensor data is read through)."""
     url = str(path)
     mine, theirs = predicted.claim(url, start, end)
     data = _checked_get(path, start, end, mine)
@@ -294,7 +299,7 @@ def fetch(path: Location, start: int, end: int) -> bytes:
     return data
 
 
-def _checked_get(path: Location, start: int, end: int, mine: list[Any]) -> bytes:
+def _checked_get(path: Location, start: int, end: int, mine: list[Any]) -> bytes | memoryview:
     """One ranged GET of [start, end), widened to the claimed items, which are checked on its bytes."""
     low, high = min([start, *(item.start for item in mine)]), max([end, *(item.end for item in mine)])
     try:
@@ -305,7 +310,7 @@ def _checked_get(path: Location, start: int, end: int, mine: list[Any]) -> bytes
         predicted.settle(mine, None, low)  # unchecked again: another fetch of them checks them
         raise
     predicted.settle(mine, data, low)
-    return data if (low, high) == (start, end) else data[start - low : end - low]
+    return data if (low, high) == (start, end) else memoryview(data)[start - low : end - low]
 
 
 def read_into(url: str, offset: int, view: memoryview) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from ckpt_cli.errors import DataError
 
-Check = Callable[[bytes], None]
+Check = Callable[[bytes, int], None]  # (bytes fetched, where the item starts in them)
 PENDING, CLAIMED, PASSED, FAILED = range(4)
 
 
@@ -72,7 +72,8 @@ _changed = threading.Condition()
 
 def expect(url: str, start: int, end: int, data_start: int, data_end: int, check: Check) -> None:
     """Item [start, end) of the object at `url`, with its data at [data_start, data_end), is served only once `check`
-    passed on its bytes (raising DataError, or Mispredicted, when they are not what the reader predicted)."""
+    passed on the bytes fetched with it (given with the item's place in them; raising DataError, or Mispredicted, when
+    they are not what the reader predicted)."""
     with _changed:
         found = _objects.setdefault(url, _Object())
         found.items.append(_Item(start, end, data_start, data_end, check))
@@ -121,7 +122,7 @@ def settle(mine: list[_Item], data: bytes | None, base: int) -> None:
         state, error = PENDING, None
         if data is not None:
             try:
-                item.check(data[item.start - base : item.end - base])
+                item.check(data, item.start - base)
                 state = PASSED
             except DataError as exc:
                 state, error = FAILED, exc

@@ -16,30 +16,31 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckpt_cli.errors import DataError
-from ckpt_cli.store.location import fetch, location, remote
+from ckpt_cli.store.location import fetch_view, location, remote
 
 PIECE_BYTES = 8 << 20
 AHEAD = 3
 GAP_BYTES = 1 << 20
 ByteRun = tuple[str, int, int]  # (url, byte offset, byte count), as core/reading.py
+Fetched = bytes | memoryview  # a GET's bytes, or a view of the longer bytes a checked GET took (store/predicted.py)
 
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
 
 
-def _fetch(url: str, start: int, end: int) -> Future[bytes]:
+def _fetch(url: str, start: int, end: int) -> Future[Fetched]:
     global _pool
     with _lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(32, thread_name_prefix="ckpt-read")
-    return _pool.submit(fetch, remote(url), start, end)
+    return _pool.submit(fetch_view, remote(url), start, end)
 
 
-def stream(url: str, offset: int, nbytes: int) -> Iterator[bytes]:
+def stream(url: str, offset: int, nbytes: int) -> Iterator[Fetched]:
     """Bytes [offset, offset + nbytes) of an object, piece by piece; DataError if the object ends first."""
     if offset + nbytes > location(url).stat().st_size:
         raise DataError(f"{url}: truncated: expected {nbytes} bytes at offset {offset}, file ends first")
-    pending: deque[Future[bytes]] = deque()
+    pending: deque[Future[Fetched]] = deque()
     pos, end = offset, offset + nbytes
     try:
         while pos < end or pending:
@@ -58,7 +59,7 @@ class _Piece:
     url: str
     start: int
     end: int
-    data: Future[bytes]
+    data: Future[Fetched]
 
 
 def pieces(runs: list[ByteRun]) -> list[tuple[str, int, int]]:
@@ -98,7 +99,7 @@ class Prefetch:
         self.runs = deque(r for r in runs if r[2] > 0)
         self.todo = deque(pieces(list(self.runs)))
         self.inflight: deque[_Piece] = deque()
-        self.current: tuple[str, int, int, bytes] | None = None
+        self.current: tuple[str, int, int, Fetched] | None = None
         for url in {r[0] for r in self.runs}:
             if max(o + n for u, o, n in self.runs if u == url) > location(url).stat().st_size:
                 raise DataError(f"{url}: truncated: the object ends before the data it should hold")
@@ -125,7 +126,7 @@ class Prefetch:
             url, start, end = self.todo.popleft()
             self.inflight.append(_Piece(url, start, end, _fetch(url, start, end)))
 
-    def _next(self) -> tuple[str, int, int, bytes]:
+    def _next(self) -> tuple[str, int, int, Fetched]:
         self._fill()
         if not self.inflight:
             raise AssertionError("prefetch schedule ran out before the runs it planned")

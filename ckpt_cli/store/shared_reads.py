@@ -27,7 +27,7 @@ from concurrent.futures import Future
 
 from ckpt_cli.errors import DataError
 from ckpt_cli.store.location import location
-from ckpt_cli.store.prefetch import AHEAD, GAP_BYTES, PIECE_BYTES, ByteRun, _fetch
+from ckpt_cli.store.prefetch import AHEAD, GAP_BYTES, PIECE_BYTES, ByteRun, Fetched, _fetch
 
 HOLD_BYTES = 128 << 20  # fetched bytes kept for files still to take their runs
 
@@ -38,7 +38,7 @@ class _Span:
     def __init__(self, url: str, start: int, end: int) -> None:
         self.url, self.start, self.end = url, start, end
         self.left = 0  # runs not taken yet
-        self.data: Future[bytes] | None = None
+        self.data: Future[Fetched] | None = None
         self.fetched_by = -1  # the file whose reader started the fetch (-2: held for the files to come)
         self.dropped = False  # let go for want of room: the files to come fetch their own runs
 
@@ -102,7 +102,7 @@ class SharedReads:
             return None
         return reader
 
-    def _want(self, k: int, span: _Span) -> Future[bytes] | None:
+    def _want(self, k: int, span: _Span) -> Future[Fetched] | None:
         """The span's bytes, its fetch started now if no file started it; None when it was let go for want of room
         (the caller then fetches only its own run)."""
         with self.lock:
@@ -154,11 +154,9 @@ class SharedReader:
         span = self.spans[i]
         for ahead in self._upcoming(i):
             self.shared._want(self.k, ahead)
-        future = self.shared._want(self.k, span)
-        base = span.start
-        if future is None:  # let go before this file came to it: its own run alone
-            future, base = _fetch(url, offset, offset + nbytes), offset
-        data = future.result()
+        wanted = self.shared._want(self.k, span)
+        future, base = (wanted, span.start) if wanted is not None else (_fetch(url, offset, offset + nbytes), offset)
+        data = future.result()  # None above: let go before this file came to it, so its own run alone
         try:
             yield memoryview(data)[offset - base : offset - base + nbytes]
         finally:

@@ -45,6 +45,7 @@ class _Parsed:
     """The first chunk of a kind, parsed: what its twins are checked against."""
 
     offset: int
+    length: int  # of its archive
     ref: Any  # its data.pkl's TensorRef
     records: dict[str, zipio.Record]
     layout: dict[str, tuple[int, int]]  # record name -> (data offset in the archive, size)
@@ -81,7 +82,7 @@ class Twins:
             self.parsed[kind] = None
             return
         layout = {name: (rec.data_offset - info.offset, rec.size) for name, rec in records.items()}
-        self.parsed[kind] = _Parsed(info.offset, ref, records, layout, pickle)
+        self.parsed[kind] = _Parsed(info.offset, info.length, ref, records, layout, pickle)
 
     def predict(self, url: str, kind: Kind, info: StorageInfoRec, fqn: str) -> StoredArray | None:
         """The chunk's array laid out from its parsed twin, registered to be checked when fetched; None when it is no
@@ -125,19 +126,20 @@ def forget_predicted(urls: Iterable[str]) -> None:
         predicted.forget(url)
 
 
-def _check(twin: _Parsed, offset: int, url: str, fqn: str, archive: bytes) -> None:
-    """The chunk's archive, fetched whole, is its twin's but for the data (Mispredicted where it is another valid
-    layout), and its data matches the CRC32 its own directory records (DataError)."""
+def _check(twin: _Parsed, offset: int, url: str, fqn: str, fetched: bytes, at: int) -> None:
+    """The chunk's archive, fetched whole (from `at` in `fetched`), is its twin's but for the data (Mispredicted where it
+    is another valid layout), and its data matches the CRC32 its own directory records (DataError)."""
     where = f"{url} ('{fqn}' at {offset})"
-    records = zipio.read_archive(io.BytesIO(archive), where, 0, len(archive))[0]
+    length = twin.length
+    records = zipio.read_archive(io.BytesIO(fetched), where, at, length)[0]  # BytesIO shares the bytes: no copy
     pkl = records.get("data.pkl")
-    layout = {name: (rec.data_offset, rec.size) for name, rec in records.items()}
-    if layout != twin.layout or pkl is None or archive[pkl.data_offset : pkl.data_offset + pkl.size] != twin.pickle:
+    layout = {name: (rec.data_offset - at, rec.size) for name, rec in records.items()}
+    if layout != twin.layout or pkl is None or fetched[pkl.data_offset : pkl.data_offset + pkl.size] != twin.pickle:
         raise predicted.Mispredicted(f"{where}: laid out unlike the chunks of its dtype and shape")
     data = records[f"data/{twin.ref.storage.key}"]
-    crc = zlib.crc32(memoryview(archive)[data.data_offset : data.data_offset + data.size])
+    crc = zlib.crc32(memoryview(fetched)[data.data_offset : data.data_offset + data.size])
     if data.crc and crc != data.crc:
         raise DataError(
-            f"{url}: record {data.name} at byte {offset + data.data_offset} fails its CRC32 check (stored {data.crc:08x}, "
-            f"read {crc:08x}): the file is damaged; nothing was converted"
+            f"{url}: record {data.name} at byte {offset + data.data_offset - at} fails its CRC32 check (stored "
+            f"{data.crc:08x}, read {crc:08x}): the file is damaged; nothing was converted"
         )
