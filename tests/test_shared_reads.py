@@ -97,3 +97,16 @@ def test_spans_join_what_files_read_at_about_the_same_time(monkeypatch):
     assert far.spans_of[0][0] is not far.spans_of[6][0]
     big = shared_reads.SharedReads([[run(0), run(1), run(2), run(3), run(4)]], workers=1)  # one file: about 8 MiB a span
     assert len({id(s) for s in big.spans_of[0]}) == 2
+
+
+def test_a_long_run_is_streamed_in_pieces_never_fetched_whole(monkeypatch):
+    monkeypatch.setattr(shared_reads.SharedReads, "_sizes", staticmethod(lambda by_object: dict.fromkeys(by_object, 1 << 40)))
+    asked: list[tuple[int, int]] = []
+    monkeypatch.setattr(shared_reads, "_fetch", lambda url, a, b: asked.append((a, b)))
+    monkeypatch.setattr(shared_reads, "stream", lambda url, offset, n: iter([b"x" * (n // 2), b"y" * (n - n // 2)]))
+    gib = 1 << 30
+    reads = shared_reads.SharedReads([[("s3://b/o", 0, gib)], [("s3://b/o", gib, 4096)]], workers=2)
+    reader = reads.reader(0, [("s3://b/o", 0, gib)])
+    assert reader is not None and reads.spans_of[0][0] is not reads.spans_of[1][0]
+    got = reader.take("s3://b/o", 0, gib)
+    assert got is not None and sum(len(v) for v in got) == gib and asked == []

@@ -8,7 +8,7 @@ tensor from another object than the one before (one GET per tensor), and an FSDP
 tensor in turn, read by each output file between the other ranks' (one GET per tensor and rank). Here the runs of
 every file are known before the write: the runs of each object, in offset order, are joined into spans of about
 PIECE_BYTES (gaps under GAP_BYTES; a span grows while under PIECE_BYTES, to at most twice that) when the files read
-them at about the same time: by the time model of a write
+them at about the same time (a run longer than 2 PIECE_BYTES stays alone and streams in pieces): by the time model of a write
 whose `workers` threads take files in order, file k's run at byte `pos` of its data is read at about
 (k // workers) * F + pos, F the mean bytes a file reads, and a span's runs must lie within F of one another. A span
 is fetched by the first file to need it (AHEAD spans ahead of each file's position) and dropped once its last run was
@@ -27,13 +27,13 @@ from concurrent.futures import Future
 
 from ckpt_cli.errors import DataError
 from ckpt_cli.store.location import location
-from ckpt_cli.store.prefetch import AHEAD, GAP_BYTES, PIECE_BYTES, ByteRun, Fetched, _fetch
+from ckpt_cli.store.prefetch import AHEAD, GAP_BYTES, PIECE_BYTES, ByteRun, Fetched, _fetch, stream
 
 HOLD_BYTES = 128 << 20  # fetched bytes kept for files still to take their runs
 
 
 class _Span:
-    __slots__ = ("url", "start", "end", "left", "data", "fetched_by", "dropped")
+    __slots__ = ("url", "start", "end", "left", "data", "fetched_by", "dropped", "streamed")
 
     def __init__(self, url: str, start: int, end: int) -> None:
         self.url, self.start, self.end = url, start, end
@@ -41,6 +41,7 @@ class _Span:
         self.data: Future[Fetched] | None = None
         self.fetched_by = -1  # the file whose reader started the fetch (-2: held for the files to come)
         self.dropped = False  # let go for want of room: the files to come fetch their own runs
+        self.streamed = end - start > 2 * PIECE_BYTES  # a long run alone, streamed in pieces by the file that reads it
 
 
 class SharedReads:
@@ -69,6 +70,8 @@ class SharedReads:
             for offset, nbytes, time, k, i in located:
                 joins = (
                     span is not None
+                    and not span.streamed
+                    and nbytes <= 2 * PIECE_BYTES
                     and span.end <= offset <= span.end + GAP_BYTES
                     and span.end - span.start < PIECE_BYTES
                     and offset + nbytes - span.start <= 2 * PIECE_BYTES
@@ -103,10 +106,10 @@ class SharedReads:
         return reader
 
     def _want(self, k: int, span: _Span) -> Future[Fetched] | None:
-        """The span's bytes, its fetch started now if no file started it; None when it was let go for want of room
-        (the caller then fetches only its own run)."""
+        """The span's bytes, its fetch started now if no file started it; None when it was let go for want of room, or
+        is a long run streamed in pieces (the caller then reads only its own run)."""
         with self.lock:
-            if span.data is None and not span.dropped:
+            if span.data is None and not span.dropped and not span.streamed:
                 span.data, span.fetched_by = _fetch(span.url, span.start, span.end), k
             return span.data
 
@@ -154,10 +157,14 @@ class SharedReader:
         span = self.spans[i]
         for ahead in self._upcoming(i):
             self.shared._want(self.k, ahead)
-        wanted = self.shared._want(self.k, span)
-        future, base = (wanted, span.start) if wanted is not None else (_fetch(url, offset, offset + nbytes), offset)
-        data = future.result()  # None above: let go before this file came to it, so its own run alone
         try:
+            if span.streamed:  # pieces of PIECE_BYTES, AHEAD in flight: never held whole
+                for piece in stream(url, offset, nbytes):
+                    yield memoryview(piece)
+                return
+            wanted = self.shared._want(self.k, span)
+            future, base = (wanted, span.start) if wanted is not None else (_fetch(url, offset, offset + nbytes), offset)
+            data = future.result()  # None above: let go before this file came to it, so its own run alone
             yield memoryview(data)[offset - base : offset - base + nbytes]
         finally:
             self.shared._taken(self.k, span, self.last_use[id(span)] == i)
@@ -166,7 +173,7 @@ class SharedReader:
         """The next AHEAD spans this file reads after run i (distinct from its own)."""
         found: list[_Span] = []
         for span in self.spans[i + 1 : i + 1 + 64 * AHEAD]:
-            if span is not self.spans[i] and all(span is not s for s in found):
+            if span is not self.spans[i] and not span.streamed and all(span is not s for s in found):
                 found.append(span)
                 if len(found) == AHEAD:
                     break
