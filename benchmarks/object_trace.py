@@ -119,7 +119,8 @@ def main() -> None:
         keys = fs.find(root)
 
         def copy(key: str) -> None:
-            with fs.open(key, "rb", block_size=PART, cache_type="none") as r, fs.open(f"{server.root}/copy" + key[len(root) :], "wb", block_size=PART) as w:
+            target = f"{server.root}/copy" + key[len(root) :]
+            with fs.open(key, "rb", block_size=PART, cache_type="none") as r, fs.open(target, "wb", block_size=PART) as w:
                 while chunk := r.read(PART):
                     w.write(chunk)
 
