@@ -1,8 +1,8 @@
 """Ranged GETs shared by the output files of one write (store/shared_reads.py), on a moto S3 server, from a checkpoint
 saved by dcp.save with a thread per file (tensor i in file i mod 4, so the hf shards, two tensors each, read every
 tensor from another object than the one before): neighbours in a source object read by different output files are
-fetched as one span, the output equals torch's own load bit for bit, and with no room to hold a span for the files
-still to come each file fetches its own runs and the output is the same."""
+fetched as one span, the output equals torch's own load bit for bit, and with no room for spans each file fetches its
+own runs and the output is the same."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_neighbours_read_by_different_files_are_one_get(ckpt, s3, interleaved, m
 
 def test_with_no_room_to_hold_each_file_fetches_its_own_runs(ckpt, s3, interleaved, monkeypatch):
     url = s3.upload(interleaved, "shared/src-tight")
-    monkeypatch.setattr(shared_reads, "HOLD_BYTES", 0)
+    monkeypatch.setattr(shared_reads, "LIVE_BYTES", 0)
     got, moved = _convert(ckpt, s3, url, "shared/out-tight")
     expected = _expected(interleaved)
     assert sorted(got) == sorted(expected) and all(torch.equal(got[n], t) for n, t in expected.items())

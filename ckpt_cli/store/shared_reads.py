@@ -8,12 +8,13 @@ tensor from another object than the one before (one GET per tensor), and an FSDP
 tensor in turn, read by each output file between the other ranks' (one GET per tensor and rank). Here the runs of
 every file are known before the write: the runs of each object, in offset order, are joined into spans of about
 PIECE_BYTES (gaps under GAP_BYTES; a span grows while under PIECE_BYTES, to at most twice that) when the files read
-them at about the same time (a run longer than 2 PIECE_BYTES stays alone and streams in pieces): by the time model of a write
-whose `workers` threads take files in order, file k's run at byte `pos` of its data is read at about
+them at about the same time (a run longer than 2 PIECE_BYTES stays alone and streams in pieces). The time model: a
+write's `workers` threads take the files in order, so file k's run at byte `pos` of its data is read at about
 (k // workers) * F + pos, F the mean bytes a file reads, and a span's runs must lie within F of one another. A span
-is fetched by the first file to need it (AHEAD spans ahead of each file's position) and dropped once its last run was
-taken; a span kept for a file still to come counts against HOLD_BYTES, past which it is dropped and that file fetches
-its run alone (memory stays bounded whatever the files' real pace).
+is fetched by the first file to need it (AHEAD spans ahead of each file's position) and let go once its last run was
+taken. The spans fetched and still wanted stay under LIVE_BYTES: a file that would pass it fetches its run alone, and
+the files to come theirs (memory stays bounded whatever the files' real pace or the checkpoint's width: an FSDP
+save of 64 ranks read into one hf shard would keep a span of every rank file otherwise).
 
 A file whose runs at write time are not those announced (a segment the store copies instead) gives its runs back at
 once, and a file read out of its announced order gives back the rest (`close`).
@@ -29,18 +30,18 @@ from ckpt_cli.errors import DataError
 from ckpt_cli.store.location import location
 from ckpt_cli.store.prefetch import AHEAD, GAP_BYTES, PIECE_BYTES, ByteRun, Fetched, _fetch, stream
 
-HOLD_BYTES = 128 << 20  # fetched bytes kept for files still to take their runs
+LIVE_BYTES = 256 << 20  # spans fetched and still wanted, at most: every file's reads ahead, and spans kept for files to come
 
 
 class _Span:
-    __slots__ = ("url", "start", "end", "left", "data", "fetched_by", "dropped", "streamed")
+    __slots__ = ("url", "start", "end", "left", "data", "fetched_by", "dropped", "streamed")  # fetched_by: for tests
 
     def __init__(self, url: str, start: int, end: int) -> None:
         self.url, self.start, self.end = url, start, end
         self.left = 0  # runs not taken yet
         self.data: Future[Fetched] | None = None
-        self.fetched_by = -1  # the file whose reader started the fetch (-2: held for the files to come)
-        self.dropped = False  # let go for want of room: the files to come fetch their own runs
+        self.fetched_by = -1  # the file whose reader started the fetch
+        self.dropped = False  # a run of it was fetched alone (no room): the files to come fetch theirs alone
         self.streamed = end - start > 2 * PIECE_BYTES  # a long run alone, streamed in pieces by the file that reads it
 
 
@@ -50,7 +51,7 @@ class SharedReads:
     def __init__(self, files: list[list[ByteRun]], workers: int) -> None:
         self.runs = files
         self.spans_of: list[list[_Span]] = [[] for _ in files]  # per file, the span of each of its runs
-        self.held = 0  # bytes of spans fetched, still wanted, whose fetching file is past them
+        self.live = 0  # bytes of the spans fetched and still wanted
         self.lock = threading.Lock()
         totals = [sum(n for _, _, n in runs) for runs in files]
         mean = max(1, sum(totals) // max(1, len(files)))
@@ -99,38 +100,37 @@ class SharedReads:
                 kept.append(i)
         reader = SharedReader(self, k, kept)
         for i in sorted(set(range(len(announced))) - set(kept)):
-            self._taken(k, self.spans_of[k][i], False)
+            self._taken(k, self.spans_of[k][i])
         if len(kept) < len(runs):
             reader.close()
             return None
         return reader
 
     def _want(self, k: int, span: _Span) -> Future[Fetched] | None:
-        """The span's bytes, its fetch started now if no file started it; None when it was let go for want of room, or
-        is a long run streamed in pieces (the caller then reads only its own run)."""
+        """The span's bytes, its fetch started now if no file started it; None when it is a long run streamed in pieces,
+        was let go, or would take the fetched spans past LIVE_BYTES (the caller then fetches its own run alone, and the
+        span is let go: no file fetches it whole after a run of it was read alone)."""
         with self.lock:
             if span.data is None and not span.dropped and not span.streamed:
+                if self.live + span.end - span.start > LIVE_BYTES:
+                    return None
                 span.data, span.fetched_by = _fetch(span.url, span.start, span.end), k
+                self.live += span.end - span.start
             return span.data
 
-    def _taken(self, k: int, span: _Span, last_in_file: bool) -> None:
-        """File k took one of the span's runs; `last_in_file`: it takes no more of them. The span's bytes are let go
-        when no file wants them, or kept for the files to come while HOLD_BYTES allows."""
+    def _alone(self, span: _Span) -> None:
+        """A run of the span was fetched alone: the files to come fetch theirs alone too."""
+        with self.lock:
+            if span.data is None:
+                span.dropped = True
+
+    def _taken(self, k: int, span: _Span) -> None:
+        """File k took (or gave back) one of the span's runs; its bytes are let go once no file wants them."""
         with self.lock:
             span.left -= 1
-            if span.data is None:
-                return
-            size = span.end - span.start
-            if span.left == 0:
-                if span.fetched_by == -2:  # counted as held
-                    self.held -= size
+            if span.left == 0 and span.data is not None:
                 span.data = None
-            elif last_in_file and span.fetched_by == k:  # its fetcher is done with it: held for the others
-                if self.held + size > HOLD_BYTES:
-                    span.data, span.dropped = None, True
-                else:
-                    self.held += size
-                    span.fetched_by = -2
+                self.live -= span.end - span.start
 
 
 class SharedReader:
@@ -141,7 +141,6 @@ class SharedReader:
         runs, spans = shared.runs[k], shared.spans_of[k]
         self.runs, self.spans = [runs[i] for i in kept], [spans[i] for i in kept]
         self.next = 0  # the index of the next run to take
-        self.last_use = {id(span): i for i, span in enumerate(self.spans)}  # the file's last run in each span
 
     def take(self, url: str, offset: int, nbytes: int) -> Iterator[memoryview] | None:
         if not nbytes:
@@ -163,11 +162,13 @@ class SharedReader:
                     yield memoryview(piece)
                 return
             wanted = self.shared._want(self.k, span)
+            if wanted is None:  # no room for the span: this run alone
+                self.shared._alone(span)
             future, base = (wanted, span.start) if wanted is not None else (_fetch(url, offset, offset + nbytes), offset)
-            data = future.result()  # None above: let go before this file came to it, so its own run alone
+            data = future.result()
             yield memoryview(data)[offset - base : offset - base + nbytes]
         finally:
-            self.shared._taken(self.k, span, self.last_use[id(span)] == i)
+            self.shared._taken(self.k, span)
 
     def _upcoming(self, i: int) -> list[_Span]:
         """The next AHEAD spans this file reads after run i (distinct from its own)."""
@@ -182,5 +183,5 @@ class SharedReader:
     def close(self) -> None:
         """Give back the runs not taken (read out of order, or not read at all)."""
         for i in range(self.next, len(self.runs)):
-            self.shared._taken(self.k, self.spans[i], self.last_use[id(self.spans[i])] == i)
+            self.shared._taken(self.k, self.spans[i])
         self.next = len(self.runs)
