@@ -34,13 +34,12 @@ LIVE_BYTES = 256 << 20  # spans fetched and still wanted, at most: every file's 
 
 
 class _Span:
-    __slots__ = ("url", "start", "end", "left", "data", "fetched_by", "dropped", "streamed")  # fetched_by: for tests
+    __slots__ = ("url", "start", "end", "left", "data", "dropped", "streamed")
 
     def __init__(self, url: str, start: int, end: int) -> None:
         self.url, self.start, self.end = url, start, end
         self.left = 0  # runs not taken yet
         self.data: Future[Fetched] | None = None
-        self.fetched_by = -1  # the file whose reader started the fetch
         self.dropped = False  # a run of it was fetched alone (no room): the files to come fetch theirs alone
         self.streamed = end - start > 2 * PIECE_BYTES  # a long run alone, streamed in pieces by the file that reads it
 
@@ -100,13 +99,13 @@ class SharedReads:
                 kept.append(i)
         reader = SharedReader(self, k, kept)
         for i in sorted(set(range(len(announced))) - set(kept)):
-            self._taken(k, self.spans_of[k][i])
+            self._taken(self.spans_of[k][i])
         if len(kept) < len(runs):
             reader.close()
             return None
         return reader
 
-    def _want(self, k: int, span: _Span) -> Future[Fetched] | None:
+    def _want(self, span: _Span) -> Future[Fetched] | None:
         """The span's bytes, its fetch started now if no file started it; None when it is a long run streamed in pieces,
         was let go, or would take the fetched spans past LIVE_BYTES (the caller then fetches its own run alone, and the
         span is let go: no file fetches it whole after a run of it was read alone)."""
@@ -114,7 +113,7 @@ class SharedReads:
             if span.data is None and not span.dropped and not span.streamed:
                 if self.live + span.end - span.start > LIVE_BYTES:
                     return None
-                span.data, span.fetched_by = _fetch(span.url, span.start, span.end), k
+                span.data = _fetch(span.url, span.start, span.end)
                 self.live += span.end - span.start
             return span.data
 
@@ -124,8 +123,8 @@ class SharedReads:
             if span.data is None:
                 span.dropped = True
 
-    def _taken(self, k: int, span: _Span) -> None:
-        """File k took (or gave back) one of the span's runs; its bytes are let go once no file wants them."""
+    def _taken(self, span: _Span) -> None:
+        """A file took (or gave back) one of the span's runs; its bytes are let go once no file wants them."""
         with self.lock:
             span.left -= 1
             if span.left == 0 and span.data is not None:
@@ -137,7 +136,7 @@ class SharedReader:
     """One output file's reads (Prefetch's interface): `take` serves the next announced run, or None for another."""
 
     def __init__(self, shared: SharedReads, k: int, kept: list[int]) -> None:
-        self.shared, self.k = shared, k
+        self.shared = shared
         runs, spans = shared.runs[k], shared.spans_of[k]
         self.runs, self.spans = [runs[i] for i in kept], [spans[i] for i in kept]
         self.next = 0  # the index of the next run to take
@@ -155,20 +154,20 @@ class SharedReader:
         url, offset, nbytes = self.runs[i]
         span = self.spans[i]
         for ahead in self._upcoming(i):
-            self.shared._want(self.k, ahead)
+            self.shared._want(ahead)
         try:
             if span.streamed:  # pieces of PIECE_BYTES, AHEAD in flight: never held whole
                 for piece in stream(url, offset, nbytes):
                     yield memoryview(piece)
                 return
-            wanted = self.shared._want(self.k, span)
+            wanted = self.shared._want(span)
             if wanted is None:  # no room for the span: this run alone
                 self.shared._alone(span)
             future, base = (wanted, span.start) if wanted is not None else (_fetch(url, offset, offset + nbytes), offset)
             data = future.result()
             yield memoryview(data)[offset - base : offset - base + nbytes]
         finally:
-            self.shared._taken(self.k, span)
+            self.shared._taken(span)
 
     def _upcoming(self, i: int) -> list[_Span]:
         """The next AHEAD spans this file reads after run i (distinct from its own)."""
@@ -183,5 +182,5 @@ class SharedReader:
     def close(self) -> None:
         """Give back the runs not taken (read out of order, or not read at all)."""
         for i in range(self.next, len(self.runs)):
-            self.shared._taken(self.k, self.spans[i])
+            self.shared._taken(self.spans[i])
         self.next = len(self.runs)
