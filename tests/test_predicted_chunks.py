@@ -100,3 +100,22 @@ def test_a_damaged_twin_is_refused_and_nothing_is_written(ckpt, s3, saved, tmp_p
     assert "fails its CRC32 check" in res.err, res.err
     assert s3.keys("twins/out-damaged") == [] and s3.uploads("twins/out-damaged") == []
     assert ckpt("convert", url, tmp_path / "hf", "--to", "hf").code == 1 and not (tmp_path / "hf").exists()
+
+
+def test_a_check_that_fails_unexpectedly_leaves_no_fetch_waiting():
+    """An error that is not the data's (a bug, an interrupt) gives the item back: a fetch waiting on it takes it over."""
+    from ckpt_cli.store import predicted
+
+    def broken(fetched: bytes, at: int) -> None:
+        raise RuntimeError("a bug in a check")
+
+    url = "s3://unit/predicted"
+    predicted.forget(url)
+    predicted.expect(url, 0, 100, 10, 90, broken)
+    mine, _ = predicted.claim(url, 10, 20)
+    again, theirs = predicted.claim(url, 10, 20)  # a second fetch meets it claimed
+    assert len(mine) == 1 and again == [] and len(theirs) == 1
+    with pytest.raises(RuntimeError):
+        predicted.settle(mine, b"x" * 100, 0)
+    assert predicted.wait(theirs) == theirs  # given back, not waited on for ever: the second fetch checks it itself
+    predicted.forget(url)

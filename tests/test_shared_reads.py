@@ -87,7 +87,7 @@ def test_with_no_room_to_hold_each_file_fetches_its_own_runs(ckpt, s3, interleav
 
 def test_spans_join_what_files_read_at_about_the_same_time(monkeypatch):
     """The time model: runs of one object join when the files read them within a file's mean time of each other."""
-    monkeypatch.setattr(shared_reads.SharedReads, "_sizes", staticmethod(lambda by_object: dict.fromkeys(by_object, 1 << 40)))
+    monkeypatch.setattr(shared_reads, "refuse_short", lambda runs: None)  # hand-made runs of no real object
     mib = 1 << 20
     run = lambda i: ("s3://b/o", i * (2 * mib + 4096), 2 * mib)  # noqa: E731  # chunk i of one object
     together = shared_reads.SharedReads([[run(0)], [run(1)]], workers=2)  # written at once
@@ -100,7 +100,7 @@ def test_spans_join_what_files_read_at_about_the_same_time(monkeypatch):
 
 
 def test_a_long_run_is_streamed_in_pieces_never_fetched_whole(monkeypatch):
-    monkeypatch.setattr(shared_reads.SharedReads, "_sizes", staticmethod(lambda by_object: dict.fromkeys(by_object, 1 << 40)))
+    monkeypatch.setattr(shared_reads, "refuse_short", lambda runs: None)  # hand-made runs of no real object
     asked: list[tuple[int, int]] = []
     monkeypatch.setattr(shared_reads, "_fetch", lambda url, a, b: asked.append((a, b)))
     monkeypatch.setattr(shared_reads, "stream", lambda url, offset, n: iter([b"x" * (n // 2), b"y" * (n - n // 2)]))

@@ -116,20 +116,27 @@ def claim(url: str, start: int, end: int) -> tuple[list[_Item], list[_Item]]:
 
 def settle(mine: list[_Item], data: bytes | None, base: int) -> None:
     """Check the claimed items on `data` (bytes of the object from `base`), or give them back unchecked (`data` None:
-    the fetch failed); raises the first check's error."""
+    the fetch failed); raises the first check's error. Every item is settled, whatever is raised: an item left
+    claimed would keep the fetches waiting for it waiting for ever (an error not of the data, or an interrupt, gives
+    this item and the rest back)."""
     first: BaseException | None = None
+    unexpected: BaseException | None = None
     for item in mine:
         state, error = PENDING, None
-        if data is not None:
+        if data is not None and unexpected is None:
             try:
                 item.check(data, item.start - base)
                 state = PASSED
             except DataError as exc:
                 state, error = FAILED, exc
                 first = first or exc
+            except BaseException as exc:
+                unexpected = exc
         with _changed:
             item.state, item.error = state, error
             _changed.notify_all()
+    if unexpected is not None:
+        raise unexpected
     if first is not None:
         raise first
 

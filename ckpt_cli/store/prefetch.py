@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -52,6 +52,16 @@ def stream(url: str, offset: int, nbytes: int) -> Iterator[Fetched]:
     finally:
         for future in pending:
             future.cancel()
+
+
+def refuse_short(runs: Iterable[ByteRun]) -> None:
+    """DataError naming the first object that ends before the runs' data (each object's size asked once)."""
+    ends: dict[str, int] = {}
+    for url, offset, nbytes in runs:
+        ends[url] = max(ends.get(url, 0), offset + nbytes)
+    for url, end in ends.items():
+        if end > location(url).stat().st_size:
+            raise DataError(f"{url}: truncated: the object ends before the data it should hold")
 
 
 @dataclass
@@ -100,9 +110,7 @@ class Prefetch:
         self.todo = deque(pieces(list(self.runs)))
         self.inflight: deque[_Piece] = deque()
         self.current: tuple[str, int, int, Fetched] | None = None
-        for url in {r[0] for r in self.runs}:
-            if max(o + n for u, o, n in self.runs if u == url) > location(url).stat().st_size:
-                raise DataError(f"{url}: truncated: the object ends before the data it should hold")
+        refuse_short(self.runs)
 
     def take(self, url: str, offset: int, nbytes: int) -> Iterator[memoryview] | None:
         if not nbytes:

@@ -26,9 +26,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 
-from ckpt_cli.errors import DataError
-from ckpt_cli.store.location import location
-from ckpt_cli.store.prefetch import AHEAD, GAP_BYTES, PIECE_BYTES, ByteRun, Fetched, _fetch, stream
+from ckpt_cli.store.prefetch import AHEAD, GAP_BYTES, PIECE_BYTES, ByteRun, Fetched, _fetch, refuse_short, stream
 
 LIVE_BYTES = 256 << 20  # spans fetched and still wanted, at most: every file's reads ahead, and spans kept for files to come
 
@@ -60,12 +58,10 @@ class SharedReads:
             for i, (url, offset, nbytes) in enumerate(runs):
                 by_object.setdefault(url, []).append((offset, nbytes, (k // max(1, workers)) * mean + pos, k, i))
                 pos += nbytes
+        refuse_short(run for runs in files for run in runs)
         where: dict[tuple[int, int], _Span] = {}  # (file, run) -> its span
-        sizes = self._sizes(by_object)
         for url, located in by_object.items():
             located.sort()
-            if located and located[-1][0] + located[-1][1] > sizes[url]:
-                raise DataError(f"{url}: truncated: the object ends before the data it should hold")
             span, first = None, 0
             for offset, nbytes, time, k, i in located:
                 joins = (
@@ -85,10 +81,6 @@ class SharedReads:
                 where[k, i] = span
         for k, runs in enumerate(files):
             self.spans_of[k] = [where[k, i] for i in range(len(runs))]
-
-    @staticmethod
-    def _sizes(by_object: dict[str, list[tuple[int, int, int, int, int]]]) -> dict[str, int]:
-        return {url: location(url).stat().st_size for url in by_object}
 
     def reader(self, k: int, runs: list[ByteRun]) -> SharedReader | None:
         """File k's reader of `runs`: the runs announced for it, but for those the store copies instead (given back

@@ -156,9 +156,7 @@ def _tensor_pieces(
         f, where = _range(files, info, fqn)
         if f.read(4) != zipio.ZIP_MAGIC:  # SerializationFormat.SAFETENSORS: an entry of the file's safetensors document
             pieces.append(Piece(files.box(offsets, sizes), files.blobs.chunk(f, where, info.offset, fqn, offsets, sizes, dtype)))
-            if twins is not None:
-                twins.learn(kind, info, None, {}, None)
-            continue
+            continue  # (its twins are then parsed too: only a torch.save archive is learnt)
         obj, records = load_archive(f, f"{where} ('{fqn}' at {info.offset})", options, info.offset, info.length)
         if not isinstance(obj, TensorRef):
             raise DataError(f"{where}: '{fqn}' chunk at offset {info.offset} does not hold a tensor")
@@ -308,6 +306,7 @@ class DCPReader:
             )
         meta = load_metadata(path / METADATA, options.trust_pickle, self.metadata_globals)
         storage = storage_index(path / METADATA, meta)
+        data_files = sorted({span[0] for span in storage.spans()})
         planner = meta.planner_data if isinstance(meta.planner_data, dict) else {}
         files, paths = _Files(path), dcp_chunks.Paths()
         tensors: dict[str, TensorEntry] = {}
@@ -316,7 +315,7 @@ class DCPReader:
         try:
             twins = None
             if not store.mappable(path) and not options.layout_only:
-                forget_predicted(files.where(relative) for relative in {span[0] for span in storage.spans()})
+                forget_predicted(files.where(relative) for relative in data_files)
                 if options.predicted_chunks and not options.pieces_when_read:
                     twins = Twins(shared_tensors(meta), storage)
                 prefetch_edges(files.open, [i for i in storage.values() if twins is None or not twins.is_twin(i)])
@@ -355,7 +354,6 @@ class DCPReader:
         finally:
             if not options.pieces_when_read:  # else closed with the checkpoint (_Files.__del__)
                 files.close()
-        data_files = sorted({info.relative_path for info in storage.values()})
         sizes = {f: files.sizes[f] if f in files.sizes else _stat_size(path / f) for f in data_files}
         if options.layout_only:  # inspect: the sizes it shows tell a truncated file (verify says more, per tensor)
             _refuse_short(path, storage, sizes)

@@ -56,7 +56,7 @@ class Twins:
     """The chunks of one read that are laid out from a parsed twin."""
 
     def __init__(self, meta_tensors: dict[str, Any], storage: StorageIndex) -> None:
-        self.parsed: dict[Kind, _Parsed | None] = {}  # None: the first of its kind is no torch.save archive
+        self.parsed: dict[Kind, _Parsed] = {}  # the first of each kind, once parsed as a torch.save archive
         self.first: dict[Kind, tuple[str, int]] = {}  # (file, offset) of the first chunk of each kind
         self.twins: set[tuple[str, int]] = set()  # the chunks laid out from their first
         for fqn, item in meta_tensors.items():
@@ -73,13 +73,9 @@ class Twins:
         """Whether the chunk is laid out from the first of its kind (its headers are not fetched)."""
         return (info.relative_path, info.offset) in self.twins
 
-    def learn(self, kind: Kind, info: StorageInfoRec, ref: Any, records: dict[str, zipio.Record], pickle: bytes | None) -> None:
-        """The chunk as the reader parsed it (`pickle` None: not a torch.save archive); kept when it is the first of its
-        kind."""
+    def learn(self, kind: Kind, info: StorageInfoRec, ref: Any, records: dict[str, zipio.Record], pickle: bytes) -> None:
+        """The chunk as the reader parsed it from its torch.save archive; kept when it is the first of its kind."""
         if self.first.get(kind) != (info.relative_path, info.offset):
-            return
-        if pickle is None:
-            self.parsed[kind] = None
             return
         layout = {name: (rec.data_offset - info.offset, rec.size) for name, rec in records.items()}
         self.parsed[kind] = _Parsed(info.offset, info.length, ref, records, layout, pickle)
